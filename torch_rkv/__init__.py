@@ -1,0 +1,35 @@
+"""torch_rkv: RoPE-aware low-bit KV-cache quantization as torch.library custom ops.
+
+Importing the package loads the compiled kernels (torch.ops.rkv.*), then the Python side of each op
+(fake kernels for torch.compile, wrappers with docstrings), then the public API.
+"""
+
+import torch
+
+from . import _C  # noqa: F401  (loads the kernels: TORCH_LIBRARY(rkv) + CPU/CUDA impls)
+from . import ops  # noqa: F401  (fake kernels)
+from .ops.hadamard import hadamard, hadamard_signs
+from .ops.pack import pack, unpack
+from .ops.quant import Quantized, dequantize, quantize
+from .ops.rope import rope, rope_tables
+
+__version__ = "0.1.0"
+
+
+def has_kernel(op: str, device_type: str) -> bool:
+    """Whether rkv::<op> has a kernel compiled for device_type ("cpu" or "cuda")."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"rkv::{op}", device_type.upper())
+
+
+__all__ = [
+    "Quantized",
+    "dequantize",
+    "hadamard",
+    "hadamard_signs",
+    "has_kernel",
+    "pack",
+    "quantize",
+    "rope",
+    "rope_tables",
+    "unpack",
+]

@@ -1,0 +1,51 @@
+// Argument checks and shapes shared by the CPU and CUDA kernels (host code only).
+//
+// Every message starts with "rkv.<op>:" and names the argument at fault. The Python fake kernels in
+// torch_rkv/ops/ raise the same messages when an op is traced instead of run.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+
+#include "rkv/macros.h"
+
+#define RKV_CHECK_VALUE(cond, op, ...) TORCH_CHECK_VALUE(cond, "rkv." op ": ", __VA_ARGS__)
+#define RKV_CHECK_TYPE(cond, op, ...) TORCH_CHECK_TYPE(cond, "rkv." op ": ", __VA_ARGS__)
+
+namespace rkv {
+
+// Quantized tensor geometry: x has shape (*lead, tokens, dim); one group is a tile of block_tokens
+// tokens x group_size channels; codes are packed along dim.
+struct QuantGeometry {
+  int64_t lead = 1;
+  int64_t tokens = 0;
+  int64_t dim = 0;
+  int64_t block_tokens = 1;
+  int64_t group_size = 1;
+  int bits = 8;
+  RKV_HD int64_t row_bytes() const { return dim * bits / 8; }
+  RKV_HD int64_t blocks() const { return tokens / block_tokens; }
+  RKV_HD int64_t groups() const { return dim / group_size; }
+};
+
+void check_bits(const char* op, const char* arg, int64_t bits);
+void check_float_input(const char* op, const char* arg, const at::Tensor& t);
+void check_meta_dtype(const char* op, const char* arg, at::ScalarType dtype);
+void check_same_device(const char* op, const at::Tensor& ref, const char* arg, const at::Tensor& t);
+void check_row_packable(const char* op, const char* arg, int64_t dim, int64_t bits);
+
+QuantGeometry check_quantize(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t block_tokens,
+                             bool symmetric, at::ScalarType meta_dtype);
+QuantGeometry check_dequantize(const at::Tensor& packed, const at::Tensor& scale,
+                               const std::optional<at::Tensor>& zero, int64_t bits, at::ScalarType out_dtype);
+void check_pack(const at::Tensor& codes, int64_t bits);
+void check_unpack(const at::Tensor& packed, int64_t bits);
+void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions);
+void check_hadamard(const at::Tensor& x, const std::optional<at::Tensor>& signs);
+
+// Rope positions broadcast to x.shape[:-1], flattened to one int64 per row of x.
+at::Tensor rope_row_positions(const at::Tensor& x, const at::Tensor& positions);
+
+}  // namespace rkv

@@ -1,0 +1,150 @@
+// CPU quantization of one block-row: block_tokens token rows x dim channels, one (scale, zero) per
+// group of group_size channels. Used by rkv::quantize and by the cache append, so a block quantized
+// when a cache fills it is bit-identical to quantizing the same tokens with rkv::quantize.
+#pragma once
+
+#include <cstring>
+#include <vector>
+
+#include "rkv/pack.h"
+#include "rkv/quant.h"
+
+namespace rkv::cpu {
+
+// Fast whole-row pack for the CPU; same bytes as pack_byte (the layout spec) for every width.
+inline void pack_row(const uint8_t* __restrict codes, int64_t dim, int bits, uint8_t* __restrict out) {
+  switch (bits) {
+    case 8:
+      std::memcpy(out, codes, dim);
+      break;
+    case 4:
+#pragma omp simd
+      for (int64_t k = 0; k < dim / 2; ++k) out[k] = static_cast<uint8_t>(codes[2 * k] | (codes[2 * k + 1] << 4));
+      break;
+    case 2:
+#pragma omp simd
+      for (int64_t k = 0; k < dim / 4; ++k)
+        out[k] = static_cast<uint8_t>(codes[4 * k] | (codes[4 * k + 1] << 2) | (codes[4 * k + 2] << 4) |
+                                      (codes[4 * k + 3] << 6));
+      break;
+    default:  // 3 bits: 8 codes -> 3 bytes
+      for (int64_t w = 0; w < dim / 8; ++w) {
+        const uint8_t* c = codes + 8 * w;
+        uint32_t v = 0;
+        for (int j = 0; j < 8; ++j) v |= static_cast<uint32_t>(c[j]) << (3 * j);
+        out[3 * w] = static_cast<uint8_t>(v);
+        out[3 * w + 1] = static_cast<uint8_t>(v >> 8);
+        out[3 * w + 2] = static_cast<uint8_t>(v >> 16);
+      }
+  }
+}
+
+// Fast whole-row unpack; same codes as unpack_code.
+inline void unpack_row(const uint8_t* __restrict row, int64_t dim, int bits, uint8_t* __restrict codes) {
+  switch (bits) {
+    case 8:
+      std::memcpy(codes, row, dim);
+      break;
+    case 4:
+#pragma omp simd
+      for (int64_t k = 0; k < dim / 2; ++k) {
+        codes[2 * k] = row[k] & 0xf;
+        codes[2 * k + 1] = row[k] >> 4;
+      }
+      break;
+    case 2:
+#pragma omp simd
+      for (int64_t k = 0; k < dim / 4; ++k) {
+        codes[4 * k] = row[k] & 3;
+        codes[4 * k + 1] = (row[k] >> 2) & 3;
+        codes[4 * k + 2] = (row[k] >> 4) & 3;
+        codes[4 * k + 3] = row[k] >> 6;
+      }
+      break;
+    default:
+      for (int64_t w = 0; w < dim / 8; ++w) {
+        const uint32_t v = row[3 * w] | (row[3 * w + 1] << 8) | (row[3 * w + 2] << 16);
+        for (int j = 0; j < 8; ++j) codes[8 * w + j] = (v >> (3 * j)) & 7;
+      }
+  }
+}
+
+// Per-thread scratch for quantize_block_row.
+struct BlockScratch {
+  std::vector<float> lo, hi, scale, zero;
+  std::vector<uint8_t> codes;
+  BlockScratch(int64_t groups, int64_t dim) : lo(groups), hi(groups), scale(groups), zero(groups), codes(dim) {}
+};
+
+// src_row(t) -> const scalar_t* (dim values of token t of the block); dst_row(t) -> uint8_t* (its
+// packed row). Writes groups = dim / group_size scales (and zeros unless symmetric).
+template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
+void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, int64_t dim, int64_t group_size,
+                        int bits, bool symmetric, meta_t* scale_out, meta_t* zero_out, BlockScratch& s) {
+  const int64_t groups = dim / group_size;
+  float* lo = s.lo.data();
+  float* hi = s.hi.data();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    lo[gi] = INFINITY;
+    hi[gi] = -INFINITY;
+  }
+  // 1. min / max of the finite values of each tile.
+  for (int64_t t = 0; t < block_tokens; ++t) {
+    const scalar_t* x = src_row(t);
+    if (group_size == 1) {
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c) {
+        const float v = static_cast<float>(x[c]);
+        const bool fin = is_finite(v);
+        lo[c] = (fin && v < lo[c]) ? v : lo[c];
+        hi[c] = (fin && v > hi[c]) ? v : hi[c];
+      }
+    } else {
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const scalar_t* xg = x + gi * group_size;
+        float l = lo[gi], h = hi[gi];
+#pragma omp simd reduction(min : l) reduction(max : h)
+        for (int64_t c = 0; c < group_size; ++c) {
+          const float v = static_cast<float>(xg[c]);
+          const bool fin = is_finite(v);
+          l = (fin && v < l) ? v : l;
+          h = (fin && v > h) ? v : h;
+        }
+        lo[gi] = l;
+        hi[gi] = h;
+      }
+    }
+  }
+  // 2. group parameters, stored in the metadata dtype (exactly representable by construction).
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const QParams p = make_qparams<meta_t>(lo[gi], hi[gi], bits, symmetric);
+    s.scale[gi] = p.scale;
+    s.zero[gi] = p.zero;
+    scale_out[gi] = static_cast<meta_t>(p.scale);
+    if (!symmetric) zero_out[gi] = static_cast<meta_t>(p.zero);
+  }
+  // 3. codes, one packed row per token.
+  uint8_t* codes = s.codes.data();
+  const float* sc = s.scale.data();
+  const float* zp = s.zero.data();
+  for (int64_t t = 0; t < block_tokens; ++t) {
+    const scalar_t* x = src_row(t);
+    if (group_size == 1) {
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c)
+        codes[c] = static_cast<uint8_t>(encode(static_cast<float>(x[c]), QParams{sc[c], zp[c]}, bits, symmetric));
+    } else {
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const QParams p{sc[gi], zp[gi]};
+        const scalar_t* xg = x + gi * group_size;
+        uint8_t* cg = codes + gi * group_size;
+#pragma omp simd
+        for (int64_t c = 0; c < group_size; ++c)
+          cg[c] = static_cast<uint8_t>(encode(static_cast<float>(xg[c]), p, bits, symmetric));
+      }
+    }
+    pack_row(codes, dim, bits, dst_row(t));
+  }
+}
+
+}  // namespace rkv::cpu

@@ -1,0 +1,107 @@
+// CPU kernels of rkv::quantize and rkv::dequantize.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "../dispatch.h"
+#include "block_quant.h"
+
+namespace rkv::cpu {
+namespace {
+
+std::vector<int64_t> meta_shape(const at::Tensor& x, const QuantGeometry& g) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape[shape.size() - 2] = g.blocks();
+  shape[shape.size() - 1] = g.groups();
+  return shape;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t bits, int64_t group_size,
+                                                           int64_t block_tokens, bool symmetric,
+                                                           at::ScalarType meta_dtype) {
+  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype);
+  const at::Tensor x = x_in.contiguous();
+  std::vector<int64_t> packed_shape(x.sizes().begin(), x.sizes().end());
+  packed_shape.back() = g.row_bytes();
+  at::Tensor packed = at::empty(packed_shape, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty(meta_shape(x, g), x.options().dtype(meta_dtype));
+  at::Tensor zero = symmetric ? at::empty({0}, x.options().dtype(meta_dtype))
+                              : at::empty(meta_shape(x, g), x.options().dtype(meta_dtype));
+  const int64_t block_rows = g.lead * g.blocks();
+  if (block_rows == 0 || g.dim == 0) return {packed, scale, zero};
+
+  RKV_DISPATCH_FLOAT(x.scalar_type(), "rkv.quantize", scalar_t, [&] {
+    RKV_DISPATCH_FLOAT(meta_dtype, "rkv.quantize", meta_t, [&] {
+      const scalar_t* xp = x.const_data_ptr<scalar_t>();
+      uint8_t* pp = packed.mutable_data_ptr<uint8_t>();
+      meta_t* sp = scale.mutable_data_ptr<meta_t>();
+      meta_t* zp = symmetric ? nullptr : zero.mutable_data_ptr<meta_t>();
+      const int64_t rb = g.row_bytes(), ng = g.groups(), T = g.block_tokens;
+      at::parallel_for(0, block_rows, 1, [&](int64_t begin, int64_t end) {
+        BlockScratch scratch(ng, g.dim);
+        for (int64_t br = begin; br < end; ++br) {
+          const int64_t row0 = br * T;  // first token row of this block, over all lead dims
+          quantize_block_row<scalar_t, meta_t>(
+              [&](int64_t t) { return xp + (row0 + t) * g.dim; }, [&](int64_t t) { return pp + (row0 + t) * rb; },
+              T, g.dim, g.group_size, g.bits, symmetric, sp + br * ng, zp ? zp + br * ng : nullptr, scratch);
+        }
+      });
+    });
+  });
+  return {packed, scale, zero};
+}
+
+template <typename out_t, typename meta_t>
+void dequantize_kernel(const uint8_t* pp, const meta_t* sp, const meta_t* zp, out_t* op, const QuantGeometry& g) {
+  const int64_t rows = g.lead * g.tokens, rb = g.row_bytes(), ng = g.groups(), G = g.group_size;
+  const bool symmetric = zp == nullptr;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> codes(g.dim);
+    std::vector<float> s(g.dim), z(g.dim, 0.0f);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t block_row = (r / g.tokens) * g.blocks() + (r % g.tokens) / g.block_tokens;
+      for (int64_t c = 0; c < g.dim; ++c) {  // per-channel parameters keep the hot loop uniform
+        s[c] = static_cast<float>(sp[block_row * ng + c / G]);
+        if (!symmetric) z[c] = static_cast<float>(zp[block_row * ng + c / G]);
+      }
+      unpack_row(pp + r * rb, g.dim, g.bits, codes.data());
+      out_t* o = op + r * g.dim;
+      const uint8_t* cd = codes.data();
+      const float* sd = s.data();
+      const float* zd = z.data();
+#pragma omp simd
+      for (int64_t c = 0; c < g.dim; ++c)
+        o[c] = static_cast<out_t>(decode(cd[c], QParams{sd[c], zd[c]}, g.bits, symmetric));
+    }
+  });
+}
+
+at::Tensor dequantize_cpu(const at::Tensor& packed_in, const at::Tensor& scale_in,
+                          const std::optional<at::Tensor>& zero_in, int64_t bits, at::ScalarType out_dtype) {
+  const QuantGeometry g = check_dequantize(packed_in, scale_in, zero_in, bits, out_dtype);
+  const at::Tensor packed = packed_in.contiguous();
+  const at::Tensor scale = scale_in.contiguous();
+  const at::Tensor zero = zero_in.has_value() ? zero_in->contiguous() : at::Tensor();
+  std::vector<int64_t> out_shape(packed.sizes().begin(), packed.sizes().end());
+  out_shape.back() = g.dim;
+  at::Tensor out = at::empty(out_shape, packed.options().dtype(out_dtype));
+  if (g.lead * g.tokens == 0 || g.dim == 0) return out;
+  RKV_DISPATCH_FLOAT(out_dtype, "rkv.dequantize", out_t, [&] {
+    RKV_DISPATCH_FLOAT(scale.scalar_type(), "rkv.dequantize", meta_t, [&] {
+      dequantize_kernel<out_t, meta_t>(packed.const_data_ptr<uint8_t>(), scale.const_data_ptr<meta_t>(),
+                                       zero.defined() ? zero.const_data_ptr<meta_t>() : nullptr,
+                                       out.mutable_data_ptr<out_t>(), g);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rkv, CPU, m) {
+  m.impl("quantize", &quantize_cpu);
+  m.impl("dequantize", &dequantize_cpu);
+}
+
+}  // namespace rkv::cpu

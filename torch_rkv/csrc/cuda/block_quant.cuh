@@ -1,0 +1,67 @@
+// CUDA quantization of one block-row (block_tokens rows x dim channels) by one thread block: the same
+// arithmetic as cpu/block_quant.h (include/rkv/quant.h), used by rkv::quantize and the cache append.
+#pragma once
+
+#include "common.cuh"
+#include "rkv/pack.h"
+#include "rkv/quant.h"
+
+namespace rkv::cuda {
+
+// Code i of one token row, computed from its group's stored parameters.
+template <typename scalar_t, typename meta_t>
+struct EncodeAt {
+  const scalar_t* x;
+  const meta_t* scale;
+  const meta_t* zero;  // nullptr: symmetric
+  int64_t group_size;
+  int bits;
+  __device__ uint32_t operator()(int64_t i) const {
+    const int64_t gi = i / group_size;
+    const QParams p{static_cast<float>(scale[gi]), zero ? static_cast<float>(zero[gi]) : 0.0f};
+    return encode(static_cast<float>(x[i]), p, bits, zero == nullptr);
+  }
+};
+
+// src_row(t) -> const scalar_t* of token t of the block; dst_row(t) -> its packed row. Must be called
+// by every thread of the block (it synchronizes). Parameters go to scale_out / zero_out first and are
+// read back from there, so no shared memory is needed whatever dim is.
+template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
+__device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row, int64_t block_tokens, int64_t dim,
+                                   int64_t group_size, int bits, bool symmetric, meta_t* scale_out,
+                                   meta_t* zero_out) {
+  const int64_t groups = dim / group_size;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (group_size == 1) {
+    // per-channel: one thread per channel walks the block's tokens (coalesced across threads)
+    for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
+      Range r;
+      for (int64_t t = 0; t < block_tokens; ++t) r.add(static_cast<float>(src_row(t)[c]));
+      const QParams p = make_qparams<meta_t>(r.lo, r.hi, bits, symmetric);
+      scale_out[c] = static_cast<meta_t>(p.scale);
+      if (!symmetric) zero_out[c] = static_cast<meta_t>(p.zero);
+    }
+  } else {
+    // one warp per group, lanes over its block_tokens x group_size elements
+    for (int64_t gi = warp; gi < groups; gi += warps) {
+      Range r;
+      for (int64_t e = lane; e < block_tokens * group_size; e += 32)
+        r.add(static_cast<float>(src_row(e / group_size)[gi * group_size + e % group_size]));
+      const float lo = warp_min(r.lo), hi = warp_max(r.hi);
+      if (lane == 0) {
+        const QParams p = make_qparams<meta_t>(lo, hi, bits, symmetric);
+        scale_out[gi] = static_cast<meta_t>(p.scale);
+        if (!symmetric) zero_out[gi] = static_cast<meta_t>(p.zero);
+      }
+    }
+  }
+  __syncthreads();  // parameters visible to the whole block
+  const int64_t row_bytes = dim * bits / 8;
+  for (int64_t t = 0; t < block_tokens; ++t) {
+    const EncodeAt<scalar_t, meta_t> code_at{src_row(t), scale_out, symmetric ? nullptr : zero_out, group_size, bits};
+    uint8_t* out = dst_row(t);
+    for (int64_t k = threadIdx.x; k < row_bytes; k += blockDim.x) out[k] = pack_byte_from(code_at, k, bits);
+  }
+}
+
+}  // namespace rkv::cuda

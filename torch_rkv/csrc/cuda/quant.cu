@@ -1,0 +1,111 @@
+// CUDA kernels of rkv::quantize and rkv::dequantize.
+#include "block_quant.cuh"
+
+namespace rkv::cuda {
+namespace {
+
+template <typename scalar_t>
+struct TokenRows {
+  const scalar_t* base;
+  int64_t dim;
+  __device__ const scalar_t* operator()(int64_t t) const { return base + t * dim; }
+};
+
+struct PackedRows {
+  uint8_t* base;
+  int64_t row_bytes;
+  __device__ uint8_t* operator()(int64_t t) const { return base + t * row_bytes; }
+};
+
+template <typename scalar_t, typename meta_t>
+__global__ void quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ packed, meta_t* scale,
+                                meta_t* zero, QuantGeometry g, bool symmetric) {
+  const int64_t block_rows = g.lead * g.blocks(), ng = g.groups();
+  for (int64_t br = blockIdx.x; br < block_rows; br += gridDim.x) {
+    const int64_t row0 = br * g.block_tokens;
+    quantize_block_row<scalar_t, meta_t>(TokenRows<scalar_t>{x + row0 * g.dim, g.dim},
+                                         PackedRows{packed + row0 * g.row_bytes(), g.row_bytes()}, g.block_tokens,
+                                         g.dim, g.group_size, g.bits, symmetric, scale + br * ng,
+                                         symmetric ? nullptr : zero + br * ng);
+  }
+}
+
+template <typename out_t, typename meta_t>
+__global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const meta_t* __restrict__ scale,
+                                  const meta_t* __restrict__ zero, out_t* __restrict__ out, QuantGeometry g) {
+  const int64_t n = g.lead * g.tokens * g.dim, rb = g.row_bytes(), ng = g.groups();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / g.dim, c = i % g.dim;
+    const int64_t block_row = (r / g.tokens) * g.blocks() + (r % g.tokens) / g.block_tokens;
+    const int64_t m = block_row * ng + c / g.group_size;
+    const QParams p{static_cast<float>(scale[m]), zero ? static_cast<float>(zero[m]) : 0.0f};
+    out[i] = static_cast<out_t>(decode(unpack_code(packed + r * rb, c, g.bits), p, g.bits, zero == nullptr));
+  }
+}
+
+std::vector<int64_t> meta_shape(const at::Tensor& x, const QuantGeometry& g) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape[shape.size() - 2] = g.blocks();
+  shape[shape.size() - 1] = g.groups();
+  return shape;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t bits, int64_t group_size,
+                                                            int64_t block_tokens, bool symmetric,
+                                                            at::ScalarType meta_dtype) {
+  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  std::vector<int64_t> packed_shape(x.sizes().begin(), x.sizes().end());
+  packed_shape.back() = g.row_bytes();
+  at::Tensor packed = at::empty(packed_shape, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty(meta_shape(x, g), x.options().dtype(meta_dtype));
+  at::Tensor zero = symmetric ? at::empty({0}, x.options().dtype(meta_dtype))
+                              : at::empty(meta_shape(x, g), x.options().dtype(meta_dtype));
+  const int64_t block_rows = g.lead * g.blocks();
+  if (block_rows == 0 || g.dim == 0) return {packed, scale, zero};
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  RKV_DISPATCH_FLOAT(x.scalar_type(), "rkv.quantize", scalar_t, [&] {
+    RKV_DISPATCH_FLOAT(meta_dtype, "rkv.quantize", meta_t, [&] {
+      quantize_kernel<scalar_t, meta_t><<<grid_for(block_rows, 1), 128, 0, stream>>>(
+          x.const_data_ptr<scalar_t>(), packed.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr<meta_t>(),
+          symmetric ? nullptr : zero.mutable_data_ptr<meta_t>(), g, symmetric);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return {packed, scale, zero};
+}
+
+at::Tensor dequantize_cuda(const at::Tensor& packed_in, const at::Tensor& scale_in,
+                           const std::optional<at::Tensor>& zero_in, int64_t bits, at::ScalarType out_dtype) {
+  const QuantGeometry g = check_dequantize(packed_in, scale_in, zero_in, bits, out_dtype);
+  const c10::cuda::CUDAGuard guard(packed_in.device());
+  const at::Tensor packed = packed_in.contiguous();
+  const at::Tensor scale = scale_in.contiguous();
+  const at::Tensor zero = zero_in.has_value() ? zero_in->contiguous() : at::Tensor();
+  std::vector<int64_t> out_shape(packed.sizes().begin(), packed.sizes().end());
+  out_shape.back() = g.dim;
+  at::Tensor out = at::empty(out_shape, packed.options().dtype(out_dtype));
+  const int64_t n = g.lead * g.tokens * g.dim;
+  if (n == 0) return out;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  RKV_DISPATCH_FLOAT(out_dtype, "rkv.dequantize", out_t, [&] {
+    RKV_DISPATCH_FLOAT(scale.scalar_type(), "rkv.dequantize", meta_t, [&] {
+      dequantize_kernel<out_t, meta_t><<<grid_for(n), kThreads, 0, stream>>>(
+          packed.const_data_ptr<uint8_t>(), scale.const_data_ptr<meta_t>(),
+          zero.defined() ? zero.const_data_ptr<meta_t>() : nullptr, out.mutable_data_ptr<out_t>(), g);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rkv, CUDA, m) {
+  m.impl("quantize", &quantize_cuda);
+  m.impl("dequantize", &dequantize_cuda);
+}
+
+}  // namespace rkv::cuda

@@ -1,0 +1,130 @@
+// Per-element quantization math: group parameters, encode, decode.
+//
+// A group is a tile of `block_tokens` tokens x `group_size` channels that shares one scale (and one
+// zero for asymmetric quantization). The spec is torch_rkv/reference.py (quantize / dequantize); this
+// header is its arithmetic, shared by the CPU and CUDA kernels and bit-exact with the reference.
+//
+// Asymmetric:  zero  = min rounded DOWN to the metadata dtype,
+//              scale = (max - zero) / (2^b - 1) rounded UP to the metadata dtype,
+//              code  = clamp(rint((x - zero) / scale), 0, 2^b - 1),  x_hat = code * scale + zero.
+// Symmetric:   scale = max|x| / (2^(b-1) - 1) rounded UP,  code = clamp(rint(x / scale), -q, q) + 2^(b-1),
+//              x_hat = (code - 2^(b-1)) * scale.
+// Rounding the metadata outward (instead of to nearest) keeps every finite input inside the grid the
+// stored fp16 scale describes, so |x - x_hat| <= scale / 2 holds for the *stored* scale.
+//
+// Non-finite inputs never poison their group: min/max are taken over finite values only, +-Inf
+// saturate to the ends of the grid and NaN is stored as 0 (or the grid value nearest 0). Values
+// beyond the metadata dtype's range (|x| > 65504 for fp16) saturate the same way.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "rkv/macros.h"
+
+namespace rkv {
+
+RKV_HD int levels(int bits) { return (1 << bits) - 1; }   // largest asymmetric code
+RKV_HD int sym_bias(int bits) { return 1 << (bits - 1); } // stored code of the value 0
+RKV_HD int sym_qmax(int bits) { return (1 << (bits - 1)) - 1; }
+
+RKV_HD bool is_finite(float x) { return fabsf(x) <= 3.402823466e38f; }  // false for NaN and +-Inf
+
+// Clamp of a value known not to be NaN; a select, so CPU loops vectorize (fminf is a libm call).
+RKV_HD float clamp_f(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// Largest finite value of each metadata dtype.
+template <typename M> struct MetaMax;
+template <> struct MetaMax<float> { static constexpr float value = 3.402823466e38f; };
+template <> struct MetaMax<c10::Half> { static constexpr float value = 65504.0f; };
+template <> struct MetaMax<c10::BFloat16> { static constexpr float value = 3.38953139e38f; };
+
+// Next representable 16-bit float (Half or BFloat16) toward +Inf (up) or -Inf (down).
+template <typename M>
+RKV_HD M next_toward(M h, bool up) {
+  uint16_t b = h.x;
+  const bool neg = (b & 0x8000u) != 0;
+  if ((b & 0x7fffu) == 0) {
+    b = up ? 0x0001u : 0x8001u;  // smallest subnormal of the right sign
+  } else if (neg == up) {
+    b = static_cast<uint16_t>(b - 1);  // toward zero
+  } else {
+    b = static_cast<uint16_t>(b + 1);  // away from zero
+  }
+  return M(b, M::from_bits());
+}
+
+// v rounded to metadata dtype M toward +Inf (up) or -Inf (down), returned as the exact float value,
+// saturated to M's finite range. v must be finite.
+template <typename M>
+RKV_HD float round_meta(double v, bool up) {
+  float f = static_cast<float>(v);
+  if (up ? static_cast<double>(f) < v : static_cast<double>(f) > v) {
+    f = nextafterf(f, up ? INFINITY : -INFINITY);
+  }
+  float r = f;
+  if constexpr (!std::is_same<M, float>::value) {
+    M h(f);
+    const float hf = static_cast<float>(h);
+    if (up ? hf < f : hf > f) h = next_toward(h, up);
+    r = static_cast<float>(h);
+  }
+  const float mx = MetaMax<M>::value;
+  return fminf(fmaxf(r, -mx), mx);
+}
+
+struct QParams {
+  float scale;
+  float zero;
+};
+
+// Group parameters from the min (lo) and max (hi) of the group's finite values. lo > hi (the
+// initial empty range) means the group had no finite value: scale 0, zero 0.
+template <typename M>
+RKV_HD QParams make_qparams(float lo, float hi, int bits, bool symmetric) {
+  if (!(lo <= hi)) return {0.0f, 0.0f};
+  if (symmetric) {
+    const float amax = fmaxf(fabsf(lo), fabsf(hi));
+    return {round_meta<M>(static_cast<double>(amax) / sym_qmax(bits), true), 0.0f};
+  }
+  const float zero = round_meta<M>(static_cast<double>(lo), false);
+  const double span = static_cast<double>(hi) - static_cast<double>(zero);
+  return {round_meta<M>(span / levels(bits), true), zero};
+}
+
+RKV_HD uint32_t encode(float x, QParams p, int bits, bool symmetric) {
+  if (x != x) x = 0.0f;  // NaN
+  if (symmetric) {
+    const float qm = static_cast<float>(sym_qmax(bits));
+    const float q = p.scale > 0.0f ? rintf(div_rn(x, p.scale)) : 0.0f;
+    return static_cast<uint32_t>(static_cast<int>(clamp_f(q, -qm, qm)) + sym_bias(bits));
+  }
+  const float q = p.scale > 0.0f ? rintf(div_rn(sub_rn(x, p.zero), p.scale)) : 0.0f;
+  return static_cast<uint32_t>(clamp_f(q, 0.0f, static_cast<float>(levels(bits))));
+}
+
+RKV_HD float decode(uint32_t code, QParams p, int bits, bool symmetric) {
+  if (symmetric) return mul_rn(static_cast<float>(static_cast<int>(code) - sym_bias(bits)), p.scale);
+  return add_rn(mul_rn(static_cast<float>(code), p.scale), p.zero);
+}
+
+// Running min/max over finite values; starts empty (lo > hi).
+struct Range {
+  float lo = INFINITY;
+  float hi = -INFINITY;
+  RKV_HD void add(float x) {
+    if (is_finite(x)) {
+      lo = fminf(lo, x);
+      hi = fmaxf(hi, x);
+    }
+  }
+  RKV_HD void merge(const Range& o) {
+    lo = fminf(lo, o.lo);
+    hi = fmaxf(hi, o.hi);
+  }
+};
+
+}  // namespace rkv

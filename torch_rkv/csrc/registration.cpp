@@ -1,0 +1,30 @@
+// The one schema block of the rkv library. Kernels register per backend in cpu/*.cpp and cuda/*.cu;
+// fake (meta) kernels, docstrings and Python wrappers live in torch_rkv/ops/. Semantics: reference.py.
+#include <Python.h>
+#include <torch/library.h>
+
+// `import torch_rkv._C` loads this shared object, which runs the static registrations below. The
+// module itself is empty; everything is reached through torch.ops.rkv.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(rkv, m) {
+  // x (*, N, D) float -> packed codes (*, N, D*bits/8) uint8, scale and zero (*, N/block_tokens,
+  // D/group_size) of meta_dtype. zero is empty (numel 0) when symmetric.
+  m.def(
+      "quantize(Tensor x, int bits, SymInt group_size, SymInt block_tokens, bool symmetric, "
+      "ScalarType meta_dtype) -> (Tensor packed, Tensor scale, Tensor zero)");
+  // Inverse of quantize; group size and block tokens are read off scale's shape. zero=None: symmetric.
+  m.def("dequantize(Tensor packed, Tensor scale, Tensor? zero, int bits, ScalarType out_dtype) -> Tensor");
+  // codes (*, D) uint8 < 2^bits -> (*, D*bits/8) uint8 in the docs/format.md bit layout.
+  m.def("pack(Tensor codes, int bits) -> Tensor");
+  // packed (*, B) uint8 -> codes (*, B*8/bits) uint8.
+  m.def("unpack(Tensor packed, int bits) -> Tensor");
+  // Rotary embedding of x (*, D) at positions (broadcast to x.shape[:-1]) from cos/sin tables
+  // (P, rot_dim/2); inverse=True undoes it.
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions, bool interleaved, bool inverse) -> Tensor");
+  // Orthonormal Walsh-Hadamard transform of x (*, D) along D, optionally with +-1 signs (D,).
+  m.def("hadamard(Tensor x, Tensor? signs, bool inverse) -> Tensor");
+}
