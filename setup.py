@@ -65,7 +65,9 @@ if mode == "1" and not can_cuda:
 with_cuda = can_cuda and mode != "0"
 
 sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
-cxx_flags = ["-O3", "-ffp-contract=off", "-fopenmp-simd", "-fvisibility=hidden"] + cpu_isa_flags()
+# -fopenmp: at::parallel_for is an inline template that is only parallel when the extension itself is
+# compiled with OpenMP (torch's own libgomp.so.1 is the one loaded at run time).
+cxx_flags = ["-O3", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden"] + cpu_isa_flags()
 extra = {"cxx": cxx_flags}
 if with_cuda:
     sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
@@ -73,6 +75,9 @@ if with_cuda:
     extra["nvcc"] = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DRKV_WITH_CUDA",
                      "-Xcompiler", "-ffp-contract=off"]
 Extension = CUDAExtension if with_cuda else CppExtension
+
+with open(os.path.join(ROOT, "torch_rkv", "_build_config.py"), "w") as f:  # read by tests/test_build.py
+    f.write(f"# written by setup.py\nTORCH = {torch.__version__!r}\nCUDA_MODE = {mode!r}\nCUDA_KERNELS = {with_cuda!r}\n")
 
 print(f"torch_rkv build: torch {torch.__version__}, CUDA kernels {'on' if with_cuda else 'off'}"
       f" (CUDA_HOME={cuda_home}, archs {os.environ['TORCH_CUDA_ARCH_LIST']}), cpu flags {cxx_flags}")
@@ -85,6 +90,7 @@ setup(
             sources,
             include_dirs=[os.path.join(ROOT, CSRC, "include"), os.path.join(ROOT, CSRC)],
             extra_compile_args=extra,
+            extra_link_args=["-fopenmp"],
         )
     ],
     cmdclass={"build_ext": BuildExtension},

@@ -47,7 +47,7 @@ def quantize(x: torch.Tensor, b: int, group_size, block_tokens, md: torch.dtype)
     bits("quantize", "bits", b)
     float_input("quantize", "x", x)
     meta_dtype("quantize", "meta_dtype", md)
-    value(x.dim() >= 2, "quantize", f"x must have at least 2 dims (..., tokens, dim), got shape {tuple(x.shape)}")
+    value(x.dim() >= 2, "quantize", f"x must have at least 2 dims (..., tokens, dim), got shape {list(x.shape)}")
     n, d = x.shape[-2], x.shape[-1]
     row_packable("quantize", "x", d, b)
     value(group_size >= 1 and d % group_size == 0, "quantize",
@@ -65,11 +65,11 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero, b: int, out_dtyp
     float_input(op, "scale", scale)
     meta_dtype(op, "out_dtype", out_dtype)
     same_device(op, packed, "scale", scale)
-    value(packed.dim() >= 2, op, f"packed must have at least 2 dims, got shape {tuple(packed.shape)}")
+    value(packed.dim() >= 2, op, f"packed must have at least 2 dims, got shape {list(packed.shape)}")
     value(scale.dim() == packed.dim(), op,
-          f"scale must have as many dims as packed ({packed.dim()}), got shape {tuple(scale.shape)}")
+          f"scale must have as many dims as packed ({packed.dim()}), got shape {list(scale.shape)}")
     value(scale.shape[:-2] == packed.shape[:-2], op,
-          f"the leading dims of scale {tuple(scale.shape)} must equal those of packed {tuple(packed.shape)}")
+          f"the leading dims of scale {list(scale.shape)} must equal those of packed {list(packed.shape)}")
     n = packed.shape[-2]
     value((packed.shape[-1] * 8) % b == 0, op,
           f"the last dim of packed ({packed.shape[-1]} bytes) does not hold a whole number of {b}-bit codes")
@@ -80,7 +80,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero, b: int, out_dtyp
           f"scale's token-block dim ({nb}) must divide the token dim of packed ({n})")
     if zero is not None:
         dtype(zero.dtype == scale.dtype, op, f"zero must have scale's dtype ({scale.dtype}), got {zero.dtype}")
-        value(zero.shape == scale.shape, op, f"zero must have scale's shape {tuple(scale.shape)}, got {tuple(zero.shape)}")
+        value(zero.shape == scale.shape, op, f"zero must have scale's shape {list(scale.shape)}, got {list(zero.shape)}")
         same_device(op, packed, "zero", zero)
     return d
 
@@ -110,15 +110,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch
     for arg, t in (("cos", cos), ("sin", sin), ("positions", positions)):
         same_device(op, x, arg, t)
     value(x.dim() >= 1, op, "x must have at least 1 dim")
-    value(cos.dim() == 2, op, f"cos must have shape (positions, rot_dim / 2), got {tuple(cos.shape)}")
-    value(sin.shape == cos.shape, op, f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    value(cos.dim() == 2, op, f"cos must have shape (positions, rot_dim / 2), got {list(cos.shape)}")
+    value(sin.shape == cos.shape, op, f"sin must have cos's shape {list(cos.shape)}, got {list(sin.shape)}")
     d = x.shape[-1]
     value(cos.shape[1] >= 1 and 2 * cos.shape[1] <= d, op,
           f"cos/sin have {cos.shape[1]} pairs per position, but x's last dim ({d}) holds at most {d // 2}")
-    rows = tuple(x.shape[:-1])
+    rows = list(x.shape[:-1])
     ok = positions.dim() <= len(rows) and all(
         p == r or p == 1 for p, r in zip(reversed(positions.shape), reversed(rows)))
-    value(ok, op, f"positions of shape {tuple(positions.shape)} must broadcast to x.shape[:-1] = {rows}")
+    value(ok, op, f"positions of shape {list(positions.shape)} must broadcast to x.shape[:-1] = {rows}")
 
 
 def hadamard(x: torch.Tensor, signs) -> None:
@@ -132,4 +132,4 @@ def hadamard(x: torch.Tensor, signs) -> None:
     if signs is not None:
         float_input(op, "signs", signs)
         same_device(op, x, "signs", signs)
-        value(signs.dim() == 1 and signs.shape[0] == d, op, f"signs must have shape ({d},), got {tuple(signs.shape)}")
+        value(signs.dim() == 1 and signs.shape[0] == d, op, f"signs must have shape ({d},), got {list(signs.shape)}")

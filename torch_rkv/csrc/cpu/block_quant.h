@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "convert.h"
 #include "rkv/pack.h"
 #include "rkv/quant.h"
 
@@ -71,9 +72,10 @@ inline void unpack_row(const uint8_t* __restrict row, int64_t dim, int bits, uin
 
 // Per-thread scratch for quantize_block_row.
 struct BlockScratch {
-  std::vector<float> lo, hi, scale, zero;
+  std::vector<float> x, lo, hi, scale, zero;
   std::vector<uint8_t> codes;
-  BlockScratch(int64_t groups, int64_t dim) : lo(groups), hi(groups), scale(groups), zero(groups), codes(dim) {}
+  BlockScratch(int64_t block_tokens, int64_t groups, int64_t dim)
+      : x(block_tokens * dim), lo(groups), hi(groups), scale(groups), zero(groups), codes(dim) {}
 };
 
 // src_row(t) -> const scalar_t* (dim values of token t of the block); dst_row(t) -> uint8_t* (its
@@ -82,6 +84,8 @@ template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
 void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, int64_t dim, int64_t group_size,
                         int bits, bool symmetric, meta_t* scale_out, meta_t* zero_out, BlockScratch& s) {
   const int64_t groups = dim / group_size;
+  float* xs = s.x.data();
+  for (int64_t t = 0; t < block_tokens; ++t) to_float(src_row(t), xs + t * dim, dim);
   float* lo = s.lo.data();
   float* hi = s.hi.data();
   for (int64_t gi = 0; gi < groups; ++gi) {
@@ -90,22 +94,22 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
   }
   // 1. min / max of the finite values of each tile.
   for (int64_t t = 0; t < block_tokens; ++t) {
-    const scalar_t* x = src_row(t);
+    const float* x = xs + t * dim;
     if (group_size == 1) {
 #pragma omp simd
       for (int64_t c = 0; c < dim; ++c) {
-        const float v = static_cast<float>(x[c]);
+        const float v = x[c];
         const bool fin = is_finite(v);
         lo[c] = (fin && v < lo[c]) ? v : lo[c];
         hi[c] = (fin && v > hi[c]) ? v : hi[c];
       }
     } else {
       for (int64_t gi = 0; gi < groups; ++gi) {
-        const scalar_t* xg = x + gi * group_size;
+        const float* xg = x + gi * group_size;
         float l = lo[gi], h = hi[gi];
 #pragma omp simd reduction(min : l) reduction(max : h)
         for (int64_t c = 0; c < group_size; ++c) {
-          const float v = static_cast<float>(xg[c]);
+          const float v = xg[c];
           const bool fin = is_finite(v);
           l = (fin && v < l) ? v : l;
           h = (fin && v > h) ? v : h;
@@ -128,22 +132,54 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
   const float* sc = s.scale.data();
   const float* zp = s.zero.data();
   for (int64_t t = 0; t < block_tokens; ++t) {
-    const scalar_t* x = src_row(t);
+    const float* x = xs + t * dim;
     if (group_size == 1) {
 #pragma omp simd
       for (int64_t c = 0; c < dim; ++c)
-        codes[c] = static_cast<uint8_t>(encode(static_cast<float>(x[c]), QParams{sc[c], zp[c]}, bits, symmetric));
+        codes[c] = static_cast<uint8_t>(encode(x[c], QParams{sc[c], zp[c]}, bits, symmetric));
     } else {
       for (int64_t gi = 0; gi < groups; ++gi) {
         const QParams p{sc[gi], zp[gi]};
-        const scalar_t* xg = x + gi * group_size;
+        const float* xg = x + gi * group_size;
         uint8_t* cg = codes + gi * group_size;
 #pragma omp simd
-        for (int64_t c = 0; c < group_size; ++c)
-          cg[c] = static_cast<uint8_t>(encode(static_cast<float>(xg[c]), p, bits, symmetric));
+        for (int64_t c = 0; c < group_size; ++c) cg[c] = static_cast<uint8_t>(encode(xg[c], p, bits, symmetric));
       }
     }
     pack_row(codes, dim, bits, dst_row(t));
+  }
+}
+
+// Dequantizes one block-row: block_tokens packed rows sharing groups = dim / group_size parameters.
+// dst_row(t) -> out_t* of token t. zero == nullptr: symmetric.
+template <typename out_t, typename meta_t, typename DstRow>
+void dequantize_block_row(const uint8_t* packed, const meta_t* scale, const meta_t* zero, DstRow dst_row,
+                          int64_t block_tokens, int64_t dim, int64_t group_size, int bits, BlockScratch& s) {
+  const int64_t groups = dim / group_size;
+  const bool symmetric = zero == nullptr;
+  to_float(scale, s.scale.data(), groups);
+  if (!symmetric) to_float(zero, s.zero.data(), groups);
+  const float* sc = s.scale.data();
+  const float* zp = s.zero.data();
+  uint8_t* codes = s.codes.data();
+  float* y = s.x.data();
+  const int64_t row_bytes = dim * bits / 8;
+  for (int64_t t = 0; t < block_tokens; ++t) {
+    unpack_row(packed + t * row_bytes, dim, bits, codes);
+    if (group_size == 1) {
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c)
+        y[c] = decode(codes[c], QParams{sc[c], symmetric ? 0.0f : zp[c]}, bits, symmetric);
+    } else {
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const QParams p{sc[gi], symmetric ? 0.0f : zp[gi]};
+        const uint8_t* cg = codes + gi * group_size;
+        float* yg = y + gi * group_size;
+#pragma omp simd
+        for (int64_t c = 0; c < group_size; ++c) yg[c] = decode(cg[c], p, bits, symmetric);
+      }
+    }
+    from_float(y, dst_row(t), dim);
   }
 }
 

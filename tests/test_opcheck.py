@@ -1,0 +1,74 @@
+"""torch.library.opcheck on every rkv op (schema, fake kernel vs real kernel, aot dispatch), and
+torch.compile(fullgraph=True) of functions chaining them."""
+
+import pytest
+import torch
+from conftest import DEVICES, noncontiguous
+
+import torch_rkv
+
+
+def samples(device):
+    """(op, args) pairs: contiguous, non-contiguous and empty inputs for every op."""
+    x = torch.randn(2, 3, 16, 64, device=device)
+    xh = x.half()
+    empty = torch.randn(0, 16, 64, device=device)
+    out = []
+    for bits, g, t, sym, meta in [(4, 64, 1, False, torch.float16), (3, 16, 1, True, torch.float32),
+                                  (2, 1, 8, False, torch.bfloat16), (8, 32, 4, False, torch.float16)]:
+        for inp in (x, noncontiguous(xh), empty):
+            out.append((torch.ops.rkv.quantize.default, (inp, bits, g, t, sym, meta)))
+        p, s, z = torch.ops.rkv.quantize(x, bits, g, t, sym, meta)
+        out.append((torch.ops.rkv.dequantize.default, (p, s, None if sym else z, bits, torch.float32)))
+        out.append((torch.ops.rkv.dequantize.default, (noncontiguous(p), s, None if sym else z, bits, torch.bfloat16)))
+        codes = torch.randint(0, 2**bits, (3, 5, 64), dtype=torch.uint8, device=device)
+        out.append((torch.ops.rkv.pack.default, (codes, bits)))
+        out.append((torch.ops.rkv.pack.default, (noncontiguous(codes), bits)))
+        out.append((torch.ops.rkv.unpack.default, (torch_rkv.pack(codes, bits), bits)))
+        out.append((torch.ops.rkv.unpack.default, (torch.empty(0, 5, 8 * bits, dtype=torch.uint8, device=device), bits)))
+    cos, sin = (t.to(device) for t in torch_rkv.rope_tables(64, 128, rot_dim=32))
+    for inter in (False, True):
+        out.append((torch.ops.rkv.rope.default, (x, cos, sin, torch.arange(16, device=device), inter, False)))
+        out.append((torch.ops.rkv.rope.default, (noncontiguous(xh), cos, sin, torch.arange(16, device=device), inter, True)))
+        out.append((torch.ops.rkv.rope.default, (empty, cos, sin, torch.arange(16, device=device), inter, False)))
+    signs = torch_rkv.hadamard_signs(64, device=device)
+    for inv in (False, True):
+        out.append((torch.ops.rkv.hadamard.default, (x, signs, inv)))
+        out.append((torch.ops.rkv.hadamard.default, (noncontiguous(xh), None, inv)))
+        out.append((torch.ops.rkv.hadamard.default, (empty, None, inv)))
+    return out
+
+
+OPS = ["quantize", "dequantize", "pack", "unpack", "rope", "hadamard"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck(device, name):
+    cases = [(op, args) for op, args in samples(device) if op.name().endswith(f"::{name}")]
+    assert cases
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+def chain(x, cos, sin, pos, signs):
+    """A pre-RoPE, Hadamard-rotated 4-bit round trip, as the cache and attention use the ops."""
+    pre = torch_rkv.rope(x, cos, sin, pos, inverse=True)
+    q = torch_rkv.quantize(torch_rkv.hadamard(pre, signs), 4, group_size=32)
+    back = torch_rkv.hadamard(torch_rkv.dequantize(q, x.dtype), signs, inverse=True)
+    codes = torch_rkv.unpack(q.packed, 4)
+    return torch_rkv.rope(back, cos, sin, pos), torch_rkv.pack(codes, 4), q.scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
+    torch._dynamo.reset()
+    cos, sin = (t.to(device) for t in torch_rkv.rope_tables(64, 256))
+    signs = torch_rkv.hadamard_signs(64, device=device)
+    compiled = torch.compile(chain, fullgraph=True, dynamic=True)
+    for n in (16, 24):  # two shapes, one dynamic graph
+        x = torch.randn(2, 3, n, 64, device=device)
+        pos = torch.arange(n, device=device)
+        got, want = compiled(x, cos, sin, pos, signs), chain(x, cos, sin, pos, signs)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)

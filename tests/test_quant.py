@@ -1,0 +1,233 @@
+"""rkv::quantize / rkv::dequantize against reference.py, their error bound, and their edge cases."""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICES, noncontiguous
+from hypothesis import given
+from hypothesis import strategies as st
+
+import torch_rkv
+from torch_rkv import reference as ref
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@st.composite
+def quant_cases(draw):
+    bits = draw(st.sampled_from([2, 3, 4, 8]))
+    dim = draw(st.sampled_from([8, 16, 24, 64, 128]))
+    grouping = draw(st.sampled_from(["token", "grouped", "channel", "tile"]))
+    divisors = [g for g in range(1, dim + 1) if dim % g == 0]
+    block = draw(st.sampled_from([1, 2, 4, 8, 32]))
+    if grouping == "token":
+        group, block = dim, 1
+    elif grouping == "grouped":
+        group, block = draw(st.sampled_from(divisors)), 1
+    elif grouping == "channel":
+        group = 1
+    else:
+        group = draw(st.sampled_from(divisors))
+    nblocks = draw(st.integers(0, 3))
+    lead = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    return dict(
+        shape=(*lead, nblocks * block, dim), bits=bits, group=group, block=block,
+        symmetric=draw(st.booleans()), dtype=draw(st.sampled_from(FLOATS)),
+        meta=draw(st.sampled_from(FLOATS)), scale=draw(st.sampled_from([1e-3, 1.0, 30.0])),
+        contiguous=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def make_input(case, device):
+    gen = torch.Generator().manual_seed(case["seed"])
+    x = torch.randn(case["shape"], generator=gen) * case["scale"]
+    # a few outlier channels, as real keys have
+    if x.numel():
+        x[..., 0] *= 8
+    x = x.to(case["dtype"]).to(device)
+    return x if case["contiguous"] else noncontiguous(x)
+
+
+def quant_args(case):
+    return case["bits"], case["group"], case["block"], case["symmetric"], case["meta"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(case=quant_cases())
+def test_quantize_matches_reference_bit_for_bit(device, case):
+    x = make_input(case, device)
+    q = torch_rkv.quantize(x, *quant_args(case))
+    packed, scale, zero = ref.quantize(x.cpu(), *quant_args(case))
+    assert torch.equal(q.packed.cpu(), packed)
+    assert torch.equal(q.scale.cpu(), scale)
+    if case["symmetric"]:
+        assert q.zero is None
+    else:
+        assert torch.equal(q.zero.cpu(), zero)
+    for out_dtype in (torch.float32, case["dtype"]):
+        got = torch_rkv.dequantize(q, out_dtype).cpu()
+        want = ref.dequantize(packed, scale, None if case["symmetric"] else zero, case["bits"], out_dtype)
+        assert torch.equal(got, want)
+
+
+def half_step_bound(x, q):
+    """|x - x_hat| <= scale/2 for the stored scale, plus the fp32 rounding of the few operations that
+    compute the code and the value (each at most one ulp of the magnitudes involved)."""
+    s = ref._expand_meta(q.scale, q.block_tokens, q.group_size)
+    z = ref._expand_meta(q.zero, q.block_tokens, q.group_size) if q.zero is not None else torch.zeros_like(s)
+    xf = x.float()
+    return s / 2 + 4 * EPS32 * (xf.abs() + z.abs() + s * (2 ** q.bits))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(case=quant_cases())
+def test_dequantize_within_half_a_step(device, case):
+    x = make_input(case, device)
+    q = torch_rkv.quantize(x, *quant_args(case))
+    err = (torch_rkv.dequantize(q).cpu() - x.float().cpu()).abs()
+    bound = half_step_bound(x.cpu(), q._replace(scale=q.scale.cpu(), zero=None if q.zero is None else q.zero.cpu()))
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_error_shrinks_with_bits(device, bits):
+    x = torch.randn(4, 64, 128, device=device)
+    err = (torch_rkv.quantize(x, bits).dequantize() - x).pow(2).mean().sqrt().item()
+    # uniform quantization: RMS error ~ step / sqrt(12), step = range / (2^b - 1); the range of 128
+    # standard normals is about 5.5
+    step = 5.5 / (2**bits - 1)
+    assert err <= 1.5 * step / math.sqrt(12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("meta", FLOATS)
+def test_constant_and_zero_groups_are_exact_or_within_step(device, symmetric, meta):
+    x = torch.zeros(3, 8, 32, device=device)
+    x[1] = 0.3  # not representable in fp16: scale becomes a tiny positive number, never NaN
+    x[2] = -2.0  # representable: exact when asymmetric (zero = -2, scale = 0)
+    q = torch_rkv.quantize(x, 4, 16, 1, symmetric, meta)
+    y = q.dequantize()
+    assert torch.isfinite(q.scale.float()).all() and torch.isfinite(y).all()
+    assert torch.equal(y[0], x[0])
+    if not symmetric:
+        assert torch.equal(y[2], x[2])
+    assert bool(((y - x).abs() <= half_step_bound(x, q)).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_non_finite_values_never_poison_their_group(device, symmetric):
+    x = torch.randn(4, 16, 32, device=device)
+    bad = x.clone()
+    bad[0, 3, 5] = float("nan")
+    bad[1, 7, 0] = float("inf")
+    bad[2, 0, 31] = float("-inf")
+    bad[3] = float("nan")  # a whole block without a finite value
+    for group, block in ((32, 1), (8, 1), (1, 16)):
+        qb = torch_rkv.quantize(bad, 4, group, block, symmetric)
+        # replacing each non-finite value by a finite neighbour of its group leaves min/max unchanged
+        fixed = bad.clone()
+        fixed[0, 3, 5] = fixed[0, 3, 4] if block == 1 else fixed[0, 2, 5]
+        fixed[1, 7, 0] = fixed[1, 7, 1] if block == 1 else fixed[1, 6, 0]
+        fixed[2, 0, 31] = fixed[2, 0, 30] if block == 1 else fixed[2, 1, 31]
+        fixed[3] = 0.0
+        qf = torch_rkv.quantize(fixed, 4, group, block, symmetric)
+        assert torch.equal(qb.scale[:3], qf.scale[:3])
+        y = qb.dequantize()
+        assert torch.isfinite(y).all() and torch.isfinite(qb.scale.float()).all()
+        mask = torch.isfinite(bad)
+        assert torch.equal(y[mask], qf.dequantize()[mask])  # every finite value is untouched
+        assert torch.equal(qb.scale[3], torch.zeros_like(qb.scale[3]))  # empty group: scale 0
+        codes = torch_rkv.unpack(qb.packed, 4)
+        assert codes[1, 7, 0] == 15  # +inf saturates to the top code
+        assert codes[2, 0, 31] == (1 if symmetric else 0)  # -inf to the bottom one
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_values_beyond_fp16_range_saturate(device):
+    x = torch.randn(3, 4, 16, device=device)
+    x[0, 1, 3] = -1e6  # below the lowest fp16 zero: saturates to -65504
+    x[1, 2, 5] = 1e9  # needs a scale above 65504: the scale saturates, so does the value
+    q = torch_rkv.quantize(x, 4, 16, 1, False, torch.float16)
+    y = q.dequantize()
+    assert torch.isfinite(y).all() and torch.isfinite(q.scale.float()).all()
+    assert y[0, 1, 3] == -65504.0
+    assert y[1, 2, 5] == float(q.zero[1, 2, 0]) + 15 * 65504.0
+    others = torch.ones_like(x, dtype=torch.bool)
+    others[0, 1], others[1, 2] = False, False
+    bound = half_step_bound(x, q)
+    assert bool(((y - x).abs() <= bound)[others].all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_inputs(device):
+    for shape in [(0, 16), (2, 0, 16), (0, 3, 8, 16)]:
+        x = torch.randn(shape, device=device)
+        q = torch_rkv.quantize(x, 4, 8, 1)
+        assert q.packed.shape == (*shape[:-1], 8) and q.scale.shape == (*shape[:-1], 2)
+        assert q.dequantize().shape == shape
+
+
+def test_metadata_rounding_is_outward():
+    lo = torch.tensor([0.1, -0.1, 1e-9, -70000.0, 3.0], dtype=torch.float64)
+    for dtype in FLOATS:
+        down = ref.round_meta(lo, dtype, up=False).double()
+        up = ref.round_meta(lo, dtype, up=True).double()
+        mx = torch.finfo(dtype).max
+        inside = lo.abs() <= mx
+        assert (down[inside] <= lo[inside]).all() and (up[inside] >= lo[inside]).all()
+        assert torch.equal(down.to(dtype).double(), down) and torch.equal(up.to(dtype).double(), up)
+        assert (down >= -mx).all() and (up <= mx).all()
+
+
+BAD_CALLS = [
+    (lambda x: torch.ops.rkv.quantize(x, 5, 16, 1, False, torch.float16), ValueError, "bits must be 2, 3, 4 or 8"),
+    (lambda x: torch.ops.rkv.quantize(x, 4, 12, 1, False, torch.float16), ValueError, "group_size (12)"),
+    (lambda x: torch.ops.rkv.quantize(x, 4, 0, 1, False, torch.float16), ValueError, "group_size (0)"),
+    (lambda x: torch.ops.rkv.quantize(x, 4, 16, 3, False, torch.float16), ValueError, "block_tokens (3)"),
+    (lambda x: torch.ops.rkv.quantize(x.long(), 4, 16, 1, False, torch.float16), TypeError, "x must be float32"),
+    (lambda x: torch.ops.rkv.quantize(x, 4, 16, 1, False, torch.float64), TypeError, "meta_dtype"),
+    (lambda x: torch.ops.rkv.quantize(x[0, 0, 0], 4, 16, 1, False, torch.float16), ValueError, "at least 2 dims"),
+    (lambda x: torch.ops.rkv.quantize(x[..., :5], 3, 5, 1, False, torch.float16), ValueError, "multiple of 8"),
+]
+
+
+def dequant_bad_calls(x):
+    p, s, z = torch.ops.rkv.quantize(x, 4, 16, 1, False, torch.float16)
+    return [
+        (lambda: torch.ops.rkv.dequantize(p, s, z[..., :1], 4, torch.float32), ValueError, "zero must have scale's shape"),
+        (lambda: torch.ops.rkv.dequantize(p, s, z.float(), 4, torch.float32), TypeError, "zero must have scale's dtype"),
+        (lambda: torch.ops.rkv.dequantize(p, s[..., :3], z, 4, torch.float32), ValueError, "scale's last dim (3 groups)"),
+        (lambda: torch.ops.rkv.dequantize(p, s[:, :, :3], z, 4, torch.float32), ValueError, "token-block dim (3)"),
+        (lambda: torch.ops.rkv.dequantize(p, s[0], z, 4, torch.float32), ValueError, "scale must have as many dims"),
+        (lambda: torch.ops.rkv.dequantize(p.float(), s, z, 4, torch.float32), TypeError, "packed must be uint8"),
+        (lambda: torch.ops.rkv.dequantize(p, s, z, 7, torch.float32), ValueError, "bits must be"),
+        (lambda: torch.ops.rkv.dequantize(p, s, z, 4, torch.int8), TypeError, "out_dtype"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES + ["meta"])
+@pytest.mark.parametrize("i", range(len(BAD_CALLS)))
+def test_quantize_bad_input_names_the_argument(device, i):
+    call, exc, msg = BAD_CALLS[i]
+    x = torch.randn(2, 3, 8, 64, device=device)
+    with pytest.raises(exc, match=f"rkv.quantize: .*{_re(msg)}"):
+        call(x)
+
+
+@pytest.mark.parametrize("device", DEVICES + ["meta"])
+def test_dequantize_bad_input_names_the_argument(device):
+    x = torch.randn(2, 3, 8, 64, device=device)
+    for call, exc, msg in dequant_bad_calls(x):
+        with pytest.raises(exc, match=f"rkv.dequantize: .*{_re(msg)}"):
+            call()
+
+
+def _re(s):
+    import re
+
+    return re.escape(s)
