@@ -8,6 +8,7 @@ import torch
 
 from . import _C  # noqa: F401  (loads the kernels: TORCH_LIBRARY(rkv) + CPU/CUDA impls)
 from . import ops  # noqa: F401  (fake kernels)
+from .ops.attention import decode_attention
 from .ops.hadamard import hadamard, hadamard_signs
 from .ops.pack import pack, unpack
 from .ops.quant import Quantized, dequantize, quantize
@@ -23,6 +24,7 @@ def has_kernel(op: str, device_type: str) -> bool:
 
 __all__ = [
     "Quantized",
+    "decode_attention",
     "dequantize",
     "hadamard",
     "hadamard_signs",

@@ -240,3 +240,126 @@ def hadamard(x: torch.Tensor, signs: Optional[torch.Tensor] = None, inverse: boo
     if signs is not None and inverse:
         v = v * signs.float()
     return v.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# The quantized KV cache layout and decode attention over it
+# --------------------------------------------------------------------------------------------------
+#
+# Per sequence of n tokens and per KV head, token t lives in exactly one place:
+#   t < S                      sink[t]                         (full precision, the first S tokens)
+#   S <= t < S + Q(n)          packed row t - S                (quantized; metadata row (t - S) / T_k)
+#   S + Q(n) <= t < n          window[(t - S) % W]             (full precision ring of the newest tokens)
+# with Q(n) = block * floor(max(0, n - S - recent) / block): only whole blocks are quantized and at
+# least `recent` newest tokens stay in full precision. W >= recent + block - 1 holds every window token.
+
+
+def quantized_count(n: int, sinks: int, recent: int, block: int) -> int:
+    """Q(n): how many of n tokens sit in the packed buffers."""
+    return block * (max(0, n - sinks - recent) // block)
+
+
+def gather_tokens(packed, scale, zero, bits, window, sink, n: int, recent: int, block: int) -> torch.Tensor:
+    """All n cached tokens of one sequence in order, as float32 (H, n, D), from one quantized tensor
+    (packed (H, C, D*bits/8), scale/zero (H, C/T, D/G)), its window ring (H, W, D) and sinks (H, S, D)."""
+    s = sink.shape[-2]
+    q = quantized_count(n, s, recent, block)
+    parts = [sink[:, : min(n, s)].float()]
+    if q:
+        t = packed.shape[-2] // scale.shape[-2]  # tokens per metadata row
+        parts.append(dequantize(packed[:, :q], scale[:, : q // t], None if zero is None else zero[:, : q // t], bits))
+    if n > s + q:
+        slots = [(i - s) % window.shape[-2] for i in range(s + q, n)]
+        parts.append(window[:, slots].float())
+    return torch.cat(parts, dim=1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_packed, k_scale, k_zero, v_packed, v_scale, v_zero,
+    k_window, v_window, k_sink, v_sink,
+    lengths: torch.Tensor,
+    k_bits: int, v_bits: int, block: int, recent: int,
+    rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None, rope_interleaved: bool = False,
+    k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention of each sequence's newest query q (B, Hq, D) over its n = lengths[b] cached tokens.
+
+    Keys stored before RoPE (rope_cos/rope_sin given) are rotated to their positions 0..n-1 after
+    dequantizing; keys/values stored Hadamard-rotated (k_signs / v_signs given) are used in the rotated
+    space: scores with the rotated query, the output rotated back. Query head h reads KV head
+    h // (Hq / Hkv). A sequence with no cached token gets a zero output. Computed in float32.
+    """
+    b_, hq, d = q.shape
+    hkv = k_packed.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qf = q.float()
+    if k_signs is not None:
+        qf = hadamard(qf, k_signs)
+    out = torch.zeros(b_, hq, d, dtype=torch.float32, device=q.device)
+    for b in range(b_):
+        n = int(lengths[b])
+        if n == 0:
+            continue
+        keys = gather_tokens(k_packed[b], k_scale[b], None if k_zero is None else k_zero[b], k_bits,
+                             k_window[b], k_sink[b], n, recent, block)
+        values = gather_tokens(v_packed[b], v_scale[b], None if v_zero is None else v_zero[b], v_bits,
+                               v_window[b], v_sink[b], n, recent, block)
+        if rope_cos is not None:
+            keys = rope(keys, rope_cos, rope_sin, torch.arange(n, device=q.device), rope_interleaved)
+        qg = qf[b].reshape(hkv, hq // hkv, d)
+        probs = torch.softmax((qg @ keys.transpose(-1, -2)) * scale, dim=-1)
+        out[b] = (probs @ values).reshape(hq, d)
+    if v_signs is not None:
+        out = hadamard(out, v_signs, inverse=True)
+    return out.to(q.dtype)
+
+
+def cache_append(
+    k_packed, k_scale, k_zero, v_packed, v_scale, v_zero,
+    k_window, v_window, k_sink, v_sink,
+    lengths: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+    k_bits: int, v_bits: int, block: int, recent: int,
+) -> None:
+    """Append k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens, in place.
+
+    Writes exactly: sink rows of new tokens t < S; every block that the append completes, quantized
+    (reading its older tokens from the window ring, its newer ones from k_new / v_new), into its packed
+    rows and metadata rows; window slots of new tokens that stay in full precision. Nothing else changes;
+    lengths is not updated (the caller adds m). New tokens are used in the window's dtype, so the result
+    does not depend on how the tokens were chunked into appends.
+    """
+    s, w = k_sink.shape[-2], k_window.shape[-2]
+    m = k_new.shape[-2]
+    for b in range(k_new.shape[0]):
+        n0 = int(lengths[b])
+        n1 = n0 + m
+        if n1 > s + k_packed.shape[-2] + recent:
+            raise ValueError(f"rkv.cache_append: appending {m} tokens to sequence {b} of {n0} tokens exceeds the "
+                             f"capacity of {s + k_packed.shape[-2] + recent} tokens")
+        q0, q1 = quantized_count(n0, s, recent, block), quantized_count(n1, s, recent, block)
+        for new, packed, scale, zero, bits, window, sink in (
+            (k_new[b], k_packed[b], k_scale[b], k_zero, k_bits, k_window[b], k_sink[b]),
+            (v_new[b], v_packed[b], v_scale[b], v_zero, v_bits, v_window[b], v_sink[b]),
+        ):
+            new = new.to(window.dtype)
+            zb = None if zero is None else zero[b]
+
+            def token(t):
+                return window[:, (t - s) % w] if t < n0 else new[:, t - n0]
+
+            for t in range(n0, min(n1, s)):
+                sink[:, t] = new[:, t - n0]
+            per_row = packed.shape[-2] // scale.shape[-2] if scale.shape[-2] else 1
+            for j in range(q0 // block, q1 // block):
+                rows = range(s + j * block, s + (j + 1) * block)
+                src = torch.stack([token(t) for t in rows], dim=1)  # (H, block, D)
+                p, sc, zr = quantize(src, bits, packed.shape[-1] * 8 // bits // scale.shape[-1], per_row,
+                                     zb is None, scale.dtype)
+                packed[:, j * block : (j + 1) * block] = p
+                scale[:, j * block // per_row : (j + 1) * block // per_row] = sc
+                if zb is not None:
+                    zb[:, j * block // per_row : (j + 1) * block // per_row] = zr
+            for t in range(max(n0, s + q1), n1):
+                window[:, (t - s) % w] = new[:, t - n0]

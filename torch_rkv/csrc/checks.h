@@ -45,6 +45,33 @@ void check_unpack(const at::Tensor& packed, int64_t bits);
 void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions);
 void check_hadamard(const at::Tensor& x, const std::optional<at::Tensor>& signs);
 
+// Decode attention over the quantized cache layout (reference.decode_attention).
+struct DecodeGeometry {
+  int64_t batch = 0, q_heads = 0, kv_heads = 0, dim = 0;
+  int64_t capacity = 0;            // packed token rows per sequence and head
+  int64_t k_block_tokens = 1, v_block_tokens = 1, k_group = 1, v_group = 1;
+  int64_t sinks = 0, window = 0, recent = 0, block = 1;
+  int k_bits = 8, v_bits = 8;
+  int64_t rope_half = 0, rope_positions = 0;  // rope_half == 0: keys stored post-RoPE
+  bool interleaved = false;
+  int64_t split_tokens = 512;
+  RKV_HD int64_t group_size() const { return q_heads / kv_heads; }
+  RKV_HD int64_t max_tokens() const { return sinks + capacity + recent; }
+};
+
+DecodeGeometry check_decode_attention(
+    const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
+    const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed, const at::Tensor& v_scale,
+    const std::optional<at::Tensor>& v_zero, const at::Tensor& k_window, const at::Tensor& v_window,
+    const at::Tensor& k_sink, const at::Tensor& v_sink, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
+    int64_t block, int64_t recent, const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
+    bool rope_interleaved, const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
+    int64_t split_tokens);
+
+// Host-side check of lengths against the capacity and the rope table (CPU tensors only: reading a
+// CUDA tensor here would synchronize; the CUDA kernel asserts instead).
+void check_decode_lengths(const DecodeGeometry& g, const at::Tensor& lengths_long_cpu);
+
 // Rope positions broadcast to x.shape[:-1], flattened to one int64 per row of x.
 at::Tensor rope_row_positions(const at::Tensor& x, const at::Tensor& positions);
 

@@ -27,4 +27,13 @@ TORCH_LIBRARY(rkv, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions, bool interleaved, bool inverse) -> Tensor");
   // Orthonormal Walsh-Hadamard transform of x (*, D) along D, optionally with +-1 signs (D,).
   m.def("hadamard(Tensor x, Tensor? signs, bool inverse) -> Tensor");
+  // One decode step: attention of q (B, Hq, D) over each sequence's lengths[b] cached tokens, stored as
+  // sinks (B, Hkv, S, D), packed rows (B, Hkv, C, D*bits/8) with scale/zero (B, Hkv, C/T, D/G), and a
+  // full-precision window ring (B, Hkv, W, D); see reference.decode_attention. rope_cos/rope_sin:
+  // keys are stored pre-RoPE; k_signs / v_signs: keys / values are stored Hadamard-rotated.
+  m.def(
+      "decode_attention(Tensor q, Tensor k_packed, Tensor k_scale, Tensor? k_zero, Tensor v_packed, "
+      "Tensor v_scale, Tensor? v_zero, Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, "
+      "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
+      "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens) -> Tensor");
 }

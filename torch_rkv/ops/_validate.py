@@ -133,3 +133,34 @@ def hadamard(x: torch.Tensor, signs) -> None:
         float_input(op, "signs", signs)
         same_device(op, x, "signs", signs)
         value(signs.dim() == 1 and signs.shape[0] == d, op, f"signs must have shape ({d},), got {list(signs.shape)}")
+
+
+def decode_attention(q, k_packed, v_packed, k_window, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin,
+                     k_signs) -> None:
+    """The shape rules a traced call can check; csrc/checks.cpp checks the rest when the kernel runs."""
+    op = "decode_attention"
+    float_input(op, "q", q)
+    value(q.dim() == 3, op, f"q must have shape (batch, q_heads, head_dim), got {list(q.shape)}")
+    bits(op, "k_bits", k_bits)
+    bits(op, "v_bits", v_bits)
+    value(block >= 1, op, f"block must be >= 1 (got {block})")
+    value(recent >= 0, op, f"recent must be >= 0 (got {recent})")
+    value(k_packed.dim() == 4, op, f"k_packed must have shape (batch, kv_heads, capacity, bytes), got {list(k_packed.shape)}")
+    hkv = k_packed.shape[1]
+    value(hkv >= 1 and q.shape[1] % hkv == 0, op,
+          f"q has {q.shape[1]} heads, which is not a multiple of the cache's {hkv} kv heads")
+    for name, t, b in (("k_packed", k_packed, k_bits), ("v_packed", v_packed, v_bits)):
+        dtype(t.dtype == torch.uint8, op, f"{name} must be uint8 (got {t.dtype})")
+        value(t.dim() == 4 and t.shape[0] == q.shape[0] and t.shape[-1] * 8 == q.shape[-1] * b, op,
+              f"{name} must have shape (batch={q.shape[0]}, kv_heads, capacity, {q.shape[-1] * b // 8}) for "
+              f"head_dim {q.shape[-1]} at {b} bits, got {list(t.shape)}")
+    value(k_window.dim() == 4 and k_window.shape[2] >= recent + block - 1, op,
+          f"the window ring ({k_window.shape[2] if k_window.dim() == 4 else '?'} tokens) must hold "
+          f"recent + block - 1 = {recent + block - 1} tokens")
+    dtype(lengths.dtype in (torch.int32, torch.int64), op, f"lengths must be int32 or int64 (got {lengths.dtype})")
+    value(lengths.dim() == 1 and lengths.shape[0] == q.shape[0], op,
+          f"lengths must have shape ({q.shape[0]},), got {list(lengths.shape)}")
+    value((rope_cos is None) == (rope_sin is None), op,
+          "give both rope_cos and rope_sin (pre-RoPE keys) or neither")
+    value(rope_cos is None or k_signs is None, op,
+          "keys cannot be both pre-RoPE (rope_cos) and Hadamard-rotated (k_signs): RoPE does not commute with the rotation")

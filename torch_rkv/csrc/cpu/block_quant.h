@@ -150,6 +150,25 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
   }
 }
 
+// Decodes one packed row of dim codes whose group parameters (one per group_size channels) are the
+// float arrays sc / zc (zc unused when symmetric). codes is dim bytes of scratch.
+inline void decode_row(const uint8_t* packed_row, const float* sc, const float* zc, int64_t dim, int64_t group_size,
+                       int bits, bool symmetric, uint8_t* __restrict codes, float* __restrict out) {
+  unpack_row(packed_row, dim, bits, codes);
+  if (group_size == 1) {
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) out[c] = decode(codes[c], QParams{sc[c], symmetric ? 0.0f : zc[c]}, bits, symmetric);
+    return;
+  }
+  for (int64_t gi = 0; gi < dim / group_size; ++gi) {
+    const QParams p{sc[gi], symmetric ? 0.0f : zc[gi]};
+    const uint8_t* cg = codes + gi * group_size;
+    float* og = out + gi * group_size;
+#pragma omp simd
+    for (int64_t c = 0; c < group_size; ++c) og[c] = decode(cg[c], p, bits, symmetric);
+  }
+}
+
 // Dequantizes one block-row: block_tokens packed rows sharing groups = dim / group_size parameters.
 // dst_row(t) -> out_t* of token t. zero == nullptr: symmetric.
 template <typename out_t, typename meta_t, typename DstRow>
@@ -159,27 +178,11 @@ void dequantize_block_row(const uint8_t* packed, const meta_t* scale, const meta
   const bool symmetric = zero == nullptr;
   to_float(scale, s.scale.data(), groups);
   if (!symmetric) to_float(zero, s.zero.data(), groups);
-  const float* sc = s.scale.data();
-  const float* zp = s.zero.data();
-  uint8_t* codes = s.codes.data();
-  float* y = s.x.data();
   const int64_t row_bytes = dim * bits / 8;
   for (int64_t t = 0; t < block_tokens; ++t) {
-    unpack_row(packed + t * row_bytes, dim, bits, codes);
-    if (group_size == 1) {
-#pragma omp simd
-      for (int64_t c = 0; c < dim; ++c)
-        y[c] = decode(codes[c], QParams{sc[c], symmetric ? 0.0f : zp[c]}, bits, symmetric);
-    } else {
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const QParams p{sc[gi], symmetric ? 0.0f : zp[gi]};
-        const uint8_t* cg = codes + gi * group_size;
-        float* yg = y + gi * group_size;
-#pragma omp simd
-        for (int64_t c = 0; c < group_size; ++c) yg[c] = decode(cg[c], p, bits, symmetric);
-      }
-    }
-    from_float(y, dst_row(t), dim);
+    decode_row(packed + t * row_bytes, s.scale.data(), s.zero.data(), dim, group_size, bits, symmetric,
+               s.codes.data(), s.x.data());
+    from_float(s.x.data(), dst_row(t), dim);
   }
 }
 

@@ -1,0 +1,72 @@
+"""Test helpers: fill quantized cache buffers through reference.cache_append, and tolerances."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import torch_rkv
+from torch_rkv import reference as ref
+from torch_rkv.layout import CacheLayout
+from torch_rkv.scheme import Scheme
+
+BUFFERS = ["k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink"]
+
+
+def buffers_args(bufs: dict) -> list:
+    return [bufs.get(name) for name in BUFFERS]
+
+
+def stored_keys(scheme: Scheme, keys_post: torch.Tensor, cos, sin, signs, interleaved=False):
+    """What the cache stores for post-RoPE keys (B, H, n, D): pre-RoPE, or rotated, or as is."""
+    n = keys_post.shape[-2]
+    if scheme.pre_rope:
+        return torch_rkv.rope(keys_post, cos, sin, torch.arange(n, device=keys_post.device), interleaved, inverse=True)
+    if scheme.k_hadamard:
+        return torch_rkv.hadamard(keys_post, signs)
+    return keys_post
+
+
+def fill(layout: CacheLayout, keys: torch.Tensor, values: torch.Tensor, lengths: list[int], device="cpu"):
+    """Buffers holding, for each sequence b, its first lengths[b] stored keys / values (B, H, n, D),
+    written by one reference append per sequence into zeroed buffers."""
+    bufs = layout.allocate(device)
+    s = layout.scheme
+    for b, n in enumerate(lengths):
+        view = {k: v[b : b + 1] for k, v in bufs.items()}
+        zeros = torch.zeros(1, dtype=torch.int64)
+        ref.cache_append(*buffers_args(view), zeros, keys[b : b + 1, :, :n].to(layout.dtype),
+                         values[b : b + 1, :, :n].to(layout.dtype), s.k_bits, s.v_bits, s.block, s.recent)
+    return bufs
+
+
+def attention_fp32(q, keys, values, lengths, scale=None):
+    """Plain fp32 attention of q (B, Hq, D) over keys/values (B, Hkv, n_max, D) truncated per sequence."""
+    b_, hq, d = q.shape
+    hkv = keys.shape[1]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(b_, hq, d)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        k, v = keys[b, :, :n].float(), values[b, :, :n].float()
+        qg = q[b].float().reshape(hkv, hq // hkv, d)
+        p = torch.softmax(qg @ k.transpose(-1, -2) * scale, -1)
+        out[b] = (p @ v).reshape(hq, d)
+    return out
+
+
+def float_tolerance(q, keys, values, dtype) -> float:
+    """Bound for two fp32 evaluations of the same attention that differ in summation order and in the
+    exponential (<= 5e-7 relative): a score computed two ways differs by ~ sqrt(D) eps |q||k|, which moves
+    each probability by that much relatively, and the output by that times max|v|; plus one unit in the
+    last place of the output dtype."""
+    d = q.shape[-1]
+    eps = torch.finfo(torch.float32).eps
+    qmax = q.float().norm(dim=-1).max().item() / math.sqrt(d)
+    kmax = keys.float().norm(dim=-1).max().item() if keys.numel() else 0.0
+    vmax = values.float().abs().max().item() if values.numel() else 0.0
+    score_err = 16 * math.sqrt(d) * eps * qmax * kmax + 1e-6
+    out_ulp = torch.finfo(dtype).eps * vmax
+    return 4 * score_err * vmax + 64 * eps * vmax + out_ulp

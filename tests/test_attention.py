@@ -1,0 +1,270 @@
+"""rkv::decode_attention: equal to reference attention over the dequantized cache; accuracy against
+unquantized attention; pre-RoPE and Hadamard storage; split-K; compile; bad input."""
+
+import math
+import re
+
+import pytest
+import torch
+from cachebuild import attention_fp32, buffers_args, fill, float_tolerance, stored_keys
+from conftest import device_params
+from hypothesis import given
+from hypothesis import strategies as st
+
+import torch_rkv
+from torch_rkv import reference as ref
+from torch_rkv.layout import CacheLayout
+from torch_rkv.scheme import Scheme
+
+DEVICES = device_params("decode_attention")
+
+
+@st.composite
+def attention_cases(draw):
+    d = draw(st.sampled_from([64, 128, 256]))
+    kv_heads = draw(st.integers(1, 3))
+    ratio = draw(st.sampled_from([1, 3, 4]))
+    k_kind = draw(st.sampled_from(["token", "grouped", "channel"]))
+    block = draw(st.sampled_from([4, 16, 32]))
+    k_group, k_tokens = {"token": (None, 1), "grouped": (32, 1), "channel": (1, block)}[k_kind]
+    key_space = draw(st.sampled_from(["post", "pre", "hadamard"]))
+    scheme = Scheme(
+        k_bits=draw(st.sampled_from([2, 3, 4, 8])), v_bits=draw(st.sampled_from([2, 3, 4, 8])),
+        k_group_size=k_group, k_block_tokens=k_tokens, v_group_size=draw(st.sampled_from([None, 16])),
+        v_block_tokens=1, k_symmetric=draw(st.booleans()), v_symmetric=draw(st.booleans()),
+        pre_rope=key_space == "pre", k_hadamard=key_space == "hadamard", v_hadamard=draw(st.booleans()),
+        sinks=draw(st.sampled_from([0, 1, 4])), recent=draw(st.sampled_from([0, 8])),
+        meta_dtype=draw(st.sampled_from([torch.float16, torch.float32])),
+    )
+    batch = draw(st.integers(1, 3))
+    cap = draw(st.sampled_from([40, 100]))
+    edges = [0, 1, scheme.sinks, scheme.sinks + scheme.recent + scheme.block - 1,
+             scheme.sinks + scheme.recent + scheme.block, cap]
+    lengths = [draw(st.sampled_from(edges + [draw(st.integers(0, cap))])) for _ in range(batch)]
+    return dict(
+        d=d, kv_heads=kv_heads, q_heads=kv_heads * ratio, scheme=scheme, capacity=cap, lengths=lengths,
+        rot=draw(st.sampled_from([d, d // 2])), interleaved=draw(st.booleans()),
+        q_dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+        fp_dtype=draw(st.sampled_from([torch.float32, torch.float16])),
+        split=draw(st.sampled_from([0, 7, 32])), seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def build(case, device="cpu"):
+    """(layout, buffers, q, post-RoPE keys, values, cos, sin, k_signs, v_signs)."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    s, d = case["scheme"], case["d"]
+    b = len(case["lengths"])
+    layout = CacheLayout(s, b, case["kv_heads"], d, case["capacity"], case["fp_dtype"])
+    n_max = layout.max_tokens
+    keys = torch.randn(b, case["kv_heads"], n_max, d, generator=gen)
+    keys[..., 3] += 4.0  # an outlier channel, as in real keys
+    values = torch.randn(b, case["kv_heads"], n_max, d, generator=gen)
+    q = torch.randn(b, case["q_heads"], d, generator=gen).to(case["q_dtype"])
+    cos, sin = torch_rkv.rope_tables(d, n_max + 3, theta=1e4, rot_dim=case["rot"])
+    k_signs = torch_rkv.hadamard_signs(d, 1) if s.k_hadamard else None
+    v_signs = torch_rkv.hadamard_signs(d, 2) if s.v_hadamard else None
+    ks = stored_keys(s, keys, cos, sin, k_signs, case["interleaved"])
+    vs = torch_rkv.hadamard(values, v_signs) if v_signs is not None else values
+    bufs = fill(layout, ks, vs, case["lengths"])
+    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    bufs = {k: v.to(device) for k, v in bufs.items()}
+    rope = (mv(cos), mv(sin)) if s.pre_rope else (None, None)
+    return layout, bufs, q.to(device), keys, values, rope, mv(k_signs), mv(v_signs)
+
+
+def run_kernel(case, device, bufs, q, rope, k_signs, v_signs, split=None):
+    s = case["scheme"]
+    lengths = torch.tensor(case["lengths"], device=device)
+    return torch_rkv.decode_attention(
+        q, *buffers_args(bufs), lengths, s.k_bits, s.v_bits, s.block, s.recent, rope[0], rope[1],
+        case["interleaved"], k_signs, v_signs, split_tokens=case["split"] if split is None else split)
+
+
+def run_reference(case, bufs, q, rope, k_signs, v_signs):
+    s = case["scheme"]
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return ref.decode_attention(
+        q.cpu(), *[cpu(t) for t in buffers_args(bufs)], torch.tensor(case["lengths"]), s.k_bits, s.v_bits, s.block,
+        s.recent, cpu(rope[0]), cpu(rope[1]), case["interleaved"], cpu(k_signs), cpu(v_signs))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(case=attention_cases())
+def test_matches_reference_over_the_dequantized_cache(device, case):
+    layout, bufs, q, keys, values, rope, k_signs, v_signs = build(case, device)
+    got = run_kernel(case, device, bufs, q, rope, k_signs, v_signs)
+    want = run_reference(case, bufs, q, rope, k_signs, v_signs)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    tol = float_tolerance(q, keys, values, q.dtype)
+    assert (got.cpu().float() - want.float()).abs().max().item() <= tol
+    for b, n in enumerate(case["lengths"]):
+        if n == 0:
+            assert torch.equal(got[b].cpu(), torch.zeros_like(got[b].cpu()))
+
+
+def quantization_bound(q, bufs, values) -> float:
+    """Worst case from the stored steps: every value is within half its step, so the output (a convex
+    combination) moves by at most max(step_v)/2; every key is within half a step per channel, so a
+    score moves by at most |q| scale sqrt(D) max(step_k)/2 (RoPE and Hadamard keep norms), and the
+    softmax output by at most twice the largest score change times max|v|."""
+    d = q.shape[-1]
+    half_k = bufs["k_scale"].float().max().item() / 2
+    half_v = bufs["v_scale"].float().max().item() / 2
+    score = q.float().norm(dim=-1).max().item() / math.sqrt(d) * math.sqrt(d) * half_k
+    return half_v + 2 * score * values.abs().max().item() + 1e-5
+
+
+def scheme_at(bits: int, **kw) -> Scheme:
+    return Scheme(k_bits=bits, v_bits=bits, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("key_space", ["post", "pre", "hadamard"])
+def test_error_against_unquantized_attention_shrinks_with_bits(device, key_space):
+    errs = {}
+    for bits in (2, 3, 4, 8):
+        s = scheme_at(bits, k_group_size=1, k_block_tokens=32, v_group_size=32, pre_rope=key_space == "pre",
+                      k_hadamard=key_space == "hadamard", v_hadamard=key_space == "hadamard",
+                      meta_dtype=torch.float32)
+        case = dict(d=128, kv_heads=2, q_heads=8, scheme=s, capacity=512, lengths=[512, 300], rot=128,
+                    interleaved=False, q_dtype=torch.float32, fp_dtype=torch.float32, split=0, seed=7)
+        _, bufs, q, keys, values, rope, ks, vs = build(case, device)
+        got = run_kernel(case, device, bufs, q, rope, ks, vs).cpu()
+        want = attention_fp32(q.cpu(), keys, values, case["lengths"])
+        errs[bits] = ((got - want).norm() / want.norm()).item()
+        assert (got - want).abs().max().item() <= quantization_bound(q, bufs, values)
+    assert errs[2] > errs[3] > errs[4] > errs[8]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("key_space", ["pre", "hadamard"])
+def test_unquantized_storage_reproduces_plain_attention(device, key_space):
+    """With every token in the full-precision window (recent >= n), pre-RoPE keys rotated in the kernel
+    and Hadamard-rotated keys/values give plain attention on the original K/V to float tolerance."""
+    s = Scheme(k_bits=4, v_bits=4, pre_rope=key_space == "pre", k_hadamard=key_space == "hadamard",
+               v_hadamard=key_space == "hadamard", recent=300)
+    case = dict(d=64, kv_heads=3, q_heads=9, scheme=s, capacity=300, lengths=[300, 17, 1], rot=64, interleaved=False,
+                q_dtype=torch.float32, fp_dtype=torch.float32, split=64, seed=3)
+    _, bufs, q, keys, values, rope, ks, vs = build(case, device)
+    got = run_kernel(case, device, bufs, q, rope, ks, vs).cpu()
+    want = attention_fp32(q.cpu(), keys, values, case["lengths"])
+    assert (got - want).abs().max().item() <= float_tolerance(q, keys, values, torch.float32) * 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_pre_rope_keys_equal_rope_after_dequantizing(device, interleaved):
+    """Quantize keys before RoPE, rotate in the kernel: the same as reference attention that applies
+    RoPE to the dequantized keys, and at 8 bits close to attention on the post-RoPE keys."""
+    s = scheme_at(8, k_group_size=1, k_block_tokens=16, pre_rope=True, sinks=2, recent=4)
+    case = dict(d=128, kv_heads=2, q_heads=4, scheme=s, capacity=200, lengths=[200, 77], rot=96,
+                interleaved=interleaved, q_dtype=torch.float32, fp_dtype=torch.float16, split=50, seed=11)
+    _, bufs, q, keys, values, rope, ks, vs = build(case, device)
+    got = run_kernel(case, device, bufs, q, rope, ks, vs).cpu()
+    want = run_reference(case, bufs, q, rope, ks, vs)
+    assert (got - want).abs().max().item() <= float_tolerance(q, keys, values, torch.float32)
+    plain = attention_fp32(q.cpu(), keys, values, case["lengths"])
+    assert (got - plain).abs().max().item() <= quantization_bound(q, bufs, values)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_k_is_exact_and_deterministic(device):
+    s = scheme_at(4, k_group_size=1, k_block_tokens=32, v_group_size=32, sinks=4, recent=16)
+    case = dict(d=128, kv_heads=2, q_heads=8, scheme=s, capacity=1000, lengths=[1000, 531, 0], rot=128,
+                interleaved=False, q_dtype=torch.float32, fp_dtype=torch.float16, split=0, seed=5)
+    _, bufs, q, keys, values, rope, ks, vs = build(case, device)
+    outs = [run_kernel(case, device, bufs, q, rope, ks, vs, split=st).cpu() for st in (1000, 64, 33, 0)]
+    tol = float_tolerance(q, keys, values, torch.float32)
+    for o in outs[1:]:
+        assert (o - outs[0]).abs().max().item() <= tol
+    if device == "cpu":
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = run_kernel(case, device, bufs, q, rope, ks, vs, split=64)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, outs[1])  # the merge order is fixed: bit-identical across thread counts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for key_space in ("post", "pre", "hadamard"):
+        s = scheme_at(4, k_group_size=1, k_block_tokens=8, v_group_size=16, pre_rope=key_space == "pre",
+                      k_hadamard=key_space == "hadamard", v_hadamard=key_space != "post", sinks=1, recent=4)
+        case = dict(d=64, kv_heads=2, q_heads=6, scheme=s, capacity=40, lengths=[40, 9], rot=64, interleaved=False,
+                    q_dtype=torch.float16, fp_dtype=torch.float16, split=16, seed=1)
+        _, bufs, q, _, _, rope, ks, vs = build(case, device)
+        lengths = torch.tensor(case["lengths"], device=device)
+        args = (q, *buffers_args(bufs), lengths, 4, 4, s.block, s.recent, rope[0], rope[1], False, ks, vs, 0.125, 16)
+        torch.library.opcheck(torch.ops.rkv.decode_attention.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_with_changing_lengths(device):
+    torch._dynamo.reset()
+    s = scheme_at(4, k_group_size=1, k_block_tokens=16, pre_rope=True, recent=8)
+    case = dict(d=64, kv_heads=2, q_heads=4, scheme=s, capacity=128, lengths=[128, 50], rot=64, interleaved=False,
+                q_dtype=torch.float32, fp_dtype=torch.float32, split=0, seed=2)
+    _, bufs, q, _, _, rope, _, _ = build(case, device)
+    args = buffers_args(bufs)
+
+    def step(q, lengths):
+        return torch_rkv.decode_attention(q, *args, lengths, 4, 4, s.block, s.recent, rope[0], rope[1])
+
+    compiled = torch.compile(step, fullgraph=True)
+    for lengths in ([128, 50], [127, 51], [3, 0]):
+        lt = torch.tensor(lengths, device=device)
+        assert torch.equal(compiled(q, lt), step(q, lt))
+    # lengths are data, not shapes: growing them never recompiles
+    from torch._dynamo.utils import counters
+
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def bad_cases(device):
+    s = scheme_at(4, k_group_size=1, k_block_tokens=8, pre_rope=True, recent=4)
+    case = dict(d=64, kv_heads=2, q_heads=4, scheme=s, capacity=40, lengths=[40], rot=64, interleaved=False,
+                q_dtype=torch.float32, fp_dtype=torch.float32, split=0, seed=1)
+    layout, bufs, q, _, _, rope, _, _ = build(case, device)
+    a = buffers_args(bufs)
+    n = torch.tensor([40], device=device)
+
+    def call(q=q, args=a, lengths=n, cos=rope[0], sin=rope[1], k_signs=None, heads_ok=True):
+        return torch_rkv.decode_attention(q, *args, lengths, 4, 4, s.block, s.recent, cos, sin, False, k_signs)
+
+    too_long = torch.tensor([layout.max_tokens + 1], device=device)
+    return [
+        (lambda: call(q=q[:, :3]), ValueError, "q has 3 heads, which is not a multiple of the cache's 2 kv heads"),
+        (lambda: call(q=q.int()), TypeError, "q must be float32"),
+        (lambda: call(lengths=n.float()), TypeError, "lengths must be int32 or int64"),
+        (lambda: call(lengths=torch.tensor([1, 2], device=device)), ValueError, "lengths must have shape (1,)"),
+        (lambda: call(sin=None), ValueError, "give both rope_cos and rope_sin"),
+        (lambda: call(k_signs=torch.ones(64, device=device)), ValueError, "keys cannot be both pre-RoPE"),
+        (lambda: call(args=[a[0][..., :-1]] + a[1:]), ValueError, "k_packed must have shape"),
+    ], [
+        (lambda: call(lengths=too_long), ValueError,
+         f"lengths[0] = {layout.max_tokens + 1} is outside [0, {layout.max_tokens}]"),
+        (lambda: call(cos=rope[0][:30], sin=rope[1][:30]), ValueError, "lengths[0] = 40 needs rope positions up to 39 but rope_cos has 30"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES + ["meta"])
+def test_bad_input_names_the_argument(device):
+    static, data = bad_cases("cpu" if device == "meta" else device)
+    if device == "meta":  # the fake kernel raises the static errors at trace time
+        static = [(lambda f=f: _on_meta(f), e, m) for f, e, m in static]
+        data = []
+    if device == "cuda":
+        data = []  # a device-side assert would poison the CUDA context; the CPU checks these
+    for call, exc, msg in static + data:
+        with pytest.raises(exc, match=re.escape(f"rkv.decode_attention: {msg}")):
+            call()
+
+
+def _on_meta(fn):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return fn()

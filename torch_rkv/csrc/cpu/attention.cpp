@@ -1,0 +1,261 @@
+// CPU kernel of rkv::decode_attention: one query token per sequence against the quantized cache.
+//
+// Work items are (sequence, kv head, split of split_tokens tokens): each dequantizes its keys once for
+// all the query heads of its GQA group, applies RoPE to pre-RoPE keys, and keeps a partial softmax
+// (max, sum, un-normalized output); a second pass merges the splits of each query head in split order,
+// so the result does not depend on the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../checks.h"
+#include "../dispatch.h"
+#include "block_quant.h"
+#include "rkv/attention.h"
+#include "rkv/rope.h"
+
+namespace rkv::cpu {
+namespace {
+
+// Float rows of one cached tensor (keys or values) of one (sequence, kv head).
+template <typename fp_t, typename meta_t>
+struct RowReader {
+  const uint8_t* packed;  // (capacity, row_bytes)
+  const meta_t* scale;    // (capacity / block_tokens, dim / group)
+  const meta_t* zero;     // same, or nullptr (symmetric)
+  const fp_t* window;     // (W, dim)
+  const fp_t* sink;       // (S, dim)
+  int64_t dim, block_tokens, group, sinks, window_len, q_count;
+  int bits;
+  // scratch: the current metadata row in float, and one row of codes
+  std::vector<float> sc, zc;
+  std::vector<uint8_t> codes;
+  int64_t meta_row = -1;
+
+  void init() {
+    sc.resize(dim / group);
+    zc.resize(dim / group);
+    codes.resize(dim);
+  }
+
+  void load(int64_t t, float* out) {
+    switch (token_place(t, sinks, q_count)) {
+      case Place::Sink:
+        to_float(sink + t * dim, out, dim);
+        return;
+      case Place::Window:
+        to_float(window + window_slot(t, sinks, window_len) * dim, out, dim);
+        return;
+      case Place::Packed: {
+        const int64_t s = t - sinks, m = s / block_tokens, ng = dim / group;
+        if (m != meta_row) {
+          to_float(scale + m * ng, sc.data(), ng);
+          if (zero) to_float(zero + m * ng, zc.data(), ng);
+          meta_row = m;
+        }
+        decode_row(packed + s * (dim * bits / 8), sc.data(), zc.data(), dim, group, bits, zero == nullptr,
+                   codes.data(), out);
+        return;
+      }
+    }
+  }
+};
+
+inline void rope_row(float* __restrict k, const float* __restrict c, const float* __restrict s, int64_t half,
+                     bool interleaved) {
+  if (interleaved) {
+    for (int64_t j = 0; j < half; ++j) rope_apply(k[2 * j], k[2 * j + 1], c[j], s[j]);
+  } else {
+    float* __restrict k1 = k + half;
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) rope_apply(k[j], k1[j], c[j], s[j]);
+  }
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+struct Tensors {
+  const float* q;        // (B, Hq, D): scaled (and rotated) queries
+  const int64_t* lengths;
+  const float* cos;      // (P, half) or nullptr
+  const float* sin;
+  float* part_ml;        // (B, Hq, splits, 2): max, sum
+  float* part_acc;       // (B, Hq, splits, D)
+  int64_t splits;
+};
+
+template <typename fp_t, typename meta_t>
+void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor& k_packed, const at::Tensor& k_scale,
+                   const at::Tensor& k_zero, const at::Tensor& v_packed, const at::Tensor& v_scale,
+                   const at::Tensor& v_zero, const at::Tensor& k_window, const at::Tensor& v_window,
+                   const at::Tensor& k_sink, const at::Tensor& v_sink) {
+  const int64_t D = g.dim, G = g.group_size(), ST = g.split_tokens, H = g.kv_heads;
+  const int64_t items = g.batch * H * io.splits;
+  const auto reader = [&](bool keys, int64_t b, int64_t h, int64_t q_count) {
+    const at::Tensor& packed = keys ? k_packed : v_packed;
+    const at::Tensor& scale = keys ? k_scale : v_scale;
+    const at::Tensor& zero = keys ? k_zero : v_zero;
+    const at::Tensor& window = keys ? k_window : v_window;
+    const at::Tensor& sink = keys ? k_sink : v_sink;
+    const int64_t bh = b * H + h, bits = keys ? g.k_bits : g.v_bits;
+    const int64_t ng = scale.size(3), nb = scale.size(2);
+    RowReader<fp_t, meta_t> r{packed.const_data_ptr<uint8_t>() + bh * g.capacity * (D * bits / 8),
+                              scale.const_data_ptr<meta_t>() + bh * nb * ng,
+                              zero.defined() ? zero.const_data_ptr<meta_t>() + bh * nb * ng : nullptr,
+                              window.const_data_ptr<fp_t>() + bh * g.window * D,
+                              sink.const_data_ptr<fp_t>() + bh * g.sinks * D,
+                              D, keys ? g.k_block_tokens : g.v_block_tokens, keys ? g.k_group : g.v_group,
+                              g.sinks, g.window, q_count, static_cast<int>(bits)};
+    r.init();
+    return r;
+  };
+
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D), scores(G * ST);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t split = it % io.splits, bh = it / io.splits, h = bh % H, b = bh / H;
+      const int64_t n = io.lengths[b], t0 = split * ST, t1 = std::min(n, t0 + ST);
+      const int64_t hq0 = b * g.q_heads + h * G;  // first query head of this kv head
+      float* ml = io.part_ml + (hq0 * io.splits + split) * 2;
+      float* acc = io.part_acc + (hq0 * io.splits + split) * D;
+      if (t0 >= t1) {  // nothing cached in this split: an empty partial
+        for (int64_t gq = 0; gq < G; ++gq) {
+          ml[gq * io.splits * 2] = -INFINITY;
+          ml[gq * io.splits * 2 + 1] = 0.0f;
+          std::fill(acc + gq * io.splits * D, acc + gq * io.splits * D + D, 0.0f);
+        }
+        continue;
+      }
+      const int64_t q_count = quantized_count(n, g.sinks, g.recent, g.block), len = t1 - t0;
+      // scores = q . k for every query head of the group
+      auto keys = reader(true, b, h, q_count);
+      const float* qg = io.q + hq0 * D;
+      for (int64_t t = t0; t < t1; ++t) {
+        keys.load(t, row.data());
+        if (io.cos) rope_row(row.data(), io.cos + t * g.rope_half, io.sin + t * g.rope_half, g.rope_half, g.interleaved);
+        for (int64_t gq = 0; gq < G; ++gq) scores[gq * ST + (t - t0)] = dot(qg + gq * D, row.data(), D);
+      }
+      // partial softmax per query head
+      for (int64_t gq = 0; gq < G; ++gq) {
+        float* s = scores.data() + gq * ST;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 0; i < len; ++i) m = s[i] > m ? s[i] : m;
+        float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+        for (int64_t i = 0; i < len; ++i) {
+          s[i] = softmax_exp(s[i] - m);
+          l += s[i];
+        }
+        ml[gq * io.splits * 2] = m;
+        ml[gq * io.splits * 2 + 1] = l;
+        std::fill(acc + gq * io.splits * D, acc + gq * io.splits * D + D, 0.0f);
+      }
+      // un-normalized output: sum_t p_t v_t
+      auto values = reader(false, b, h, q_count);
+      for (int64_t t = t0; t < t1; ++t) {
+        values.load(t, row.data());
+        const float* v = row.data();
+        for (int64_t gq = 0; gq < G; ++gq) {
+          const float p = scores[gq * ST + (t - t0)];
+          float* a = acc + gq * io.splits * D;
+#pragma omp simd
+          for (int64_t c = 0; c < D; ++c) a[c] = fma_f(p, v[c], a[c]);
+        }
+      }
+    }
+  });
+}
+
+// out (B, Hq, D) = merge of the splits of every query head, in split order.
+void merge_splits(const DecodeGeometry& g, const Tensors& io, float* out) {
+  const int64_t D = g.dim, rows = g.batch * g.q_heads;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      SoftmaxPartial total{-INFINITY, 0.0f};
+      float* o = out + r * D;
+      std::fill(o, o + D, 0.0f);
+      for (int64_t s = 0; s < io.splits; ++s) {
+        const float* ml = io.part_ml + (r * io.splits + s) * 2;
+        const float* acc = io.part_acc + (r * io.splits + s) * D;
+        SoftmaxPartial merged;
+        float fa, fb;
+        softmax_merge_factors(total, SoftmaxPartial{ml[0], ml[1]}, merged, fa, fb);
+#pragma omp simd
+        for (int64_t c = 0; c < D; ++c) o[c] = o[c] * fa + acc[c] * fb;
+        total = merged;
+      }
+      const float inv = total.l > 0.0f ? 1.0f / total.l : 0.0f;  // no cached token: zero output
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) o[c] *= inv;
+    }
+  });
+}
+
+at::Tensor hadamard_op(const at::Tensor& x, const at::Tensor& signs, bool inverse) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("rkv::hadamard", "")
+                       .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, bool)>();
+  return op.call(x, signs, inverse);
+}
+
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
+                                const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
+                                const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
+                                const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
+                                const at::Tensor& v_sink, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
+                                int64_t block, int64_t recent, const std::optional<at::Tensor>& rope_cos,
+                                const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
+                                const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
+                                double scale, int64_t split_tokens) {
+  const DecodeGeometry g = check_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
+                                                  v_window, k_sink, v_sink, lengths, k_bits, v_bits, block, recent,
+                                                  rope_cos, rope_sin, rope_interleaved, k_signs, v_signs,
+                                                  split_tokens);
+  const at::Tensor len = lengths.to(at::kLong).contiguous();
+  check_decode_lengths(g, len);
+  // queries in fp32, pre-scaled, and rotated into the keys' Hadamard space
+  at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();
+  if (k_signs.has_value()) qf = hadamard_op(qf, *k_signs, false);
+  const at::Tensor cos = rope_cos.has_value() ? rope_cos->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor sin = rope_sin.has_value() ? rope_sin->to(at::kFloat).contiguous() : at::Tensor();
+
+  const int64_t max_n = g.batch ? *std::max_element(len.const_data_ptr<int64_t>(), len.const_data_ptr<int64_t>() + g.batch) : 0;
+  Tensors io;
+  io.splits = std::max<int64_t>(1, (max_n + g.split_tokens - 1) / g.split_tokens);
+  at::Tensor part_ml = at::empty({g.batch, g.q_heads, io.splits, 2}, qf.options());
+  at::Tensor part_acc = at::empty({g.batch, g.q_heads, io.splits, g.dim}, qf.options());
+  io.q = qf.const_data_ptr<float>();
+  io.lengths = len.const_data_ptr<int64_t>();
+  io.cos = cos.defined() ? cos.const_data_ptr<float>() : nullptr;
+  io.sin = sin.defined() ? sin.const_data_ptr<float>() : nullptr;
+  io.part_ml = part_ml.mutable_data_ptr<float>();
+  io.part_acc = part_acc.mutable_data_ptr<float>();
+
+  const auto c = [](const at::Tensor& t) { return t.contiguous(); };
+  const at::Tensor kz = k_zero.has_value() ? c(*k_zero) : at::Tensor();
+  const at::Tensor vz = v_zero.has_value() ? c(*v_zero) : at::Tensor();
+  RKV_DISPATCH_FLOAT(k_window.scalar_type(), "rkv.decode_attention", fp_t, [&] {
+    RKV_DISPATCH_FLOAT(k_scale.scalar_type(), "rkv.decode_attention", meta_t, [&] {
+      decode_kernel<fp_t, meta_t>(g, io, c(k_packed), c(k_scale), kz, c(v_packed), c(v_scale), vz, c(k_window),
+                                  c(v_window), c(k_sink), c(v_sink));
+    });
+  });
+  at::Tensor out = at::empty({g.batch, g.q_heads, g.dim}, qf.options());
+  merge_splits(g, io, out.mutable_data_ptr<float>());
+  if (v_signs.has_value()) out = hadamard_op(out, *v_signs, true);
+  return out.to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rkv, CPU, m) { m.impl("decode_attention", &decode_attention_cpu); }
+
+}  // namespace rkv::cpu

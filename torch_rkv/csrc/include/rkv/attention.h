@@ -1,0 +1,73 @@
+// Decode-attention math shared by the CPU and CUDA kernels: where a cached token lives, the
+// exponential, and the exact merge of partial softmax results (flash-decoding).
+//
+// Cache layout per sequence (n tokens) and KV head, as reference.gather_tokens:
+//   t < S                    sink row t                     (full precision)
+//   S <= t < S + Q(n)        packed row t - S               (quantized)
+//   S + Q(n) <= t < n        window row (t - S) % W         (full-precision ring)
+// Q(n) = block * floor(max(0, n - S - recent) / block).
+#pragma once
+
+#include <cmath>
+
+#include "rkv/macros.h"
+
+namespace rkv {
+
+RKV_HD int64_t quantized_count(int64_t n, int64_t sinks, int64_t recent, int64_t block) {
+  const int64_t over = n - sinks - recent;
+  return over > 0 ? block * (over / block) : 0;
+}
+
+RKV_HD int64_t window_slot(int64_t t, int64_t sinks, int64_t window) { return (t - sinks) % window; }
+
+// Where token t of a sequence with q_count quantized tokens is stored.
+enum class Place { Sink, Packed, Window };
+RKV_HD Place token_place(int64_t t, int64_t sinks, int64_t q_count) {
+  return t < sinks ? Place::Sink : (t < sinks + q_count ? Place::Packed : Place::Window);
+}
+
+// exp(x) for the softmax, x <= 0. CUDA: the library expf. CPU: a branch-free polynomial (relative
+// error < 5e-7 on [-87, 0]) so softmax loops vectorize; libm's expf is a call per element.
+RKV_HD float softmax_exp(float x) {
+#if RKV_DEVICE_CODE
+  return expf(x);
+#else
+  x = x < -87.0f ? -87.0f : x;
+  // x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite: n * kLn2Hi is exact), e^x = 2^n e^r
+  const float n = rintf(x * 1.44269504088896341f);
+  const float r = sub_rn(sub_rn(x, mul_rn(n, 0.693145751953125f)), mul_rn(n, 1.428606765330187e-6f));
+  // e^r: Taylor to degree 6, truncation error < 1.2e-7 for |r| <= 0.347
+  float p = 1.0f / 720.0f;
+  p = fma_f(p, r, 1.0f / 120.0f);
+  p = fma_f(p, r, 1.0f / 24.0f);
+  p = fma_f(p, r, 1.0f / 6.0f);
+  p = fma_f(p, r, 0.5f);
+  p = fma_f(p, r, 1.0f);
+  p = fma_f(p, r, 1.0f);
+  union {
+    int32_t i;
+    float f;
+  } two_pow;
+  two_pow.i = (static_cast<int32_t>(n) + 127) << 23;  // 2^n; n >= -126 since x >= -87
+  return p * two_pow.f;
+#endif
+}
+
+// A partial softmax over a subset of keys: running max m, sum l of exp(s - m), and the
+// un-normalized output acc (kept by the caller). Merging two states is exact.
+struct SoftmaxPartial {
+  float m;
+  float l;
+};
+
+// Rescale factors to merge (m_a, l_a) and (m_b, l_b): out = fa * a + fb * b.
+RKV_HD void softmax_merge_factors(SoftmaxPartial a, SoftmaxPartial b, SoftmaxPartial& merged, float& fa, float& fb) {
+  const float m = a.m > b.m ? a.m : b.m;
+  fa = a.l > 0.0f ? softmax_exp(a.m - m) : 0.0f;
+  fb = b.l > 0.0f ? softmax_exp(b.m - m) : 0.0f;
+  merged.m = m;
+  merged.l = a.l * fa + b.l * fb;
+}
+
+}  // namespace rkv

@@ -1,0 +1,163 @@
+"""A quantization scheme for the KV cache, named in one line, with presets for the published methods."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How keys and values are stored.
+
+    A group of k_block_tokens tokens x k_group_size channels shares one scale and zero: per-token keys
+    are (1, head_dim), grouped keys (1, g), per-channel keys (T, 1). Values likewise. pre_rope: keys are
+    stored before RoPE and rotated inside attention. k_hadamard / v_hadamard: stored after a random
+    Hadamard rotation (keys only post-RoPE). sinks: the first tokens in full precision; recent: at least
+    this many newest tokens in full precision (KIVI's residual).
+    """
+
+    name: str = "custom"
+    k_bits: int = 4
+    v_bits: int = 4
+    k_group_size: Optional[int] = None  # None: head_dim
+    k_block_tokens: int = 1
+    v_group_size: Optional[int] = None
+    v_block_tokens: int = 1
+    k_symmetric: bool = False
+    v_symmetric: bool = False
+    pre_rope: bool = False
+    k_hadamard: bool = False
+    v_hadamard: bool = False
+    hadamard_seed: int = 0
+    sinks: int = 0
+    recent: int = 0
+    meta_dtype: torch.dtype = torch.float16
+
+    def __post_init__(self):
+        for arg in ("k_bits", "v_bits"):
+            if getattr(self, arg) not in (2, 3, 4, 8):
+                raise ValueError(f"Scheme.{arg} must be 2, 3, 4 or 8 (got {getattr(self, arg)})")
+        if self.pre_rope and self.k_hadamard:
+            raise ValueError("Scheme: pre_rope and k_hadamard cannot be combined (RoPE does not commute with the "
+                             "rotation); use Hadamard on post-RoPE keys or pre-RoPE keys without it")
+        for arg in ("k_block_tokens", "v_block_tokens"):
+            if getattr(self, arg) < 1:
+                raise ValueError(f"Scheme.{arg} must be >= 1 (got {getattr(self, arg)})")
+        if self.block % self.k_block_tokens or self.block % self.v_block_tokens:
+            raise ValueError(f"Scheme: k_block_tokens ({self.k_block_tokens}) and v_block_tokens "
+                             f"({self.v_block_tokens}) must divide each other")
+        if self.sinks < 0 or self.recent < 0:
+            raise ValueError("Scheme: sinks and recent must be >= 0")
+        if self.meta_dtype not in _DTYPE_NAMES:
+            raise TypeError(f"Scheme.meta_dtype must be float16, bfloat16 or float32 (got {self.meta_dtype})")
+
+    @property
+    def block(self) -> int:
+        """Tokens quantized together when the cache fills a block."""
+        return max(self.k_block_tokens, self.v_block_tokens)
+
+    def replace(self, **changes) -> "Scheme":
+        return dataclasses.replace(self, **changes)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise if this scheme cannot store head_dim channels."""
+        for side, bits, group, had in (("k", self.k_bits, self.k_group_size, self.k_hadamard),
+                                       ("v", self.v_bits, self.v_group_size, self.v_hadamard)):
+            g = group or head_dim
+            if head_dim % g:
+                raise ValueError(f"Scheme {self.name}: {side}_group_size {g} does not divide head_dim {head_dim}")
+            if head_dim * bits % 8:
+                raise ValueError(f"Scheme {self.name}: head_dim {head_dim} at {bits} bits does not fill whole bytes")
+            if had and (head_dim % 2 or head_dim > 8192):
+                raise ValueError(f"Scheme {self.name}: Hadamard needs an even head_dim <= 8192 (got {head_dim})")
+
+    def meta_bits(self, head_dim: int, side: str) -> float:
+        """Metadata bits per element of keys ('k') or values ('v')."""
+        group = (self.k_group_size if side == "k" else self.v_group_size) or head_dim
+        tokens = self.k_block_tokens if side == "k" else self.v_block_tokens
+        symmetric = self.k_symmetric if side == "k" else self.v_symmetric
+        per_group = (1 if symmetric else 2) * torch.finfo(self.meta_dtype).bits
+        return per_group / (group * tokens)
+
+    def effective_bits(self, head_dim: int) -> float:
+        """Average bits per cached element (keys and values) including metadata, excluding the
+        full-precision sink and recent tokens (their share vanishes as the context grows)."""
+        k = self.k_bits + self.meta_bits(head_dim, "k")
+        v = self.v_bits + self.meta_bits(head_dim, "v")
+        return (k + v) / 2
+
+    def describe(self, head_dim: int = 128) -> str:
+        def side(s):
+            bits = getattr(self, f"{s}_bits")
+            group = getattr(self, f"{s}_group_size")
+            tokens = getattr(self, f"{s}_block_tokens")
+            if group == 1 and tokens > 1:
+                how = f"per-channel/{tokens}t"
+            elif group in (None, head_dim) and tokens == 1:
+                how = "per-token"
+            else:
+                how = f"g{group or head_dim}x{tokens}t"
+            extra = ("+sym" if getattr(self, f"{s}_symmetric") else "") + ("+H" if getattr(self, f"{s}_hadamard") else "")
+            return f"{s.upper()}{bits} {how}{extra}"
+
+        parts = [side("k") + (" pre-RoPE" if self.pre_rope else ""), side("v")]
+        if self.sinks:
+            parts.append(f"sinks {self.sinks}")
+        if self.recent:
+            parts.append(f"recent {self.recent}")
+        parts.append(f"meta {_DTYPE_NAMES[self.meta_dtype]}")
+        return f"{self.name}: " + ", ".join(parts) + f" = {self.effective_bits(head_dim):.2f} bits/elem at d={head_dim}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+# ------------------------------------------------------------------------------------------------
+# Presets: the published methods, as this library stores them
+# ------------------------------------------------------------------------------------------------
+
+
+def per_token(bits: int = 4) -> Scheme:
+    """The baseline: one scale per token for post-RoPE keys and for values."""
+    return Scheme(name=f"per-token-{bits}", k_bits=bits, v_bits=bits)
+
+
+def kivi(bits: int = 2, block: int = 32, group: int = 32, recent: int = 128) -> Scheme:
+    """KIVI (arXiv 2402.02750): per-channel post-RoPE keys in blocks of 32 tokens, per-token values in
+    groups of 32 channels, the newest 128 tokens in full precision."""
+    return Scheme(name=f"kivi-{bits}", k_bits=bits, v_bits=bits, k_group_size=1, k_block_tokens=block,
+                  v_group_size=group, recent=recent)
+
+
+def kvquant(bits: int = 3, block: int = 128) -> Scheme:
+    """KVQuant-style (arXiv 2401.18079) without calibration: pre-RoPE per-channel keys, per-token values,
+    the first token in full precision."""
+    return Scheme(name=f"kvquant-{bits}", k_bits=bits, v_bits=bits, k_group_size=1, k_block_tokens=block,
+                  pre_rope=True, sinks=1)
+
+
+def quarot(bits: int = 4) -> Scheme:
+    """QuaRot-style (arXiv 2404.00456): random Hadamard rotation, then per-token keys and values."""
+    return Scheme(name=f"quarot-{bits}", k_bits=bits, v_bits=bits, k_hadamard=True, v_hadamard=True)
+
+
+def recommended(bits: int = 4) -> Scheme:
+    """The library's default: pre-RoPE per-channel keys, grouped values, sink and recent tokens kept in
+    full precision (see docs/guide.md for the measurements behind it)."""
+    return Scheme(name=f"rkv-{bits}", k_bits=bits, v_bits=bits, k_group_size=1, k_block_tokens=64,
+                  v_group_size=32, pre_rope=True, sinks=4, recent=64)
+
+
+PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "quarot": quarot, "rkv": recommended}
+
+
+def preset(name: str, bits: int) -> Scheme:
+    if name not in PRESETS:
+        raise ValueError(f"unknown scheme preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name](bits)
