@@ -40,7 +40,8 @@ def time_ms(fn, min_run_time: float = 1.0) -> float:
     if torch.cuda.is_available():
         fn()
         torch.cuda.synchronize()
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
+    # Timer defaults to one thread; measure with every thread torch would use
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 

@@ -12,6 +12,7 @@
 
 #include "../checks.h"
 #include "../dispatch.h"
+#include "attention_tiles.h"
 #include "block_quant.h"
 #include "rkv/attention.h"
 #include "rkv/rope.h"
@@ -20,7 +21,7 @@ namespace rkv::cpu {
 namespace {
 
 // Float rows of one cached tensor (keys or values) of one (sequence, kv head).
-template <typename fp_t, typename meta_t>
+template <typename fp_t, typename meta_t, int DC>
 struct RowReader {
   const uint8_t* packed;  // (capacity, row_bytes)
   const meta_t* scale;    // (capacity / block_tokens, dim / group)
@@ -40,7 +41,8 @@ struct RowReader {
     codes.resize(dim);
   }
 
-  void load(int64_t t, float* out) {
+  RKV_INLINE void load(int64_t t, float* out) {
+    const int64_t dim = DC > 0 ? DC : this->dim;
     switch (token_place(t, sinks, q_count)) {
       case Place::Sink:
         to_float(sink + t * dim, out, dim);
@@ -50,21 +52,31 @@ struct RowReader {
         return;
       case Place::Packed: {
         const int64_t s = t - sinks, m = s / block_tokens, ng = dim / group;
+        const bool symmetric = zero == nullptr;
         if (m != meta_row) {
           to_float(scale + m * ng, sc.data(), ng);
-          if (zero) to_float(zero + m * ng, zc.data(), ng);
+          if (!symmetric) to_float(zero + m * ng, zc.data(), ng);
           meta_row = m;
+#if RKV_TILES_AVX2
+          if (symmetric)  // the fast decode is code * s + z for both kinds
+            for (int64_t i = 0; i < ng; ++i) zc[i] = -static_cast<float>(sym_bias(bits)) * sc[i];
+#endif
         }
-        decode_row(packed + s * (dim * bits / 8), sc.data(), zc.data(), dim, group, bits, zero == nullptr,
-                   codes.data(), out);
+        const uint8_t* row = packed + s * (dim * bits / 8);
+#if RKV_TILES_AVX2
+        if constexpr (DC > 0 && DC % 8 == 0) {
+          if (group == 1 || group % 8 == 0) return decode_row_fast<DC>(row, bits, sc.data(), zc.data(), group, out);
+        }
+#endif
+        decode_row(row, sc.data(), zc.data(), dim, group, bits, symmetric, codes.data(), out);
         return;
       }
     }
   }
 };
 
-inline void rope_row(float* __restrict k, const float* __restrict c, const float* __restrict s, int64_t half,
-                     bool interleaved) {
+RKV_INLINE void rope_row(float* __restrict k, const float* __restrict c, const float* __restrict s, int64_t half,
+                         bool interleaved) {
   if (interleaved) {
     for (int64_t j = 0; j < half; ++j) rope_apply(k[2 * j], k[2 * j + 1], c[j], s[j]);
   } else {
@@ -74,11 +86,23 @@ inline void rope_row(float* __restrict k, const float* __restrict c, const float
   }
 }
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
+// Tile micro-kernels: register-blocked AVX2 for head dims that are multiples of 8, portable otherwise.
+template <int DC>
+RKV_INLINE void tile_scores(const float* k, int64_t ntok, int64_t dim, const float* q, int64_t groups, float* s,
+                            int64_t s_stride) {
+#if RKV_TILES_AVX2
+  if constexpr (DC > 0 && DC % 8 == 0) return scores_tile<DC>(k, ntok, q, groups, s, s_stride);
+#endif
+  scores_tile_generic(k, ntok, dim, q, groups, s, s_stride);
+}
+
+template <int DC>
+RKV_INLINE void tile_accumulate(const float* v, int64_t ntok, int64_t dim, const float* p, int64_t groups,
+                                int64_t p_stride, float* acc, int64_t acc_stride) {
+#if RKV_TILES_AVX2
+  if constexpr (DC > 0 && DC % 8 == 0) return accumulate_tile<DC>(v, ntok, p, groups, p_stride, acc, acc_stride);
+#endif
+  accumulate_tile_generic(v, ntok, dim, p, groups, p_stride, acc, acc_stride);
 }
 
 struct Tensors {
@@ -91,12 +115,12 @@ struct Tensors {
   int64_t splits;
 };
 
-template <typename fp_t, typename meta_t>
+template <typename fp_t, typename meta_t, int DC>
 void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor& k_packed, const at::Tensor& k_scale,
                    const at::Tensor& k_zero, const at::Tensor& v_packed, const at::Tensor& v_scale,
                    const at::Tensor& v_zero, const at::Tensor& k_window, const at::Tensor& v_window,
                    const at::Tensor& k_sink, const at::Tensor& v_sink) {
-  const int64_t D = g.dim, G = g.group_size(), ST = g.split_tokens, H = g.kv_heads;
+  const int64_t D = DC > 0 ? DC : g.dim, G = g.group_size(), ST = g.split_tokens, H = g.kv_heads;
   const int64_t items = g.batch * H * io.splits;
   const auto reader = [&](bool keys, int64_t b, int64_t h, int64_t q_count) {
     const at::Tensor& packed = keys ? k_packed : v_packed;
@@ -106,7 +130,7 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
     const at::Tensor& sink = keys ? k_sink : v_sink;
     const int64_t bh = b * H + h, bits = keys ? g.k_bits : g.v_bits;
     const int64_t ng = scale.size(3), nb = scale.size(2);
-    RowReader<fp_t, meta_t> r{packed.const_data_ptr<uint8_t>() + bh * g.capacity * (D * bits / 8),
+    RowReader<fp_t, meta_t, DC> r{packed.const_data_ptr<uint8_t>() + bh * g.capacity * (D * bits / 8),
                               scale.const_data_ptr<meta_t>() + bh * nb * ng,
                               zero.defined() ? zero.const_data_ptr<meta_t>() + bh * nb * ng : nullptr,
                               window.const_data_ptr<fp_t>() + bh * g.window * D,
@@ -118,57 +142,52 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
   };
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(D), scores(G * ST);
+    // tiles of dequantized rows, zero-padded to a multiple of 8 rows for the register-blocked kernels
+    std::vector<float> tile(kTileTokens * D, 0.0f), scores(G * ST);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t split = it % io.splits, bh = it / io.splits, h = bh % H, b = bh / H;
       const int64_t n = io.lengths[b], t0 = split * ST, t1 = std::min(n, t0 + ST);
       const int64_t hq0 = b * g.q_heads + h * G;  // first query head of this kv head
       float* ml = io.part_ml + (hq0 * io.splits + split) * 2;
       float* acc = io.part_acc + (hq0 * io.splits + split) * D;
+      const int64_t ml_stride = io.splits * 2, acc_stride = io.splits * D;
+      for (int64_t gq = 0; gq < G; ++gq) std::fill(acc + gq * acc_stride, acc + gq * acc_stride + D, 0.0f);
       if (t0 >= t1) {  // nothing cached in this split: an empty partial
         for (int64_t gq = 0; gq < G; ++gq) {
-          ml[gq * io.splits * 2] = -INFINITY;
-          ml[gq * io.splits * 2 + 1] = 0.0f;
-          std::fill(acc + gq * io.splits * D, acc + gq * io.splits * D + D, 0.0f);
+          ml[gq * ml_stride] = -INFINITY;
+          ml[gq * ml_stride + 1] = 0.0f;
         }
         continue;
       }
       const int64_t q_count = quantized_count(n, g.sinks, g.recent, g.block), len = t1 - t0;
-      // scores = q . k for every query head of the group
+      // 1. scores = q . k for every query head of the group, a tile of keys at a time
       auto keys = reader(true, b, h, q_count);
       const float* qg = io.q + hq0 * D;
-      for (int64_t t = t0; t < t1; ++t) {
-        keys.load(t, row.data());
-        if (io.cos) rope_row(row.data(), io.cos + t * g.rope_half, io.sin + t * g.rope_half, g.rope_half, g.interleaved);
-        for (int64_t gq = 0; gq < G; ++gq) scores[gq * ST + (t - t0)] = dot(qg + gq * D, row.data(), D);
+      for (int64_t tt = t0; tt < t1; tt += kTileTokens) {
+        const int64_t nt = std::min(kTileTokens, t1 - tt);
+        for (int64_t i = 0; i < nt; ++i) {
+          float* row = tile.data() + i * D;
+          keys.load(tt + i, row);
+          if (io.cos) rope_row(row, io.cos + (tt + i) * g.rope_half, io.sin + (tt + i) * g.rope_half, g.rope_half,
+                               g.interleaved);
+        }
+        tile_scores<DC>(tile.data(), nt, D, qg, G, scores.data() + (tt - t0), ST);
       }
-      // partial softmax per query head
+      // 2. partial softmax per query head
       for (int64_t gq = 0; gq < G; ++gq) {
         float* s = scores.data() + gq * ST;
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
         for (int64_t i = 0; i < len; ++i) m = s[i] > m ? s[i] : m;
-        float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t i = 0; i < len; ++i) {
-          s[i] = softmax_exp(s[i] - m);
-          l += s[i];
-        }
-        ml[gq * io.splits * 2] = m;
-        ml[gq * io.splits * 2 + 1] = l;
-        std::fill(acc + gq * io.splits * D, acc + gq * io.splits * D + D, 0.0f);
+        ml[gq * ml_stride] = m;
+        ml[gq * ml_stride + 1] = exp_sum_row(s, len, m);
       }
-      // un-normalized output: sum_t p_t v_t
+      // 3. un-normalized output sum_t p_t v_t, a tile of values at a time
       auto values = reader(false, b, h, q_count);
-      for (int64_t t = t0; t < t1; ++t) {
-        values.load(t, row.data());
-        const float* v = row.data();
-        for (int64_t gq = 0; gq < G; ++gq) {
-          const float p = scores[gq * ST + (t - t0)];
-          float* a = acc + gq * io.splits * D;
-#pragma omp simd
-          for (int64_t c = 0; c < D; ++c) a[c] = fma_f(p, v[c], a[c]);
-        }
+      for (int64_t tt = t0; tt < t1; tt += kTileTokens) {
+        const int64_t nt = std::min(kTileTokens, t1 - tt);
+        for (int64_t i = 0; i < nt; ++i) values.load(tt + i, tile.data() + i * D);
+        tile_accumulate<DC>(tile.data(), nt, D, scores.data() + (tt - t0), G, ST, acc, acc_stride);
       }
     }
   });
@@ -244,8 +263,18 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_packed,
   const at::Tensor vz = v_zero.has_value() ? c(*v_zero) : at::Tensor();
   RKV_DISPATCH_FLOAT(k_window.scalar_type(), "rkv.decode_attention", fp_t, [&] {
     RKV_DISPATCH_FLOAT(k_scale.scalar_type(), "rkv.decode_attention", meta_t, [&] {
-      decode_kernel<fp_t, meta_t>(g, io, c(k_packed), c(k_scale), kz, c(v_packed), c(v_scale), vz, c(k_window),
-                                  c(v_window), c(k_sink), c(v_sink));
+      const auto run = [&](auto dim_constant) {
+        decode_kernel<fp_t, meta_t, decltype(dim_constant)::value>(g, io, c(k_packed), c(k_scale), kz, c(v_packed),
+                                                                  c(v_scale), vz, c(k_window), c(v_window),
+                                                                  c(k_sink), c(v_sink));
+      };
+      // head_dim as a compile-time constant for the common sizes: fully unrolled row loops
+      switch (g.dim) {
+        case 64: run(std::integral_constant<int, 64>{}); break;
+        case 128: run(std::integral_constant<int, 128>{}); break;
+        case 256: run(std::integral_constant<int, 256>{}); break;
+        default: run(std::integral_constant<int, 0>{});
+      }
     });
   });
   at::Tensor out = at::empty({g.batch, g.q_heads, g.dim}, qf.options());

@@ -41,7 +41,7 @@ inline void pack_row(const uint8_t* __restrict codes, int64_t dim, int bits, uin
 }
 
 // Fast whole-row unpack; same codes as unpack_code.
-inline void unpack_row(const uint8_t* __restrict row, int64_t dim, int bits, uint8_t* __restrict codes) {
+RKV_INLINE void unpack_row(const uint8_t* __restrict row, int64_t dim, int bits, uint8_t* __restrict codes) {
   switch (bits) {
     case 8:
       std::memcpy(codes, row, dim);
@@ -152,7 +152,7 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
 
 // Decodes one packed row of dim codes whose group parameters (one per group_size channels) are the
 // float arrays sc / zc (zc unused when symmetric). codes is dim bytes of scratch.
-inline void decode_row(const uint8_t* packed_row, const float* sc, const float* zc, int64_t dim, int64_t group_size,
+RKV_INLINE void decode_row(const uint8_t* packed_row, const float* sc, const float* zc, int64_t dim, int64_t group_size,
                        int bits, bool symmetric, uint8_t* __restrict codes, float* __restrict out) {
   unpack_row(packed_row, dim, bits, codes);
   if (group_size == 1) {

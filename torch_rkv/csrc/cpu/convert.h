@@ -10,15 +10,17 @@
 
 #include <cstring>
 
+#include "rkv/macros.h"
+
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace rkv::cpu {
 
-inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+RKV_INLINE void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
-inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+RKV_INLINE void to_float(const c10::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__F16C__)
   for (; i + 8 <= n; i += 8)
@@ -27,7 +29,7 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+RKV_INLINE void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {

@@ -45,12 +45,8 @@ RKV_HD float softmax_exp(float x) {
   p = fma_f(p, r, 0.5f);
   p = fma_f(p, r, 1.0f);
   p = fma_f(p, r, 1.0f);
-  union {
-    int32_t i;
-    float f;
-  } two_pow;
-  two_pow.i = (static_cast<int32_t>(n) + 127) << 23;  // 2^n; n >= -126 since x >= -87
-  return p * two_pow.f;
+  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);  // n >= -126
+  return p * two_n;
 #endif
 }
 

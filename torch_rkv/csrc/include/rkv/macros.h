@@ -12,6 +12,13 @@
 #define RKV_HD inline
 #endif
 
+// Host hot-loop helpers that must inline so compile-time sizes reach their loops.
+#if defined(__GNUC__)
+#define RKV_INLINE inline __attribute__((always_inline))
+#else
+#define RKV_INLINE inline
+#endif
+
 #if defined(__CUDA_ARCH__)
 #define RKV_DEVICE_CODE 1
 #else

@@ -1,0 +1,159 @@
+"""Benchmark rkv::decode_attention (one decode step over the quantized cache) against baselines timed in
+the same run:
+
+  sdpa_fp32     torch SDPA on a full-precision fp32 cache (B, Hkv, n, D), GQA
+  sdpa_bf16     torch SDPA on a bf16 cache (fp16 on GPU)
+  deq_sdpa      dequantize the whole packed cache (and apply RoPE to pre-RoPE keys), then SDPA: what HF's
+                QuantizedCache does every step
+  read          a plain float32 sum over a buffer as large as the packed cache: the machine's read speed
+
+    python bench/bench_decode.py [--json] [--contexts 4096 16384 65536] [--bits 8 4 3 2]
+
+Records: bits, key scheme, context, batch, heads, head_dim, ms of each, speedups, cache bytes read and
+the fused kernel's GB/s and its time relative to the read time for the same bytes. Correctness is
+checked once per case (fused vs reference-style dequantize + attention) before timing.
+
+Caches are cold, as in a real decode step where every layer's cache is read once: the fused kernel and
+the read baseline cycle through enough copies of the cache (like layers of a model) to exceed the last
+level cache several times; the full-precision baselines are larger than it already.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import emit, print_machine, time_ms  # noqa: E402
+
+import torch_rkv  # noqa: E402
+from torch_rkv.layout import CacheLayout  # noqa: E402
+from torch_rkv.scheme import Scheme  # noqa: E402
+
+SHAPES = {"9q/3kv/d64": (9, 3, 64), "32q/8kv/d128": (32, 8, 128)}
+KEY_SCHEMES = {
+    "per-token": dict(),
+    "per-channel": dict(k_group_size=1, k_block_tokens=128),
+    "pre-rope-per-channel": dict(k_group_size=1, k_block_tokens=128, pre_rope=True),
+}
+
+
+def fill_random(layout: CacheLayout, n: int, device) -> dict:
+    """Buffers of a cache holding n tokens: quantize random keys/values block by block (fast path)."""
+    s = layout.scheme
+    bufs = layout.allocate(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (layout.batch, layout.kv_heads, layout.packed_capacity, layout.head_dim)
+    for side in ("k", "v"):
+        x = torch.randn(shape, generator=gen, device=device)
+        group = getattr(s, f"{side}_group_size") or layout.head_dim
+        q = torch_rkv.quantize(x, getattr(s, f"{side}_bits"), group, getattr(s, f"{side}_block_tokens"),
+                               getattr(s, f"{side}_symmetric"), s.meta_dtype)
+        bufs[f"{side}_packed"].copy_(q.packed)
+        bufs[f"{side}_scale"].copy_(q.scale)
+        if q.zero is not None:
+            bufs[f"{side}_zero"].copy_(q.zero)
+    return bufs
+
+
+def last_level_cache_bytes() -> int:
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            return int(f.read().strip().rstrip("K")) * 1024
+    except (OSError, ValueError):
+        return 32 << 20
+
+
+def cycled(fn, copies):
+    """fn(copy) over the copies in turn, so each call reads a cache that is not in the CPU caches."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(copies)
+        return fn(copies[state["i"]])
+
+    return call
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--bits", type=int, nargs="+", default=[8, 4, 3, 2])
+    ap.add_argument("--keys", nargs="+", default=["per-channel", "pre-rope-per-channel"], choices=list(KEY_SCHEMES))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--min-run-time", type=float, default=0.5)
+    ap.add_argument("--peak-gbps", type=float, default=None, help="device peak bandwidth, for the GPU report")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    print_machine()
+    dev = args.device
+    half = torch.bfloat16 if dev == "cpu" else torch.float16
+
+    for shape_name in args.shapes:
+        hq, hkv, d = SHAPES[shape_name]
+        for n in args.contexts:
+            b = args.batch
+            q = torch.randn(b, hq, d, device=dev)
+            k32 = torch.randn(b, hkv, n, d, device=dev)
+            v32 = torch.randn(b, hkv, n, d, device=dev)
+            k16, v16 = k32.to(half), v32.to(half)
+            q4 = q[:, :, None]
+            t_fp32 = time_ms(lambda: F.scaled_dot_product_attention(q4, k32, v32, enable_gqa=True), args.min_run_time)
+            t_bf16 = time_ms(lambda: F.scaled_dot_product_attention(q4.to(half), k16, v16, enable_gqa=True),
+                             args.min_run_time)
+            del k16, v16
+            cos, sin = torch_rkv.rope_tables(d, n, theta=1e4, device=dev)
+            for key_name in args.keys:
+                for bits in args.bits:
+                    scheme = Scheme(k_bits=bits, v_bits=bits, **KEY_SCHEMES[key_name])
+                    layout = CacheLayout(scheme, b, hkv, d, n, torch.float32)
+                    bufs = fill_random(layout, n, dev)
+                    lengths = torch.full((b,), n, device=dev)
+                    rope = (cos, sin) if scheme.pre_rope else (None, None)
+                    a = [bufs.get(k) for k in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero",
+                                                "k_window", "v_window", "k_sink", "v_sink")]
+
+                    def fused(bufs):
+                        return torch_rkv.decode_attention(q, *bufs, lengths, bits, bits, scheme.block, scheme.recent,
+                                                          rope[0], rope[1])
+
+                    def deq_sdpa():
+                        k = torch_rkv.dequantize(torch_rkv.Quantized(a[0], a[1], a[2], bits), torch.float32)
+                        v = torch_rkv.dequantize(torch_rkv.Quantized(a[3], a[4], a[5], bits), torch.float32)
+                        if rope[0] is not None:
+                            k = torch_rkv.rope(k, cos, sin, torch.arange(n, device=dev))
+                        return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)[:, :, 0]
+
+                    got, want = fused(a), deq_sdpa()
+                    err = (got - want).abs().max().item()
+                    assert err < 1e-3 * want.abs().max().item() + 1e-4, f"fused != dequantize+SDPA ({err})"
+                    nbytes = sum(t.numel() * t.element_size() for t in a if t is not None)
+                    ncopies = 1 if dev != "cpu" else min(16, max(2, -(-4 * last_level_cache_bytes() // nbytes)))
+                    copies = [a] + [[None if t is None else t.clone() for t in a] for _ in range(ncopies - 1)]
+                    reads = [torch.randn(-(-nbytes // 4), device=dev) for _ in range(ncopies)]
+                    t_read = time_ms(cycled(lambda buf: buf.sum(), reads), args.min_run_time)
+                    t_fused = time_ms(cycled(fused, copies), args.min_run_time)
+                    t_deq = time_ms(deq_sdpa, args.min_run_time)
+                    rec = dict(bits=bits, keys=key_name, context=n, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
+                               device=dev, ms=t_fused, sdpa_fp32_ms=t_fp32, sdpa_half_ms=t_bf16, deq_sdpa_ms=t_deq,
+                               read_ms=t_read, speedup_vs_sdpa_fp32=t_fp32 / t_fused,
+                               speedup_vs_sdpa_half=t_bf16 / t_fused, speedup_vs_deq_sdpa=t_deq / t_fused,
+                               cache_bytes=nbytes, gbps=nbytes / t_fused / 1e6, read_gbps=nbytes / t_read / 1e6,
+                               time_vs_read=t_fused / t_read)
+                    if args.peak_gbps:
+                        rec["fraction_of_peak"] = rec["gbps"] / args.peak_gbps
+                    emit(rec, args.json)
+                    del bufs, a, copies, reads
+            del k32, v32
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+// CPU micro-kernels of decode attention over a tile of dequantized rows (float, row-major [t][D]):
+//   scores_tile:     s[g][t] = q_g . k_t          for every query head g of a GQA group
+//   accumulate_tile: acc[g][:] += p[g][t] * v_t
+// With AVX2+FMA they are register-blocked: 8 tokens' dot products are reduced together by a transpose
+// (one horizontal sum per 8 scores, not per score), and the output accumulators stay in registers
+// across the tile. Elsewhere the same loops are written for the auto-vectorizer.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "rkv/attention.h"
+#include "rkv/macros.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RKV_TILES_AVX2 1
+#else
+#define RKV_TILES_AVX2 0
+#endif
+
+namespace rkv::cpu {
+
+constexpr int64_t kTileTokens = 32;  // rows per tile: a key and a value tile of D=128 fit in L1
+
+#if RKV_TILES_AVX2
+
+// The 8 horizontal sums of a[0..7] as one vector: lane i = sum of a[i]'s lanes.
+RKV_INLINE __m256 transpose_sum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23);  // per 128-bit half: sums of a0..a3 halves
+  const __m256 s4567 = _mm256_hadd_ps(s45, s67);
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
+// Tile rows beyond ntok must be readable (the caller zero-pads the tile to a multiple of 8 rows).
+template <int D>
+RKV_INLINE void scores_tile(const float* __restrict k, int64_t ntok, const float* __restrict q, int64_t groups,
+                            float* __restrict s, int64_t s_stride) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* qg = q + g * D;
+    for (int64_t t0 = 0; t0 < ntok; t0 += 8) {
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int c = 0; c < D; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + c);
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (t0 + i) * D + c), acc[i]);
+      }
+      alignas(32) float out[8];
+      _mm256_store_ps(out, transpose_sum8(acc));
+      const int64_t n = ntok - t0 < 8 ? ntok - t0 : 8;
+      for (int64_t i = 0; i < n; ++i) s[g * s_stride + t0 + i] = out[i];
+    }
+  }
+}
+
+// NG query heads at once (NG <= 4 accumulators per 8 channels, kept in registers over the tile).
+template <int D, int NG>
+RKV_INLINE void accumulate_tile_heads(const float* __restrict v, int64_t ntok, const float* __restrict p,
+                                      int64_t p_stride, float* __restrict acc, int64_t acc_stride) {
+  for (int c = 0; c < D; c += 8) {
+    __m256 a[NG];
+    for (int j = 0; j < NG; ++j) a[j] = _mm256_loadu_ps(acc + j * acc_stride + c);
+    for (int64_t t = 0; t < ntok; ++t) {
+      const __m256 vv = _mm256_loadu_ps(v + t * D + c);
+      for (int j = 0; j < NG; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * p_stride + t), vv, a[j]);
+    }
+    for (int j = 0; j < NG; ++j) _mm256_storeu_ps(acc + j * acc_stride + c, a[j]);
+  }
+}
+
+template <int D>
+RKV_INLINE void accumulate_tile(const float* __restrict v, int64_t ntok, const float* __restrict p, int64_t groups,
+                                int64_t p_stride, float* __restrict acc, int64_t acc_stride) {
+  int64_t g = 0;
+  for (; g + 4 <= groups; g += 4) accumulate_tile_heads<D, 4>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride);
+  switch (groups - g) {
+    case 3: accumulate_tile_heads<D, 3>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride); break;
+    case 2: accumulate_tile_heads<D, 2>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride); break;
+    case 1: accumulate_tile_heads<D, 1>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride); break;
+    default: break;
+  }
+}
+
+// Codes 8c..8c+7 of a packed row as 8 floats: the chunk's b bytes read as one little-endian word,
+// broadcast, shifted right by 0, b, ..., 7b per lane and masked (the docs/format.md bitstream).
+template <int BITS>
+RKV_INLINE __m256 code_chunk(const uint8_t* row, int64_t c, bool last) {
+  if constexpr (BITS == 8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c))));
+  } else {
+    uint32_t w = 0;
+    // BITS bytes hold the chunk's 8 codes; a 4-byte load is fine except at the end of a 3-bit row
+    if (BITS == 3 && last) {
+      std::memcpy(&w, row + BITS * c, BITS);
+    } else {
+      std::memcpy(&w, row + BITS * c, 4);
+    }
+    const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
+    const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts),
+                                       _mm256_set1_epi32((1 << BITS) - 1));
+    return _mm256_cvtepi32_ps(v);
+  }
+}
+
+// out[c] = code_c * sc + zc with per-channel (group == 1) or per-group (group % 8 == 0) parameters;
+// symmetric quantization passes zc = -2^(bits-1) * sc. Rounds once (FMA): attention-grade, not the
+// bit-exact rkv.dequantize path.
+template <int D, int BITS>
+RKV_INLINE void decode_row_chunks(const uint8_t* __restrict row, const float* __restrict sc,
+                                  const float* __restrict zc, int64_t group, float* __restrict out) {
+  constexpr int64_t kChunks = D / 8;
+  if (group == 1) {
+    for (int64_t c = 0; c < kChunks; ++c)
+      _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(code_chunk<BITS>(row, c, c == kChunks - 1),
+                                                    _mm256_loadu_ps(sc + 8 * c), _mm256_loadu_ps(zc + 8 * c)));
+    return;
+  }
+  const int64_t per_group = group / 8;
+  for (int64_t gi = 0, c = 0; gi < D / group; ++gi) {
+    const __m256 s = _mm256_set1_ps(sc[gi]), z = _mm256_set1_ps(zc[gi]);
+    for (int64_t j = 0; j < per_group; ++j, ++c)
+      _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(code_chunk<BITS>(row, c, c == kChunks - 1), s, z));
+  }
+}
+
+template <int D>
+RKV_INLINE void decode_row_fast(const uint8_t* row, int bits, const float* sc, const float* zc, int64_t group,
+                                float* out) {
+  switch (bits) {
+    case 2: return decode_row_chunks<D, 2>(row, sc, zc, group, out);
+    case 3: return decode_row_chunks<D, 3>(row, sc, zc, group, out);
+    case 4: return decode_row_chunks<D, 4>(row, sc, zc, group, out);
+    default: return decode_row_chunks<D, 8>(row, sc, zc, group, out);
+  }
+}
+
+// s[i] <- exp(s[i] - m) for i < n, returns their sum: softmax_exp (include/rkv/attention.h), 8 lanes at a time.
+RKV_INLINE float exp_sum_row(float* __restrict s, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693145751953125f), ln2_lo = _mm256_set1_ps(1.428606765330187e-6f);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv), lo);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, ln2_hi)), _mm256_mul_ps(k, ln2_lo));
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    _mm256_storeu_ps(s + i, y);
+    sum = _mm256_add_ps(sum, y);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; i < n; ++i) {
+    s[i] = softmax_exp(s[i] - m);
+    total += s[i];
+  }
+  return total;
+}
+
+#else  // portable
+
+RKV_INLINE float exp_sum_row(float* __restrict s, int64_t n, float m) {
+  float total = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = softmax_exp(s[i] - m);
+    total += s[i];
+  }
+  return total;
+}
+
+#endif  // RKV_TILES_AVX2
+
+// Portable versions (any D, any ISA); also the path for head dims that are not multiples of 8.
+RKV_INLINE void scores_tile_generic(const float* __restrict k, int64_t ntok, int64_t dim, const float* __restrict q,
+                                    int64_t groups, float* __restrict s, int64_t s_stride) {
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t t = 0; t < ntok; ++t) {
+      const float* kt = k + t * dim;
+      const float* qg = q + g * dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t c = 0; c < dim; ++c) dot += qg[c] * kt[c];
+      s[g * s_stride + t] = dot;
+    }
+}
+
+RKV_INLINE void accumulate_tile_generic(const float* __restrict v, int64_t ntok, int64_t dim, const float* __restrict p,
+                                        int64_t groups, int64_t p_stride, float* __restrict acc, int64_t acc_stride) {
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t t = 0; t < ntok; ++t) {
+      const float pt = p[g * p_stride + t];
+      const float* vt = v + t * dim;
+      float* a = acc + g * acc_stride;
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c) a[c] = fma_f(pt, vt[c], a[c]);
+    }
+}
+
+}  // namespace rkv::cpu
