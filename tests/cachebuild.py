@@ -70,3 +70,16 @@ def float_tolerance(q, keys, values, dtype) -> float:
     score_err = 16 * math.sqrt(d) * eps * qmax * kmax + 1e-6
     out_ulp = torch.finfo(dtype).eps * vmax
     return 4 * score_err * vmax + 64 * eps * vmax + out_ulp
+
+
+def quantization_bound(q, bufs, values, v_rotated=False) -> float:
+    """Worst case from the stored steps: every value is within half its step, so the output (a convex
+    combination) moves by at most max(step_v)/2 per channel (sqrt(D) times that after rotating back
+    from a Hadamard space, the largest an orthonormal map stretches a max-norm); every key is within
+    half a step per channel, so a score moves by at most |q| scale sqrt(D) max(step_k)/2 (RoPE and
+    Hadamard keep norms), and the softmax output by at most twice the largest score change times max|v|."""
+    d = q.shape[-1]
+    half_k = bufs["k_scale"].float().max().item() / 2
+    half_v = bufs["v_scale"].float().max().item() / 2 * (math.sqrt(d) if v_rotated else 1.0)
+    score = q.float().norm(dim=-1).max().item() / math.sqrt(d) * math.sqrt(d) * half_k
+    return half_v + 2 * score * values.abs().max().item() + 1e-5

@@ -175,52 +175,91 @@ void check_hadamard(const at::Tensor& x, const std::optional<at::Tensor>& signs)
 namespace {
 
 // One quantized tensor of the cache: packed (B, H, C, D*bits/8), scale/zero (B, H, C/T, D/G).
-void check_cache_quantized(const char* name, const at::Tensor& q, const at::Tensor& packed, const at::Tensor& scale,
-                           const std::optional<at::Tensor>& zero, int64_t bits, int64_t block, DecodeGeometry& g,
-                           int64_t& block_tokens, int64_t& group) {
+void check_cache_quantized(const char* op, const char* name, const at::Tensor& ref, const at::Tensor& packed,
+                           const at::Tensor& scale, const std::optional<at::Tensor>& zero, int64_t bits,
+                           int64_t block, DecodeGeometry& g, int64_t& block_tokens, int64_t& group) {
   const std::string p = std::string(name) + "_packed", sc = std::string(name) + "_scale",
                     zr = std::string(name) + "_zero";
-  check_bits("decode_attention", (std::string(name) + "_bits").c_str(), bits);
-  TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, "rkv.decode_attention: ", p, " must be uint8 (got ",
+  check_bits(op, (std::string(name) + "_bits").c_str(), bits);
+  TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, "rkv.", op, ": ", p, " must be uint8 (got ",
                    packed.scalar_type(), ")");
-  check_float_input("decode_attention", sc.c_str(), scale);
-  check_same_device("decode_attention", q, p.c_str(), packed);
-  check_same_device("decode_attention", q, sc.c_str(), scale);
-  TORCH_CHECK_VALUE(packed.dim() == 4 && packed.size(0) == g.batch && packed.size(-1) * 8 == g.dim * bits,
-                    "rkv.decode_attention: ", p, " must have shape (batch=", g.batch, ", kv_heads, capacity, ",
-                    g.dim * bits / 8, ") for head_dim ", g.dim, " at ", bits, " bits, got ", packed.sizes());
-  TORCH_CHECK_VALUE(scale.dim() == 4 && scale.size(0) == g.batch && scale.size(1) == packed.size(1),
-                    "rkv.decode_attention: ", sc, " must have shape (", g.batch, ", ", packed.size(1),
-                    ", blocks, groups), got ", scale.sizes());
+  check_float_input(op, sc.c_str(), scale);
+  check_same_device(op, ref, p.c_str(), packed);
+  check_same_device(op, ref, sc.c_str(), scale);
+  TORCH_CHECK_VALUE(packed.dim() == 4 && packed.size(0) == g.batch && packed.size(1) == g.kv_heads &&
+                        packed.size(-1) * 8 == g.dim * bits,
+                    "rkv.", op, ": ", p, " must have shape (batch=", g.batch, ", kv_heads=", g.kv_heads,
+                    ", capacity, ", g.dim * bits / 8, ") for head_dim ", g.dim, " at ", bits, " bits, got ",
+                    packed.sizes());
+  TORCH_CHECK_VALUE(scale.dim() == 4 && scale.size(0) == g.batch && scale.size(1) == g.kv_heads, "rkv.", op, ": ",
+                    sc, " must have shape (", g.batch, ", ", g.kv_heads, ", blocks, groups), got ", scale.sizes());
   const int64_t cap = packed.size(2), nb = scale.size(2), ng = scale.size(3);
-  TORCH_CHECK_VALUE(ng >= 1 && g.dim % ng == 0, "rkv.decode_attention: ", sc, "'s last dim (", ng,
+  TORCH_CHECK_VALUE(ng >= 1 && g.dim % ng == 0, "rkv.", op, ": ", sc, "'s last dim (", ng,
                     " groups) must divide head_dim (", g.dim, ")");
-  TORCH_CHECK_VALUE((nb >= 1 && cap % nb == 0 && block % (cap / nb) == 0) || (nb == 0 && cap == 0),
-                    "rkv.decode_attention: ", sc, " has ", nb, " token blocks for ", cap,
-                    " packed tokens: its block size must divide block (", block, ")");
+  TORCH_CHECK_VALUE((nb >= 1 && cap % nb == 0 && block % (cap / nb) == 0) || (nb == 0 && cap == 0), "rkv.", op, ": ",
+                    sc, " has ", nb, " token blocks for ", cap, " packed tokens: its block size must divide block (",
+                    block, ")");
   block_tokens = nb == 0 ? 1 : cap / nb;
   group = g.dim / ng;
   if (zero.has_value()) {
-    TORCH_CHECK_TYPE(zero->scalar_type() == scale.scalar_type(), "rkv.decode_attention: ", zr,
-                     " must have ", sc, "'s dtype");
-    TORCH_CHECK_VALUE(zero->sizes() == scale.sizes(), "rkv.decode_attention: ", zr, " must have ", sc,
-                      "'s shape ", scale.sizes(), ", got ", zero->sizes());
-    check_same_device("decode_attention", q, zr.c_str(), *zero);
+    TORCH_CHECK_TYPE(zero->scalar_type() == scale.scalar_type(), "rkv.", op, ": ", zr, " must have ", sc,
+                     "'s dtype");
+    TORCH_CHECK_VALUE(zero->sizes() == scale.sizes(), "rkv.", op, ": ", zr, " must have ", sc, "'s shape ",
+                      scale.sizes(), ", got ", zero->sizes());
+    check_same_device(op, ref, zr.c_str(), *zero);
   }
 }
 
-void check_full_precision(const char* name, const at::Tensor& q, const at::Tensor& t, const at::Tensor& like,
-                          const DecodeGeometry& g) {
-  check_float_input("decode_attention", name, t);
-  check_same_device("decode_attention", q, name, t);
-  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), "rkv.decode_attention: ", name,
-                   " must have k_window's dtype (", like.scalar_type(), "), got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == g.batch && t.size(1) == g.kv_heads && t.size(3) == g.dim,
-                    "rkv.decode_attention: ", name, " must have shape (", g.batch, ", ", g.kv_heads,
-                    ", tokens, ", g.dim, "), got ", t.sizes());
+void check_full_precision(const char* op, const char* name, const at::Tensor& ref, const at::Tensor& t,
+                          const at::Tensor& like, const DecodeGeometry& g) {
+  check_float_input(op, name, t);
+  check_same_device(op, ref, name, t);
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), "rkv.", op, ": ", name, " must have k_window's dtype (",
+                   like.scalar_type(), "), got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == g.batch && t.size(1) == g.kv_heads && t.size(3) == g.dim, "rkv.", op,
+                    ": ", name, " must have shape (", g.batch, ", ", g.kv_heads, ", tokens, ", g.dim, "), got ",
+                    t.sizes());
 }
 
 }  // namespace
+
+void check_cache_layout(const char* op, const at::Tensor& ref, const at::Tensor& k_packed, const at::Tensor& k_scale,
+                        const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
+                        const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
+                        const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
+                        const at::Tensor& v_sink, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
+                        int64_t block, int64_t recent, DecodeGeometry& g) {
+  TORCH_CHECK_VALUE(block >= 1, "rkv.", op, ": block must be >= 1 (got ", block, ")");
+  TORCH_CHECK_VALUE(recent >= 0, "rkv.", op, ": recent must be >= 0 (got ", recent, ")");
+  g.block = block;
+  g.recent = recent;
+  check_cache_quantized(op, "k", ref, k_packed, k_scale, k_zero, k_bits, block, g, g.k_block_tokens, g.k_group);
+  check_cache_quantized(op, "v", ref, v_packed, v_scale, v_zero, v_bits, block, g, g.v_block_tokens, g.v_group);
+  TORCH_CHECK_VALUE(v_packed.size(2) == k_packed.size(2), "rkv.", op, ": v_packed ", v_packed.sizes(),
+                    " must have k_packed's capacity ", k_packed.sizes());
+  TORCH_CHECK_TYPE(v_scale.scalar_type() == k_scale.scalar_type(), "rkv.", op, ": v_scale must have k_scale's dtype (",
+                   k_scale.scalar_type(), "), got ", v_scale.scalar_type());
+  g.capacity = k_packed.size(2);
+  TORCH_CHECK_VALUE(g.capacity % block == 0, "rkv.", op, ": the packed capacity (", g.capacity,
+                    ") must be a multiple of block (", block, ")");
+  g.k_bits = static_cast<int>(k_bits);
+  g.v_bits = static_cast<int>(v_bits);
+  check_full_precision(op, "k_window", ref, k_window, k_window, g);
+  check_full_precision(op, "v_window", ref, v_window, k_window, g);
+  check_full_precision(op, "k_sink", ref, k_sink, k_window, g);
+  check_full_precision(op, "v_sink", ref, v_sink, k_window, g);
+  g.window = k_window.size(2);
+  g.sinks = k_sink.size(2);
+  TORCH_CHECK_VALUE(v_window.size(2) == g.window && v_sink.size(2) == g.sinks, "rkv.", op,
+                    ": v_window / v_sink must hold as many tokens as k_window / k_sink");
+  TORCH_CHECK_VALUE(g.window >= recent + block - 1, "rkv.", op, ": the window ring (", g.window,
+                    " tokens) must hold recent + block - 1 = ", recent + block - 1, " tokens");
+  TORCH_CHECK_TYPE(lengths.scalar_type() == at::kLong || lengths.scalar_type() == at::kInt, "rkv.", op,
+                   ": lengths must be int32 or int64 (got ", lengths.scalar_type(), ")");
+  TORCH_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == g.batch, "rkv.", op, ": lengths must have shape (",
+                    g.batch, ",), got ", lengths.sizes());
+  check_same_device(op, ref, "lengths", lengths);
+}
 
 DecodeGeometry check_decode_attention(
     const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
@@ -238,44 +277,15 @@ DecodeGeometry check_decode_attention(
   g.batch = q.size(0);
   g.q_heads = q.size(1);
   g.dim = q.size(2);
-  TORCH_CHECK_VALUE(block >= 1, "rkv.decode_attention: block must be >= 1 (got ", block, ")");
-  TORCH_CHECK_VALUE(recent >= 0, "rkv.decode_attention: recent must be >= 0 (got ", recent, ")");
   TORCH_CHECK_VALUE(split_tokens >= 0, "rkv.decode_attention: split_tokens must be >= 0 (got ", split_tokens, ")");
-  g.block = block;
-  g.recent = recent;
   g.split_tokens = split_tokens == 0 ? 512 : split_tokens;
   TORCH_CHECK_VALUE(k_packed.dim() == 4, "rkv.decode_attention: k_packed must have shape (batch, kv_heads, "
                     "capacity, bytes), got ", k_packed.sizes());
   g.kv_heads = k_packed.size(1);
   TORCH_CHECK_VALUE(g.kv_heads >= 1 && g.q_heads % g.kv_heads == 0, "rkv.decode_attention: q has ", g.q_heads,
                     " heads, which is not a multiple of the cache's ", g.kv_heads, " kv heads");
-  check_cache_quantized("k", q, k_packed, k_scale, k_zero, k_bits, block, g, g.k_block_tokens, g.k_group);
-  check_cache_quantized("v", q, v_packed, v_scale, v_zero, v_bits, block, g, g.v_block_tokens, g.v_group);
-  TORCH_CHECK_VALUE(v_packed.size(1) == g.kv_heads && v_packed.size(2) == k_packed.size(2),
-                    "rkv.decode_attention: v_packed ", v_packed.sizes(), " must match k_packed's heads and capacity ",
-                    k_packed.sizes());
-  TORCH_CHECK_TYPE(v_scale.scalar_type() == k_scale.scalar_type(), "rkv.decode_attention: v_scale must have ",
-                   "k_scale's dtype (", k_scale.scalar_type(), "), got ", v_scale.scalar_type());
-  g.capacity = k_packed.size(2);
-  TORCH_CHECK_VALUE(g.capacity % block == 0, "rkv.decode_attention: the packed capacity (", g.capacity,
-                    ") must be a multiple of block (", block, ")");
-  g.k_bits = static_cast<int>(k_bits);
-  g.v_bits = static_cast<int>(v_bits);
-  check_full_precision("k_window", q, k_window, k_window, g);
-  check_full_precision("v_window", q, v_window, k_window, g);
-  check_full_precision("k_sink", q, k_sink, k_window, g);
-  check_full_precision("v_sink", q, v_sink, k_window, g);
-  g.window = k_window.size(2);
-  g.sinks = k_sink.size(2);
-  TORCH_CHECK_VALUE(v_window.size(2) == g.window && v_sink.size(2) == g.sinks,
-                    "rkv.decode_attention: v_window / v_sink must hold as many tokens as k_window / k_sink");
-  TORCH_CHECK_VALUE(g.window >= recent + block - 1, "rkv.decode_attention: the window ring (", g.window,
-                    " tokens) must hold recent + block - 1 = ", recent + block - 1, " tokens");
-  TORCH_CHECK_TYPE(lengths.scalar_type() == at::kLong || lengths.scalar_type() == at::kInt,
-                   "rkv.decode_attention: lengths must be int32 or int64 (got ", lengths.scalar_type(), ")");
-  TORCH_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == g.batch, "rkv.decode_attention: lengths must have ",
-                    "shape (", g.batch, ",), got ", lengths.sizes());
-  check_same_device(op, q, "lengths", lengths);
+  check_cache_layout(op, q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
+                     lengths, k_bits, v_bits, block, recent, g);
   TORCH_CHECK_VALUE(rope_cos.has_value() == rope_sin.has_value(),
                     "rkv.decode_attention: give both rope_cos and rope_sin (pre-RoPE keys) or neither");
   if (rope_cos.has_value()) {
@@ -304,6 +314,48 @@ DecodeGeometry check_decode_attention(
     TORCH_CHECK_VALUE(hadamard_block(g.dim) >= 2, "rkv.decode_attention: ", name, " needs an even head_dim");
   }
   return g;
+}
+
+DecodeGeometry check_cache_append(const at::Tensor& k_packed, const at::Tensor& k_scale,
+                                  const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
+                                  const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
+                                  const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
+                                  const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
+                                  const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block,
+                                  int64_t recent) {
+  const char* op = "cache_append";
+  check_float_input(op, "k_new", k_new);
+  TORCH_CHECK_VALUE(k_new.dim() == 4, "rkv.cache_append: k_new must have shape (batch, kv_heads, tokens, head_dim), ",
+                    "got ", k_new.sizes());
+  TORCH_CHECK_VALUE(v_new.sizes() == k_new.sizes(), "rkv.cache_append: v_new must have k_new's shape ",
+                    k_new.sizes(), ", got ", v_new.sizes());
+  DecodeGeometry g;
+  g.batch = k_new.size(0);
+  g.kv_heads = k_new.size(1);
+  g.q_heads = g.kv_heads;
+  g.dim = k_new.size(3);
+  check_cache_layout(op, k_new, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink,
+                     v_sink, lengths, k_bits, v_bits, block, recent, g);
+  TORCH_CHECK_TYPE(k_new.scalar_type() == k_window.scalar_type() && v_new.scalar_type() == k_window.scalar_type(),
+                   "rkv.cache_append: k_new and v_new must have the cache's full-precision dtype (k_window: ",
+                   k_window.scalar_type(), "), got ", k_new.scalar_type(), " and ", v_new.scalar_type());
+  check_same_device(op, k_new, "v_new", v_new);
+  const std::pair<const char*, const at::Tensor*> written[] = {
+      {"k_packed", &k_packed}, {"k_scale", &k_scale}, {"v_packed", &v_packed}, {"v_scale", &v_scale},
+      {"k_window", &k_window}, {"v_window", &v_window}, {"k_sink", &k_sink},   {"v_sink", &v_sink}};
+  for (const auto& [name, t] : written)
+    TORCH_CHECK_VALUE(t->is_contiguous(), "rkv.cache_append: ", name, " must be contiguous (it is written in place)");
+  if (k_zero.has_value()) TORCH_CHECK_VALUE(k_zero->is_contiguous(), "rkv.cache_append: k_zero must be contiguous");
+  if (v_zero.has_value()) TORCH_CHECK_VALUE(v_zero->is_contiguous(), "rkv.cache_append: v_zero must be contiguous");
+  return g;
+}
+
+void check_append_lengths(const DecodeGeometry& g, const at::Tensor& lengths, int64_t tokens) {
+  const int64_t* n = lengths.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < g.batch; ++b)
+    TORCH_CHECK_VALUE(n[b] >= 0 && n[b] + tokens <= g.max_tokens(), "rkv.cache_append: appending ", tokens,
+                      " tokens to sequence ", b, " of ", n[b], " tokens exceeds the cache capacity of ", g.max_tokens(),
+                      " tokens (sinks ", g.sinks, " + packed ", g.capacity, " + recent ", g.recent, ")");
 }
 
 void check_decode_lengths(const DecodeGeometry& g, const at::Tensor& lengths) {

@@ -68,6 +68,26 @@ DecodeGeometry check_decode_attention(
     bool rope_interleaved, const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
     int64_t split_tokens);
 
+// The cache buffers shared by decode_attention and cache_append (fills the cache fields of g; g.batch,
+// g.kv_heads and g.dim must be set). `ref` is the tensor whose device every buffer must share.
+void check_cache_layout(const char* op, const at::Tensor& ref, const at::Tensor& k_packed, const at::Tensor& k_scale,
+                        const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
+                        const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
+                        const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
+                        const at::Tensor& v_sink, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
+                        int64_t block, int64_t recent, DecodeGeometry& g);
+
+DecodeGeometry check_cache_append(const at::Tensor& k_packed, const at::Tensor& k_scale,
+                                  const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
+                                  const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
+                                  const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
+                                  const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
+                                  const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block,
+                                  int64_t recent);
+
+// Every sequence can take `tokens` more (CPU lengths only; the CUDA kernel asserts).
+void check_append_lengths(const DecodeGeometry& g, const at::Tensor& lengths_long_cpu, int64_t tokens);
+
 // Host-side check of lengths against the capacity and the rope table (CPU tensors only: reading a
 // CUDA tensor here would synchronize; the CUDA kernel asserts instead).
 void check_decode_lengths(const DecodeGeometry& g, const at::Tensor& lengths_long_cpu);

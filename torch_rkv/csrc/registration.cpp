@@ -36,4 +36,12 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor v_scale, Tensor? v_zero, Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, "
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
       "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens) -> Tensor");
+  // Appends k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens, in place: completed
+  // blocks are quantized into the packed rows and metadata, other new tokens go to the sinks or the
+  // window ring (reference.cache_append). Writes only the buffers marked (x!); lengths is read only.
+  m.def(
+      "cache_append(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_packed, "
+      "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
+      "Tensor(j!) v_sink, Tensor lengths, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, "
+      "SymInt recent) -> ()");
 }

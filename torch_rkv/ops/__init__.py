@@ -1,3 +1,3 @@
 """Python side of the rkv ops: one module per op family (wrapper + fake kernel + checks)."""
 
-from . import attention, hadamard, pack, quant, rope  # noqa: F401  (registers the fake kernels)
+from . import attention, cache, hadamard, pack, quant, rope  # noqa: F401  (registers the fake kernels)

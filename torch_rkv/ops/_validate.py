@@ -164,3 +164,25 @@ def decode_attention(q, k_packed, v_packed, k_window, lengths, k_bits, v_bits, b
           "give both rope_cos and rope_sin (pre-RoPE keys) or neither")
     value(rope_cos is None or k_signs is None, op,
           "keys cannot be both pre-RoPE (rope_cos) and Hadamard-rotated (k_signs): RoPE does not commute with the rotation")
+
+
+def cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent) -> None:
+    op = "cache_append"
+    float_input(op, "k_new", k_new)
+    value(k_new.dim() == 4, op, f"k_new must have shape (batch, kv_heads, tokens, head_dim), got {list(k_new.shape)}")
+    value(v_new.shape == k_new.shape, op, f"v_new must have k_new's shape {list(k_new.shape)}, got {list(v_new.shape)}")
+    bits(op, "k_bits", k_bits)
+    bits(op, "v_bits", v_bits)
+    value(block >= 1, op, f"block must be >= 1 (got {block})")
+    value(recent >= 0, op, f"recent must be >= 0 (got {recent})")
+    b, h, _, d = k_new.shape
+    for name, t, nb in (("k_packed", k_packed, k_bits), ("v_packed", v_packed, v_bits)):
+        dtype(t.dtype == torch.uint8, op, f"{name} must be uint8 (got {t.dtype})")
+        value(t.dim() == 4 and t.shape[0] == b and t.shape[1] == h and t.shape[-1] * 8 == d * nb, op,
+              f"{name} must have shape (batch={b}, kv_heads={h}, capacity, {d * nb // 8}) for head_dim {d} at "
+              f"{nb} bits, got {list(t.shape)}")
+    dtype(k_new.dtype == k_window.dtype and v_new.dtype == k_window.dtype, op,
+          f"k_new and v_new must have the cache's full-precision dtype (k_window: {k_window.dtype}), got "
+          f"{k_new.dtype} and {v_new.dtype}")
+    dtype(lengths.dtype in (torch.int32, torch.int64), op, f"lengths must be int32 or int64 (got {lengths.dtype})")
+    value(lengths.dim() == 1 and lengths.shape[0] == b, op, f"lengths must have shape ({b},), got {list(lengths.shape)}")

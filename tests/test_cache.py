@@ -1,0 +1,234 @@
+"""rkv::cache_append and QuantizedKVCache: reference equivalence, chunking invariance, canaries,
+compile, errors, exact memory."""
+
+import re
+
+import pytest
+import torch
+from cachebuild import BUFFERS, attention_fp32, buffers_args, quantization_bound
+from conftest import device_params
+from hypothesis import given
+from hypothesis import strategies as st
+
+import torch_rkv
+from torch_rkv import reference as ref
+from torch_rkv import scheme as presets
+from torch_rkv.cache import QuantizedKVCache
+from torch_rkv.layout import CacheLayout
+from torch_rkv.scheme import Scheme
+
+DEVICES = device_params("cache_append")
+
+
+@st.composite
+def append_cases(draw):
+    block = draw(st.sampled_from([1, 4, 8]))
+    k_kind = draw(st.sampled_from(["token", "channel", "grouped"]))
+    k_group, k_tokens = {"token": (None, 1), "channel": (1, block), "grouped": (16, 1)}[k_kind]
+    scheme = Scheme(
+        k_bits=draw(st.sampled_from([2, 3, 4, 8])), v_bits=draw(st.sampled_from([2, 3, 4, 8])),
+        k_group_size=k_group, k_block_tokens=k_tokens, v_group_size=draw(st.sampled_from([None, 16])),
+        v_block_tokens=1 if k_kind != "token" else draw(st.sampled_from([1, block])),
+        k_symmetric=draw(st.booleans()), v_symmetric=draw(st.booleans()),
+        sinks=draw(st.sampled_from([0, 2])), recent=draw(st.sampled_from([0, 3, 8])),
+        meta_dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])),
+    )
+    chunks = draw(st.lists(st.integers(0, 13), min_size=1, max_size=6))
+    return dict(scheme=scheme, chunks=chunks, dtype=draw(st.sampled_from([torch.float32, torch.float16])),
+                batch=draw(st.integers(1, 2)), heads=draw(st.integers(1, 2)), dim=32,
+                offsets=draw(st.lists(st.integers(0, 5), min_size=2, max_size=2)), seed=draw(st.integers(0, 2**16)))
+
+
+def random_tokens(case, n, gen):
+    return torch.randn(case["batch"], case["heads"], n, case["dim"], generator=gen).to(case["dtype"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(case=append_cases())
+def test_append_matches_reference_and_writes_nothing_else(device, case):
+    """Every buffer (canary-filled, so untouched bytes are visible) equals reference.cache_append's."""
+    s = case["scheme"]
+    total = sum(case["chunks"]) + max(case["offsets"])
+    layout = CacheLayout(s, case["batch"], case["heads"], case["dim"], total, case["dtype"])
+    gen = torch.Generator().manual_seed(case["seed"])
+    bufs = {}
+    for name, (shape, dt) in layout.shapes().items():  # canaries: random bytes everywhere
+        bufs[name] = torch.randint(0, 255, shape, generator=gen, dtype=torch.uint8)
+        if dt != torch.uint8:
+            bufs[name] = torch.randn(shape, generator=gen).to(dt)
+    want = {k: v.clone() for k, v in bufs.items()}
+    got = {k: v.clone().to(device) for k, v in bufs.items()}
+    lengths = torch.tensor(case["offsets"][: case["batch"]])  # sequences start at different lengths
+    for m in case["chunks"]:
+        k, v = random_tokens(case, m, gen), random_tokens(case, m, gen)
+        ref.cache_append(*buffers_args(want), lengths, k, v, s.k_bits, s.v_bits, s.block, s.recent)
+        torch_rkv.ops.cache.cache_append(*buffers_args(got), lengths.to(device), k.to(device), v.to(device),
+                                         s.k_bits, s.v_bits, s.block, s.recent)
+        lengths = lengths + m
+    for name in want:
+        assert torch.equal(got[name].cpu(), want[name]), name
+
+
+def live_tokens(cache, layer):
+    """(keys, values) of every cached token, read back through the layout (post-RoPE, original space)."""
+    return cache.dequantized(layer)
+
+
+SCHEMES = [presets.per_token(4), presets.kivi(2, recent=8), presets.kvquant(3, block=16), presets.quarot(4),
+           presets.recommended(4), Scheme(name="tiny-sink", k_bits=8, v_bits=3, k_group_size=1, k_block_tokens=8,
+                                          pre_rope=True, sinks=3, recent=5, v_hadamard=True)]
+
+
+def make_cache(scheme, capacity=100, layers=2, batch=2, device="cpu", dtype=torch.float32):
+    cos, sin = torch_rkv.rope_tables(32, capacity + 64, theta=1e4)
+    return QuantizedKVCache(scheme, layers, batch, 2, 32, capacity, dtype=dtype, device=device, rope=(cos, sin))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("chunking", ["tokens", "chunks"])
+def test_chunked_appends_equal_one_prefill(device, scheme, chunking):
+    gen = torch.Generator().manual_seed(0)
+    n = 75  # crosses several block boundaries and leaves a partial block in the window
+    k = torch.randn(2, 2, n, 32, generator=gen).to(device)
+    v = torch.randn(2, 2, n, 32, generator=gen).to(device)
+    one, many = make_cache(scheme, device=device), make_cache(scheme, device=device)
+    one.append(1, k, v)
+    sizes = [1] * n if chunking == "tokens" else [7, 1, 16, 20, 31]
+    start = 0
+    for m in sizes:
+        many.append(1, k[:, :, start : start + m], v[:, :, start : start + m])
+        start += m
+    assert torch.equal(one.lengths, many.lengths) and one.seq_length(1) == n
+    ko, vo = live_tokens(one, 1)
+    km, vm = live_tokens(many, 1)
+    assert torch.equal(ko, km) and torch.equal(vo, vm)
+    q = torch.randn(2, 4, 32, generator=gen).to(device)
+    assert torch.equal(one.attend(1, q), many.attend(1, q))
+    # and the cache holds these tokens: plain attention is within the bound of the stored steps
+    plain = attention_fp32(q.cpu(), k.cpu(), v.cpu(), [n, n])
+    bufs = {name: t.cpu() for name, t in zip(BUFFERS, one.layer_buffers(1)) if t is not None}
+    bound = quantization_bound(q.cpu(), bufs, v.cpu(), v_rotated=scheme.v_hadamard)
+    assert (one.attend(1, q).cpu() - plain).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_dequantized_cache_equals_stored_tokens_within_a_step(scheme):
+    cache = make_cache(scheme.replace(k_bits=8, v_bits=8), capacity=60)
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(2, 2, 60, 32, generator=gen)
+    v = torch.randn(2, 2, 60, 32, generator=gen)
+    cache.append(0, k, v)
+    kd, vd = cache.dequantized(0)
+    assert kd.shape == k.shape
+    # 8 bits: each element within half a step (range of a group of normals / 255 / 2 < 0.02), plus the
+    # float rounding of the RoPE / Hadamard round trip
+    assert (kd - k).abs().max() < 0.03 and (vd - v).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nbytes_is_exact(device):
+    for scheme in SCHEMES:
+        cache = make_cache(scheme, device=device)
+        actual = sum(t.numel() * t.element_size() for name, t in cache.named_buffers()
+                     if name.split(".")[-1] in BUFFERS)
+        assert cache.nbytes() == actual
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    s = presets.recommended(4).replace(sinks=2, recent=4, k_block_tokens=8)
+    layout = CacheLayout(s, 2, 2, 64, 40, torch.float16)
+    bufs = layout.allocate(device)
+    k = torch.randn(2, 2, 9, 64, device=device).half()
+    for lengths in ([0, 5], [20, 31]):
+        torch.library.opcheck(torch.ops.rkv.cache_append.default,
+                              (*buffers_args(bufs), torch.tensor(lengths, device=device), k, k.clone(), 4, 4, s.block,
+                               s.recent))
+
+
+class TinyAttention(torch.nn.Module):
+    """One attention layer's decode step against the quantized cache: project, rotate, append, attend."""
+
+    def __init__(self, cache, layer, d_model=64, heads=4):
+        super().__init__()
+        self.cache, self.layer, self.heads = cache, layer, heads
+        self.qkv = torch.nn.Linear(d_model, (heads + 2 * cache.layout.kv_heads) * 32, bias=False)
+        cos, sin = torch_rkv.rope_tables(32, 1024, theta=1e4)
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+
+    def forward(self, x):  # x (B, d_model): the new token
+        b, hkv = x.shape[0], self.cache.layout.kv_heads
+        qkv = self.qkv(x).view(b, self.heads + 2 * hkv, 32)
+        q, k, v = qkv[:, : self.heads], qkv[:, self.heads : self.heads + hkv], qkv[:, self.heads + hkv :]
+        pos = self.cache.lengths[self.layer]  # (B,) the new token's position
+        q = torch_rkv.rope(q, self.cos, self.sin, pos[:, None])
+        k = torch_rkv.rope(k, self.cos, self.sin, pos[:, None])
+        self.cache.append(self.layer, k[:, :, None], v[:, :, None])
+        return self.cache.attend(self.layer, q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scheme", [presets.kivi(4, block=8, recent=4), presets.recommended(4).replace(k_block_tokens=8)],
+                         ids=lambda s: s.name)
+def test_compiled_decode_step_matches_eager_without_recompiling(device, scheme):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager_cache, compiled_cache = make_cache(scheme, device=device), make_cache(scheme, device=device)
+    eager = TinyAttention(eager_cache, 1).to(device)
+    compiled_block = TinyAttention(compiled_cache, 1).to(device)
+    compiled_block.load_state_dict(eager.state_dict())
+    step = torch.compile(compiled_block, fullgraph=True)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():  # an inference step: the ops have no autograd formula
+        for i in range(20):  # crosses block boundaries of the per-channel keys
+            x = torch.randn(2, 64, device=device)
+            assert torch.allclose(step(x), eager(x), atol=1e-5, rtol=1e-5), i
+    assert torch.equal(eager_cache.lengths, compiled_cache.lengths)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # the sequence grew by 20 tokens: one graph
+
+
+def test_bad_input_is_a_clear_error():
+    cache = make_cache(presets.recommended(4), capacity=40)
+    k = torch.randn(2, 2, 5, 32)
+    with pytest.raises(IndexError, match="layer 2 is out of range for 2 layers"):
+        cache.append(2, k, k)
+    for bad in ((3, 2, 5, 32), (2, 4, 5, 32), (2, 2, 5, 64)):
+        with pytest.raises(ValueError, match=re.escape("append: k must have shape (batch=2, kv_heads=2, tokens, head_dim=32)")):
+            cache.append(0, torch.randn(bad), torch.randn(bad))
+    # the op itself names the buffer that does not fit
+    bufs = cache.layer_buffers(0)
+    with pytest.raises(ValueError, match=re.escape("rkv.cache_append: k_packed must have shape (batch=3")):
+        torch_rkv.ops.cache.cache_append(*bufs, torch.zeros(3, dtype=torch.int64), torch.randn(3, 2, 1, 32),
+                                         torch.randn(3, 2, 1, 32), 4, 4, 64, 64)
+    with pytest.raises(ValueError, match=r"appending 500 tokens to layer 0 holding 0 exceeds the capacity"):
+        cache.append(0, torch.randn(2, 2, 500, 32), torch.randn(2, 2, 500, 32))
+    with pytest.raises(ValueError, match=r"group_size 48 does not divide head_dim 32"):
+        make_cache(presets.recommended(4).replace(v_group_size=48))
+    with pytest.raises(ValueError, match="needs the model's rope tables"):
+        QuantizedKVCache(presets.kvquant(4), 1, 1, 2, 32, 16)
+    with pytest.raises(ValueError, match="pre_rope and k_hadamard cannot be combined"):
+        Scheme(pre_rope=True, k_hadamard=True)
+
+
+def test_the_op_rejects_a_full_cache_and_changes_nothing():
+    s = presets.kivi(4, block=4, recent=2)
+    layout = CacheLayout(s, 1, 1, 32, 10, torch.float32)
+    bufs = layout.allocate()
+    before = {k: v.clone() for k, v in bufs.items()}
+    k = torch.randn(1, 1, layout.max_tokens + 1, 32)
+    with pytest.raises(ValueError, match=re.escape(f"exceeds the cache capacity of {layout.max_tokens} tokens")):
+        torch_rkv.ops.cache.cache_append(*buffers_args(bufs), torch.zeros(1, dtype=torch.int64), k, k, 4, 4, s.block,
+                                         s.recent)
+    assert all(torch.equal(bufs[n], before[n]) for n in bufs)
+    with pytest.raises(TypeError, match="must have the cache's full-precision dtype"):
+        torch_rkv.ops.cache.cache_append(*buffers_args(bufs), torch.zeros(1, dtype=torch.int64), k[:, :, :2].half(),
+                                         k[:, :, :2].half(), 4, 4, s.block, s.recent)
+    with pytest.raises(ValueError, match="k_window must be contiguous"):
+        args = buffers_args(bufs)
+        args[BUFFERS.index("k_window")] = torch.zeros(1, 1, 32, layout.window).transpose(-1, -2)
+        torch_rkv.ops.cache.cache_append(*args, torch.zeros(1, dtype=torch.int64), k[:, :, :2], k[:, :, :2], 4, 4,
+                                         s.block, s.recent)

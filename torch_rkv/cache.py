@@ -1,0 +1,178 @@
+"""A preallocated quantized KV cache for a whole model: static shapes, in-place appends, fused decode.
+
+Every buffer has a leading layer dimension and is allocated once, so a decode step (append + attention)
+has static shapes that torch.compile and CUDA graphs can capture; the sequence lengths are a tensor, so
+growing a sequence never recompiles. Keys arrive post-RoPE, as models compute them; the cache stores
+them in the scheme's space (pre-RoPE: rotation undone exactly with the model's own table; Hadamard:
+rotated) and attention works in that space.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .layout import CacheLayout
+from .ops.attention import decode_attention
+from .ops.cache import cache_append
+from .ops.hadamard import hadamard, hadamard_signs
+from .ops.quant import Quantized, dequantize
+from .ops.rope import rope
+from .scheme import Scheme
+
+BUFFERS = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink")
+
+
+class QuantizedKVCache(torch.nn.Module):
+    """layers x batch x kv_heads x capacity x head_dim, stored as `scheme` says.
+
+    rope: (cos, sin) tables of shape (P, rot_dim/2), P >= max_tokens, the model's own rotation (needed
+    when scheme.pre_rope). dtype: full-precision dtype of sinks and window (and of appended tokens).
+    """
+
+    def __init__(
+        self,
+        scheme: Scheme,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype = torch.float16,
+        device=None,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        rope_interleaved: bool = False,
+    ):
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"QuantizedKVCache: num_layers must be >= 1 (got {num_layers})")
+        self.scheme = scheme
+        self.num_layers = num_layers
+        self.layout = CacheLayout(scheme, batch, kv_heads, head_dim, capacity, dtype)
+        self.rope_interleaved = rope_interleaved
+        for name, (shape, dt) in self.layout.shapes().items():
+            self.register_buffer(name, torch.zeros((num_layers, *shape), dtype=dt, device=device))
+        self.register_buffer("lengths", torch.zeros(num_layers, batch, dtype=torch.int64, device=device))
+        self.register_buffer("rope_cos", None)
+        self.register_buffer("rope_sin", None)
+        if scheme.pre_rope:
+            if rope is None:
+                raise ValueError(f"QuantizedKVCache: scheme {scheme.name} stores pre-RoPE keys and needs the model's "
+                                 "rope tables: rope=(cos, sin), each (positions, rot_dim / 2)")
+            cos, sin = rope
+            if cos.shape[0] < self.layout.max_tokens:
+                raise ValueError(f"QuantizedKVCache: the rope tables cover {cos.shape[0]} positions, fewer than the "
+                                 f"cache's {self.layout.max_tokens} tokens")
+            self.rope_cos = cos.to(device=device, dtype=torch.float32).contiguous()
+            self.rope_sin = sin.to(device=device, dtype=torch.float32).contiguous()
+        self.register_buffer("k_signs", hadamard_signs(head_dim, scheme.hadamard_seed, device) if scheme.k_hadamard else None)
+        self.register_buffer("v_signs", hadamard_signs(head_dim, scheme.hadamard_seed + 1, device)
+                             if scheme.v_hadamard else None)
+        self._host_lengths = [0] * num_layers  # eager-mode mirror, for errors before any kernel runs
+
+    # ---------------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Tokens per sequence the buffers hold (>= the capacity asked for: blocks are whole)."""
+        return self.layout.max_tokens
+
+    def layer_buffers(self, layer: int) -> list[Optional[torch.Tensor]]:
+        self._check_layer(layer)
+        return [None if getattr(self, name, None) is None else getattr(self, name)[layer] for name in BUFFERS]
+
+    def nbytes(self) -> int:
+        """Exact bytes of the KV buffers (all layers), from the same layout that allocated them."""
+        return self.num_layers * self.layout.nbytes()
+
+    def seq_length(self, layer: int = 0) -> int:
+        return self._host_lengths[layer]
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+        self._host_lengths = [0] * self.num_layers
+
+    # ---------------------------------------------------------------------------------------------
+    def to_storage(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Post-RoPE keys / values (B, Hkv, m, D) -> the cache's storage space and dtype."""
+        if self.scheme.pre_rope:
+            m = k.shape[-2]
+            pos = self.lengths[layer][:, None, None] + torch.arange(m, device=k.device)  # (B, 1, m)
+            k = rope(k, self.rope_cos, self.rope_sin, pos, self.rope_interleaved, inverse=True)
+        if self.k_signs is not None:
+            k = hadamard(k, self.k_signs)
+        if self.v_signs is not None:
+            v = hadamard(v, self.v_signs)
+        return k.to(self.layout.dtype), v.to(self.layout.dtype)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append m new tokens (B, Hkv, m, D) to every sequence of this layer, in place. Their positions
+        are the cache slots: lengths[layer] .. lengths[layer] + m - 1."""
+        self._check_layer(layer)
+        lay = self.layout
+        want = (lay.batch, lay.kv_heads, lay.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != want:
+                raise ValueError(f"QuantizedKVCache.append: {name} must have shape (batch={lay.batch}, "
+                                 f"kv_heads={lay.kv_heads}, tokens, head_dim={lay.head_dim}), got {list(t.shape)}")
+        m = k.shape[-2]
+        if not torch.compiler.is_compiling():
+            if self._host_lengths[layer] + m > self.capacity:
+                raise ValueError(f"QuantizedKVCache: appending {m} tokens to layer {layer} holding "
+                                 f"{self._host_lengths[layer]} exceeds the capacity of {self.capacity} tokens")
+            self._host_lengths[layer] += m
+        ks, vs = self.to_storage(layer, k, v)
+        s = self.scheme
+        cache_append(*self.layer_buffers(layer), self.lengths[layer], ks, vs, s.k_bits, s.v_bits, s.block, s.recent)
+        self.lengths[layer] += m
+
+    def attend(self, layer: int, q: torch.Tensor, scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
+        """Attention of q (B, Hq, D), the newest token's post-RoPE query, over this layer's cache."""
+        self._check_layer(layer)
+        s = self.scheme
+        return decode_attention(q, *self.layer_buffers(layer), self.lengths[layer], s.k_bits, s.v_bits, s.block,
+                                s.recent, self.rope_cos, self.rope_sin, self.rope_interleaved, self.k_signs,
+                                self.v_signs, scale, split_tokens)
+
+    def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's cached keys (post-RoPE, original space) and values in full precision,
+        (B, Hkv, n, D) float32; all sequences must hold the same number of tokens."""
+        self._check_layer(layer)
+        n = self._host_lengths[layer]
+        bufs = dict(zip(BUFFERS, self.layer_buffers(layer)))
+        s, lay = self.scheme, self.layout
+        from .reference import quantized_count
+
+        q = quantized_count(n, s.sinks, s.recent, s.block)
+        out = []
+        for side in ("k", "v"):
+            bits = getattr(s, f"{side}_bits")
+            t = getattr(s, f"{side}_block_tokens")
+            parts = [bufs[f"{side}_sink"][:, :, : min(n, s.sinks)].float()]
+            if q:
+                zero = bufs[f"{side}_zero"]
+                qt = Quantized(bufs[f"{side}_packed"][:, :, :q], bufs[f"{side}_scale"][:, :, : q // t],
+                               None if zero is None else zero[:, :, : q // t], bits)
+                parts.append(dequantize(qt, torch.float32))
+            if n > s.sinks + q:
+                slots = torch.arange(s.sinks + q, n, device=self.lengths.device)
+                parts.append(bufs[f"{side}_window"][:, :, (slots - s.sinks) % lay.window].float())
+            out.append(torch.cat(parts, dim=2))
+        k, v = out
+        if self.k_signs is not None:
+            k = hadamard(k, self.k_signs, inverse=True)
+        if self.v_signs is not None:
+            v = hadamard(v, self.v_signs, inverse=True)
+        if s.pre_rope:
+            k = rope(k, self.rope_cos, self.rope_sin, torch.arange(n, device=k.device), self.rope_interleaved)
+        return k, v
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"QuantizedKVCache: layer {layer} is out of range for {self.num_layers} layers")
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return (f"{self.scheme.describe(lay.head_dim)}; layers={self.num_layers}, batch={lay.batch}, "
+                f"kv_heads={lay.kv_heads}, head_dim={lay.head_dim}, capacity={self.capacity}, "
+                f"{self.nbytes() / 2**20:.1f} MiB")

@@ -1,0 +1,49 @@
+"""cache_append: write new tokens into the quantized cache buffers in place.
+
+Per sequence b with n = lengths[b] cached tokens, the m new tokens k_new[b] / v_new[b] become tokens
+n..n+m-1: every block the append completes is quantized into the packed rows and metadata (its older
+tokens read back from the window ring), new tokens t < S go to the sinks and the rest to the window ring.
+Nothing else is written; lengths is not updated (the caller adds m). Appending past the capacity is an
+error that leaves the cache unchanged (CUDA: device-side assert). Semantics:
+:func:`torch_rkv.reference.cache_append`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _validate
+
+
+def cache_append(
+    k_packed: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: Optional[torch.Tensor],
+    v_packed: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: Optional[torch.Tensor],
+    k_window: torch.Tensor,
+    v_window: torch.Tensor,
+    k_sink: torch.Tensor,
+    v_sink: torch.Tensor,
+    lengths: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_bits: int,
+    v_bits: int,
+    block: int,
+    recent: int,
+) -> None:
+    """Mutates the ten cache buffers (layout: torch_rkv.layout.CacheLayout). k_new / v_new (B, Hkv, m, D)
+    must have the window's dtype; keys in the cache's storage space (pre-RoPE / rotated as the scheme says)."""
+    torch.ops.rkv.cache_append.default(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
+                                       k_sink, v_sink, lengths, k_new, v_new, k_bits, v_bits, block, recent)
+
+
+@torch.library.register_fake("rkv::cache_append")
+def _cache_append_fake(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
+                       lengths, k_new, v_new, k_bits, v_bits, block, recent):
+    _validate.cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent)
+    return None
