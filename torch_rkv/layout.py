@@ -14,6 +14,16 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def packed_tokens(scheme: Scheme, capacity: int) -> int:
+    """Quantized token rows per sequence and head for `capacity` tokens: whole blocks."""
+    return round_up(max(0, capacity - scheme.sinks - scheme.recent), scheme.block)
+
+
+def max_tokens(scheme: Scheme, capacity: int) -> int:
+    """Tokens a cache sized for `capacity` really holds (sinks + whole quantized blocks + recent)."""
+    return scheme.sinks + packed_tokens(scheme, capacity) + scheme.recent
+
+
 @dataclass(frozen=True)
 class CacheLayout:
     """One layer's buffers for `batch` sequences of up to `capacity` tokens (the layout may hold a few
@@ -35,8 +45,7 @@ class CacheLayout:
     @property
     def packed_capacity(self) -> int:
         """Quantized token rows per sequence and head (a multiple of the scheme's block)."""
-        s = self.scheme
-        return round_up(max(0, self.capacity - s.sinks - s.recent), s.block)
+        return packed_tokens(self.scheme, self.capacity)
 
     @property
     def window(self) -> int:
@@ -45,7 +54,7 @@ class CacheLayout:
 
     @property
     def max_tokens(self) -> int:
-        return self.scheme.sinks + self.packed_capacity + self.scheme.recent
+        return max_tokens(self.scheme, self.capacity)
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every buffer; k_zero / v_zero absent when symmetric."""

@@ -1,0 +1,1 @@
+"""Optional integrations (import the submodule you need: `torch_rkv.integrations.transformers`)."""

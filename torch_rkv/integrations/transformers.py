@@ -1,0 +1,176 @@
+"""Hugging Face transformers integration: a `Cache` backed by QuantizedKVCache, and the "rkv" attention.
+
+    from torch_rkv.integrations.transformers import RKVCache
+    cache = RKVCache(model, torch_rkv.scheme.recommended(4), capacity=4096)   # also enables "rkv" attention
+    out = model.generate(ids, max_new_tokens=64, cache=cache)   # or past_key_values=cache
+
+Prefill runs the model's ordinary (SDPA) attention on the fresh keys and values while they are written
+into the quantized cache; every decode step (one new token) runs rkv::decode_attention on the quantized
+cache. Pre-RoPE storage needs no model change: keys arrive post-RoPE, the cache undoes the rotation
+with a table built from the model's own rotary module (so its RoPE scaling variant matches) and the
+kernel re-applies it. Llama-architecture models (rotate-half RoPE, GQA); transformers 5.x (tested with
+the release in tests/test_transformers.py). Not supported: left-padded batches in decode (an error),
+dynamic / LongRoPE scaling (their tables depend on the length), beam-search cropping.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError("torch_rkv.integrations.transformers needs `pip install transformers` (5.x)") from e
+
+from ..cache import QuantizedKVCache
+from ..layout import max_tokens
+from ..scheme import Scheme
+
+ATTENTION = "rkv"
+_UNSUPPORTED_ROPE = ("dynamic", "longrope")
+
+
+def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The "rkv" attention: the fused kernel for a decode step the cache marked, SDPA otherwise."""
+    layer = getattr(key, "_rkv_layer", None)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if attention_mask is not None and attention_mask.device.type == "cpu" and not bool(attention_mask.all()):
+        raise NotImplementedError("torch_rkv: the fused decode path attends to every cached token; padded batches "
+                                  "(an attention mask with masked positions) are not supported")
+    out = layer.cache.attend(layer.index, query[:, :, 0], scale=scaling)  # (B, Hq, D)
+    layer.pending = False
+    return out[:, None].to(query.dtype), None  # (B, 1, Hq, D)
+
+
+def enable(model) -> None:
+    """Register the "rkv" attention (and its mask) with transformers and select it for `model`."""
+    AttentionInterface.register(ATTENTION, rkv_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+
+
+def model_rope_tables(model, positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of shape (positions, rot_dim/2) in float32 from the model's own rotary module, attention
+    scaling included, for the rotate-half pairing that Llama uses."""
+    rotary = model.model.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
+    if any(rope_type.startswith(t) for t in _UNSUPPORTED_ROPE):
+        raise NotImplementedError(f"torch_rkv: rope_type {rope_type!r} changes its table with the sequence length; "
+                                  "pre-RoPE storage needs a fixed table")
+    dev = rotary.inv_freq.device
+    x = torch.zeros(1, dtype=torch.float32, device=dev)
+    with torch.no_grad():
+        cos, sin = rotary(x, torch.arange(positions, device=dev)[None])
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half].float().to(device), sin[0, :, :half].float().to(device)
+
+
+class RKVLayer(CacheLayerMixin):
+    """One decoder layer's view of the shared QuantizedKVCache."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, cache: QuantizedKVCache, index: int):
+        super().__init__()
+        self.cache = cache
+        self.index = index
+        self.pending = False  # a decode token was written and awaits the fused attention
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers are preallocated
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.pending:
+            raise RuntimeError("torch_rkv: the last decode step did not use the fused attention; enable it with "
+                               "torch_rkv.integrations.transformers.enable(model) (RKVCache(model, ...) does)")
+        n_before, m = self.cache.seq_length(self.index), key_states.shape[-2]
+        self._check_positions(kwargs, n_before, m)
+        self.cache.append(self.index, key_states, value_states)
+        if n_before == 0:  # prefill: ordinary attention on the fresh keys and values
+            return key_states, value_states
+        if m == 1:  # decode: the attention reads the quantized cache; mark the key so it knows which layer
+            key = key_states.view_as(key_states)
+            key._rkv_layer = self
+            self.pending = True
+            return key, value_states
+        k, v = self.cache.dequantized(self.index)  # several new tokens after a prefill: attend over all
+        return k.to(key_states.dtype), v.to(value_states.dtype)
+
+    @staticmethod
+    def _check_positions(kwargs, n_before: int, m: int) -> None:
+        """The kernel rotates cached keys to their slot; the model's positions must be those slots."""
+        pos = kwargs.get("position_ids", kwargs.get("kwargs", {}).get("position_ids"))
+        if pos is None or pos.device.type != "cpu":
+            return  # on a GPU this check would synchronize
+        want = torch.arange(n_before, n_before + m)
+        if not bool((pos.reshape(-1, pos.shape[-1]) == want).all()):
+            raise NotImplementedError("torch_rkv: position_ids must equal the cache slots (no left padding or "
+                                      f"position offsets); got {pos.tolist()} for slots {n_before}..{n_before + m - 1}")
+
+    def get_seq_length(self) -> int:
+        return self.cache.seq_length(self.index)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+    def reset(self) -> None:
+        self.pending = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("torch_rkv: beam search is not supported by RKVCache")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("torch_rkv: RKVCache cannot be cropped")
+
+
+class RKVCache(Cache):
+    """A transformers Cache storing every layer's keys and values in torch_rkv's quantized format.
+
+    model: a Llama-architecture model (its config gives layers, KV heads and head_dim, its rotary
+    module the pre-RoPE table). capacity: tokens per sequence. dtype: full-precision dtype of the sinks
+    and window (default: the model's). Enables the "rkv" attention on the model.
+    """
+
+    def __init__(self, model, scheme: Scheme, capacity: int, batch: int = 1, dtype: Optional[torch.dtype] = None,
+                 device=None, enable_attention: bool = True):
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        layers = cfg.num_hidden_layers
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        device = device if device is not None else next(model.parameters()).device
+        dtype = dtype if dtype is not None else next(model.parameters()).dtype
+        scheme.check_head_dim(head_dim)
+        rope = None
+        if scheme.pre_rope:
+            rope = model_rope_tables(model, max_tokens(scheme, capacity), device)
+        self.quantized = QuantizedKVCache(scheme, layers, batch, kv_heads, head_dim, capacity, dtype=dtype,
+                                          device=device, rope=rope)
+        super().__init__(layers=[RKVLayer(self.quantized, i) for i in range(layers)])
+        if enable_attention:
+            enable(model)
+
+    @property
+    def scheme(self) -> Scheme:
+        return self.quantized.scheme
+
+    def nbytes(self) -> int:
+        """Exact bytes of the quantized KV buffers."""
+        return self.quantized.nbytes()
+
+    def reset(self) -> None:
+        self.quantized.reset()
+        for layer in self.layers:
+            layer.reset()
