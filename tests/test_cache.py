@@ -80,7 +80,7 @@ SCHEMES = [presets.per_token(4), presets.kivi(2, recent=8), presets.kvquant(3, b
 
 
 def make_cache(scheme, capacity=100, layers=2, batch=2, device="cpu", dtype=torch.float32):
-    cos, sin = torch_rkv.rope_tables(32, capacity + 64, theta=1e4)
+    cos, sin = torch_rkv.rope_tables(32, capacity + 1024, theta=1e4)
     return QuantizedKVCache(scheme, layers, batch, 2, 32, capacity, dtype=dtype, device=device, rope=(cos, sin))
 
 

@@ -138,7 +138,9 @@ def smollm2():
 @pytest.mark.slow
 def test_smollm2_matches_full_precision_at_8_bits_with_every_preset(smollm2):
     model, _, ids, ref = smollm2
-    for make in S.PRESETS.values():
+    for name, make in S.PRESETS.items():
+        if name == "rkv-mixed":  # keys one step above values: no 8-bit variant
+            continue
         cache = RKVCache(model, make(8), capacity=1100)
         out = model.generate(ids, max_new_tokens=32, do_sample=False, cache=cache)
         assert torch.equal(out[0, 1024:], ref[0, 1024:]), make(8).name

@@ -13,6 +13,9 @@ from .ops.hadamard import hadamard, hadamard_signs
 from .ops.pack import pack, unpack
 from .ops.quant import Quantized, dequantize, quantize
 from .ops.rope import rope, rope_tables
+from . import scheme  # noqa: E402  (presets: torch_rkv.scheme.recommended(3), ...)
+from .cache import QuantizedKVCache
+from .scheme import Scheme
 
 __version__ = "0.1.0"
 
@@ -23,7 +26,9 @@ def has_kernel(op: str, device_type: str) -> bool:
 
 
 __all__ = [
+    "QuantizedKVCache",
     "Quantized",
+    "Scheme",
     "decode_attention",
     "dequantize",
     "hadamard",

@@ -1,4 +1,4 @@
-"""Command line: python -m torch_rkv {demo}."""
+"""Command line: python -m torch_rkv {report, plan, demo}."""
 
 from __future__ import annotations
 
@@ -9,13 +9,33 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_rkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="quantize a key-like tensor with each scheme; print error and bytes")
+
+    report = sub.add_parser("report", help="measured quality of every scheme on a real model and text (main job)")
+    report.add_argument("--model", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
+    report.add_argument("--gguf", help="a local GGUF file")
+    report.add_argument("--text", help="a local text file (default: alice29.txt of the Canterbury corpus)")
+    report.add_argument("--tokens", type=int, default=None, help="perplexity window (default 2048; up to 8192)")
+    report.add_argument("--quick", action="store_true", help="a smaller run (1024 tokens, fewer schemes)")
+    report.add_argument("--json", help="write every number to this file")
+    report.add_argument("--out", default="out/report", help="directory for the PNG plots")
+
+    from .plan import add_arguments as plan_arguments
+
+    plan_arguments(sub.add_parser("plan", help="KV-cache memory ledger: bytes per token, fit, longest context"))
+
+    demo = sub.add_parser("demo", help="quantize synthetic RoPE'd keys with each scheme; print error and bytes")
     demo.add_argument("--tokens", type=int, default=1024)
     demo.add_argument("--dim", type=int, default=128)
-    report = sub.add_parser("report", help="the main job (until the real-model report lands: the demo)")
-    report.add_argument("--tokens", type=int, default=1024)
-    report.add_argument("--dim", type=int, default=128)
+
     args = parser.parse_args(argv)
+    if args.command == "report":
+        from .eval.report import main as report_main
+
+        return report_main(args)
+    if args.command == "plan":
+        from .plan import main as plan_main
+
+        return plan_main(args)
     from . import demo as demo_mod
 
     return demo_mod.run(args.tokens, args.dim)

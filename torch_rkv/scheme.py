@@ -148,13 +148,26 @@ def quarot(bits: int = 4) -> Scheme:
 
 
 def recommended(bits: int = 4) -> Scheme:
-    """The library's default: pre-RoPE per-channel keys, grouped values, sink and recent tokens kept in
-    full precision (see docs/guide.md for the measurements behind it)."""
-    return Scheme(name=f"rkv-{bits}", k_bits=bits, v_bits=bits, k_group_size=1, k_block_tokens=64,
-                  v_group_size=32, pre_rope=True, sinks=4, recent=64)
+    """The library's default: pre-RoPE per-channel keys (blocks of 128 tokens), Hadamard-rotated
+    per-token values, the first 4 tokens and the newest 64 (128 at 2 bits) in full precision. Chosen from
+    the measurements in docs/guide.md: recent tokens and sinks help most, values need as much care as
+    keys, pre-RoPE per-channel keys beat every other key layout."""
+    return Scheme(name=f"rkv-{bits}", k_bits=bits, v_bits=bits, k_group_size=1, k_block_tokens=128 if bits >= 3 else 64,
+                  pre_rope=True, v_hadamard=True, sinks=4, recent=64 if bits >= 3 else 128)
 
 
-PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "quarot": quarot, "rkv": recommended}
+def recommended_mixed(v_bits: int = 2) -> Scheme:
+    """Keys one step above values (K3/V2, K4/V3): at 2 bits the keys, not the values, limit quality,
+    and per-channel key metadata is cheap, so a bit spent on keys buys the most."""
+    if v_bits not in (2, 3, 4):
+        raise ValueError(f"recommended_mixed: v_bits must be 2, 3 or 4 (got {v_bits})")
+    k_bits = {2: 3, 3: 4, 4: 8}[v_bits]
+    base = recommended(v_bits)
+    return base.replace(name=f"rkv-k{k_bits}v{v_bits}", k_bits=k_bits, k_block_tokens=128)
+
+
+PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "quarot": quarot, "rkv": recommended,
+           "rkv-mixed": recommended_mixed}
 
 
 def preset(name: str, bits: int) -> Scheme:

@@ -96,13 +96,13 @@ class RKVLayer(CacheLayerMixin):
         n_before, m = self.cache.seq_length(self.index), key_states.shape[-2]
         self._check_positions(kwargs, n_before, m)
         self.cache.append(self.index, key_states, value_states)
-        if n_before == 0:  # prefill: ordinary attention on the fresh keys and values
-            return key_states, value_states
-        if m == 1:  # decode: the attention reads the quantized cache; mark the key so it knows which layer
+        if m == 1:  # decode (a first token too): the attention reads the quantized cache, the key says where
             key = key_states.view_as(key_states)
             key._rkv_layer = self
             self.pending = True
             return key, value_states
+        if n_before == 0:  # prefill: ordinary attention on the fresh keys and values
+            return key_states, value_states
         k, v = self.cache.dequantized(self.index)  # several new tokens after a prefill: attend over all
         return k.to(key_states.dtype), v.to(value_states.dtype)
 

@@ -1,0 +1,109 @@
+"""The evaluation pieces: the simulation protocol's cache view, the decode protocol against it on a tiny
+random Llama, the localization document, and (real model, CI-sized) the 4-bit reference reproduction."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from torch_rkv import reference as ref  # noqa: E402
+from torch_rkv import scheme as S  # noqa: E402
+from torch_rkv.eval import localization, perplexity  # noqa: E402
+from torch_rkv.eval.report import REFERENCE, TOLERANCE, effective_bits_at, reference_scheme  # noqa: E402
+from torch_rkv.eval.simulate import Simulation  # noqa: E402
+from torch_rkv.integrations.transformers import RKVCache, model_rope_tables  # noqa: E402
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=160, hidden_size=192, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("scheme", [S.recommended(4).replace(k_block_tokens=16, recent=8), S.kivi(2, block=8, recent=8),
+                                    S.per_token(3), S.quarot(4)], ids=lambda s: s.name)
+def test_cache_view_pairs_follow_the_cache_layout(scheme):
+    sim = Simulation(scheme, *model_rope_tables(tiny_llama(), 64))
+    n = 60
+    pairs = sim.quantized_pairs(torch.arange(n), n)
+    for i in range(n):
+        q = ref.quantized_count(i + 1, scheme.sinks, scheme.recent, scheme.block)
+        want = [scheme.sinks <= t < scheme.sinks + q for t in range(n)]
+        assert pairs[i].tolist() == want
+
+
+@pytest.mark.parametrize("scheme", [S.recommended(4).replace(k_block_tokens=16, recent=8), S.recommended(8).replace(
+    k_block_tokens=16), S.kivi(4, block=8, recent=8), S.quarot(4), S.per_token(2)], ids=lambda s: s.name)
+def test_decode_protocol_equals_the_simulation(scheme):
+    """Token by token through RKVCache and the fused kernel gives the simulated perplexity: the served path
+    is the measured one (float tolerance; the tiny model does not amplify rounding much)."""
+    model = tiny_llama()
+    ids = torch.randint(0, 160, (1, 96), generator=torch.Generator().manual_seed(5))
+    cos, sin = model_rope_tables(model, 128)
+    simulated = perplexity.simulated(model, ids, Simulation(scheme, cos, sin))
+    decoded = perplexity.decoded(model, ids, lambda n: RKVCache(model, scheme, capacity=n))
+    full = perplexity.simulated(model, ids, None)
+    assert abs(decoded / simulated - 1) < 1e-4, (simulated, decoded, full)
+
+
+def test_simulation_at_8_bits_is_close_to_full_precision_and_all_view_quantizes_everything():
+    model = tiny_llama()
+    ids = torch.randint(0, 160, (1, 128), generator=torch.Generator().manual_seed(6))
+    cos, sin = model_rope_tables(model, 128)
+    full = perplexity.simulated(model, ids, None)
+    eight = perplexity.simulated(model, ids, Simulation(S.per_token(8), cos, sin, view="all"))
+    two = perplexity.simulated(model, ids, Simulation(S.per_token(2), cos, sin, view="all"))
+    assert abs(eight / full - 1) < 2e-3 < abs(two / full - 1)
+    sim = Simulation(S.kivi(4, block=32, recent=8), cos, sin, view="all")
+    assert bool(sim.quantized_pairs(torch.arange(128), 128).all())
+
+
+def test_effective_bits_count_full_precision_tokens():
+    s = S.recommended(4)
+    assert effective_bits_at(s, 64, 10**9) == pytest.approx(s.effective_bits(64), rel=1e-6)
+    assert effective_bits_at(s, 64, 100) == 16.0  # everything still in the window
+
+
+def test_localization_document_places_every_needle():
+    class Tok:  # characters as tokens: enough to check placement without a real tokenizer
+        def __call__(self, text, return_tensors=None, add_special_tokens=True):
+            class Out:
+                input_ids = torch.tensor([[ord(c) % 256 for c in text]])
+
+            return Out()
+
+        def decode(self, ids):
+            return "".join(chr(int(i)) for i in ids)
+
+    hay = "alice was beginning to get very tired of sitting by her sister " * 100
+    doc = localization.build_document(Tok(), hay, 2000, needles=5, seed=1)
+    text = Tok().decode(doc.ids[0])
+    assert len(doc.needles) == 5 and len({n.article for n in doc.needles}) == 5
+    for n in doc.needles:
+        assert f"The penalty rate under Article {n.article} is {n.rate} percent." in text
+    assert [n.depth for n in doc.needles] == sorted(n.depth for n in doc.needles)
+    assert abs(doc.ids.shape[1] - 2000) < 300
+
+
+@pytest.mark.slow
+def test_reproduces_the_4_bit_reference_rows():
+    """Every 4-bit row of the reference fake-quant table within 2% (SmolLM2, alice29, 2048 tokens)."""
+    from torch_rkv.eval import data
+
+    try:
+        data.model_gguf(fetch=False)
+        text = data.read_text(str(data.text_path()))
+    except data.MissingMaterial as e:
+        pytest.skip(f"evaluation material unavailable: {e}")
+    model, tok = data.load_model()
+    ids = tok("<|endoftext|>" + text, return_tensors="pt").input_ids[:, :2048]
+    cos, sin = model_rope_tables(model, 2048)
+    assert math.isclose(perplexity.simulated(model, ids, None), 19.874, rel_tol=1e-3)
+    for row, refs in REFERENCE.items():
+        scheme, keys = reference_scheme(row, 4)
+        ppl = perplexity.simulated(model, ids, Simulation(scheme, cos, sin, view="all", quantize_keys=keys))
+        assert abs(ppl / refs[4] - 1) <= TOLERANCE[4], (row, ppl, refs[4])

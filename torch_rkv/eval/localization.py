@@ -1,0 +1,82 @@
+"""Localization: the article's failure mode that perplexity hides.
+
+A long document (haystack text with numbered articles inserted at several depths, each with a distinct
+penalty rate) is followed by a question about one article: "What is the penalty rate under Article 37?".
+The metrics are the log-probability of the right rate and whether greedy decoding reproduces it
+exactly, for several needle depths and context lengths, with full precision as the reference. The
+document is run once per length; every question reuses its keys and values (cropped back after each).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from .simulate import Simulation, install
+
+QUESTION = "\n\nQuestion: What is the penalty rate under Article {k}?\nAnswer: The penalty rate under Article {k} is"
+ANSWER = " {r} percent"
+ARTICLE = "\n\nArticle {k}. The penalty rate under Article {k} is {r} percent.\n\n"
+
+
+@dataclass
+class Needle:
+    article: int
+    rate: int
+    depth: float  # fraction of the document before it
+
+
+@dataclass
+class Document:
+    length: int
+    ids: torch.Tensor  # (1, n) with the leading <|endoftext|>
+    needles: list[Needle]
+
+
+def build_document(tok, haystack: str, length: int, needles: int = 6, seed: int = 0) -> Document:
+    """About `length` tokens: a haystack slice with `needles` articles at random depths."""
+    rng = random.Random(seed * 7919 + length)
+    articles = rng.sample(range(10, 99), needles)
+    rates = rng.sample(range(11, 99), needles)
+    hay = tok(haystack, return_tensors="pt").input_ids[0]
+    budget = length - 40 - 28 * needles  # room for the articles and the question
+    if budget <= needles + 1 or len(hay) < budget:
+        raise ValueError(f"localization: the haystack text is too short for a {length}-token document")
+    start = rng.randint(0, len(hay) - budget)
+    hay = hay[start : start + budget]
+    cuts = sorted(rng.sample(range(1, budget), needles))
+    parts, prev, placed = ["<|endoftext|>"], 0, []
+    for cut, k, r in zip(cuts, articles, rates):
+        parts.append(tok.decode(hay[prev:cut]))
+        parts.append(ARTICLE.format(k=k, r=r))
+        placed.append(Needle(k, r, cut / budget))
+        prev = cut
+    parts.append(tok.decode(hay[prev:]))
+    ids = tok("".join(parts), return_tensors="pt").input_ids
+    return Document(length, ids, placed)
+
+
+@torch.no_grad()
+def evaluate(model, tok, doc: Document, simulation: Simulation | None) -> list[dict]:
+    """Per needle: log p(right rate), exact greedy match, and the greedy answer."""
+    install(model, simulation)
+    cache = DynamicCache(config=model.config)
+    model(doc.ids, cache=cache, use_cache=True)
+    n = doc.ids.shape[1]
+    out = []
+    for needle in doc.needles:
+        q = tok(QUESTION.format(k=needle.article), return_tensors="pt", add_special_tokens=False).input_ids
+        a = tok(ANSWER.format(r=needle.rate), return_tensors="pt", add_special_tokens=False).input_ids
+        seq = torch.cat([q, a], dim=1)
+        logits = model(seq, cache=cache, use_cache=True).logits[0, q.shape[1] - 1 : -1].float()
+        cache.crop(-(cache.get_seq_length() - n))  # drop the question again (negative: tokens to remove)
+        target = a[0]
+        logp = F.log_softmax(logits, dim=-1).gather(1, target[:, None]).sum().item()
+        greedy = logits.argmax(-1)
+        out.append({"length": doc.length, "depth": needle.depth, "article": needle.article, "logprob": logp,
+                    "exact": bool(torch.equal(greedy, target)), "answer": tok.decode(greedy)})
+    return out

@@ -1,0 +1,36 @@
+"""Perplexity under the two protocols: simulated (one forward pass, every attention reading quantized
+keys and values) and decode (token by token through a real cache: torch_rkv's fused kernel, or a peer)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .simulate import Simulation, install
+
+
+def nll_to_ppl(nll: float) -> float:
+    return math.exp(nll)
+
+
+@torch.no_grad()
+def simulated(model, ids: torch.Tensor, simulation: Optional[Simulation]) -> float:
+    """Perplexity of ids (1, N) with every attention layer routed through `simulation` (None: full
+    precision through the same SDPA path)."""
+    install(model, simulation)
+    logits = model(ids).logits[0, :-1].float()
+    return nll_to_ppl(F.cross_entropy(logits, ids[0, 1:]).item())
+
+
+@torch.no_grad()
+def decoded(model, ids: torch.Tensor, make_cache: Callable[[int], object]) -> float:
+    """Perplexity of ids (1, N) fed one token at a time through cache = make_cache(N): the served path."""
+    cache = make_cache(ids.shape[1])
+    nll = 0.0
+    for i in range(ids.shape[1] - 1):
+        logits = model(ids[:, i : i + 1], cache=cache, use_cache=True).logits[0, -1].float()
+        nll += F.cross_entropy(logits[None], ids[0, i + 1 : i + 2]).item()
+    return nll_to_ppl(nll / (ids.shape[1] - 1))

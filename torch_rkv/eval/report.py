@@ -1,0 +1,359 @@
+"""`python -m torch_rkv report`: measured quality of every KV-cache scheme on a real model and real text.
+
+1. reproduction of the reference fake-quant measurements (every position quantized, fp32 metadata);
+2. the schemes as served (cache view, fp16 metadata): perplexity, its change, effective bits, and
+   attention fidelity (output cosine, top-8 recall) against full precision;
+3. localization: the penalty rate of Article k in long documents, several depths and lengths;
+4. the decode protocol: token by token through the real cache and fused kernel, against the
+   simulation on the same window (the proof that the served path is the measured one);
+5. peers when installed: transformers' QuantizedCache (quanto, HQQ) token by token on that window;
+6. plots (PNG) and every number in --json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .. import scheme as S
+from ..scheme import Scheme
+from . import data, localization, perplexity, plots
+from .simulate import Simulation, install
+
+# the reference points of the fake-quant protocol (SmolLM2-135M-Instruct, alice29, 2048 tokens, fp 19.874)
+REFERENCE = {
+    "post-RoPE per-token": {4: 23.08, 3: 40.08, 2: 500.5},
+    "post-RoPE per-channel": {4: 20.55, 3: 23.59, 2: 76.2},
+    "pre-RoPE per-channel": {4: 20.17, 3: 22.85, 2: 45.4},
+    "Hadamard + per-token": {4: 21.64, 3: 27.98, 2: 167.1},
+    "keys full precision, values only": {4: 20.22, 3: 20.73, 2: 26.23},
+}
+TOLERANCE = {4: 0.02, 3: 0.02, 2: 0.05}
+
+
+def reference_scheme(row: str, bits: int) -> tuple[Scheme, bool]:
+    """(scheme, quantize_keys) of a reference row: values per-token (group 64 = head_dim of the model),
+    per-channel blocks of 128 tokens, asymmetric, fp32 metadata."""
+    base = dict(name=row, k_bits=bits, v_bits=bits, meta_dtype=torch.float32)
+    extra = {
+        "post-RoPE per-token": {},
+        "post-RoPE per-channel": dict(k_group_size=1, k_block_tokens=128),
+        "pre-RoPE per-channel": dict(k_group_size=1, k_block_tokens=128, pre_rope=True),
+        "Hadamard + per-token": dict(k_hadamard=True),
+        "keys full precision, values only": {},
+    }[row]
+    return Scheme(**base, **extra), row != "keys full precision, values only"
+
+
+FAMILIES = {
+    "per-token (baseline)": S.per_token,
+    "grouped g32": lambda b: Scheme(name=f"grouped32-{b}", k_bits=b, v_bits=b, k_group_size=32, v_group_size=32),
+    "KIVI (per-channel post-RoPE)": S.kivi,
+    "KVQuant-style (pre-RoPE per-channel)": S.kvquant,
+    "QuaRot-style (Hadamard)": S.quarot,
+    "rkv (recommended)": S.recommended,
+    "rkv mixed (K one step above V)": lambda b: S.recommended_mixed(b) if b in (2, 3) else None,
+}
+
+
+@dataclass
+class Options:
+    tokens: int = 2048
+    bits: tuple = (4, 3, 2)
+    families: tuple = tuple(FAMILIES)
+    noise: bool = True  # rows off their reference are rerun with eager attention: how much the kernel moves them
+    loc_lengths: tuple = (1024, 2048, 4096)
+    loc_schemes: tuple = ("per-token-3", "kvquant-3", "rkv-3", "rkv-2")
+    decode_tokens: int = 256
+    decode_schemes: tuple = ("rkv-4", "rkv-3", "kivi-2")
+    peers: bool = True
+    out_dir: str = "out/report"
+    timings: dict = field(default_factory=dict)
+
+    @classmethod
+    def quick(cls) -> "Options":
+        return cls(tokens=1024, bits=(4, 2), families=("per-token (baseline)", "KIVI (per-channel post-RoPE)",
+                                                      "QuaRot-style (Hadamard)", "rkv (recommended)"),
+                   noise=False, loc_lengths=(1024,), loc_schemes=("per-token-2", "rkv-2"), decode_tokens=96,
+                   decode_schemes=("per-token-4",), peers=False)
+
+
+def effective_bits_at(scheme: Scheme, head_dim: int, tokens: int) -> float:
+    """Bits per element at `tokens` tokens, counting the full-precision sinks, recent window and partial
+    block at 16 bits (an fp16 cache), as a cache of that length holds them."""
+    from ..reference import quantized_count
+
+    q = quantized_count(tokens, scheme.sinks, scheme.recent, scheme.block)
+    return (q * scheme.effective_bits(head_dim) + (tokens - q) * 16) / tokens
+
+
+class Report:
+    def __init__(self, model, tok, text: str, opts: Options, log=print):
+        self.model, self.tok, self.opts, self.log = model, tok, opts, log
+        cfg = model.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.text = text
+        all_ids = tok("<|endoftext|>" + text, return_tensors="pt").input_ids
+        if all_ids.shape[1] < opts.tokens:
+            raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than --tokens {opts.tokens}")
+        self.ids = all_ids[:, : opts.tokens]
+        from ..integrations.transformers import model_rope_tables
+
+        positions = max([opts.tokens, opts.decode_tokens + 8] + [n + 64 for n in opts.loc_lengths])
+        self.cos, self.sin = model_rope_tables(model, positions)
+        self.results: dict = {}
+
+    def _timed(self, name, fn):
+        start = time.time()
+        out = fn()
+        self.opts.timings[name] = round(time.time() - start, 1)
+        return out
+
+    def simulation(self, scheme: Scheme, **kw) -> Simulation:
+        return Simulation(scheme, self.cos, self.sin, **kw)
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        o = self.opts
+        r = self.results
+        r["full_precision_ppl"] = self._timed("full precision", lambda: perplexity.simulated(self.model, self.ids, None))
+        self.log(f"full precision perplexity on {o.tokens} tokens: {r['full_precision_ppl']:.3f}")
+        r["reproduction"] = self._timed("reproduction", self.reproduction)
+        r["schemes"] = self._timed("schemes", self.schemes)
+        r["localization"] = self._timed("localization", self.localization)
+        r["decode_protocol"] = self._timed("decode protocol", self.decode_protocol)
+        r["peers"] = self._timed("peers", self.peers) if o.peers else []
+        r["plots"] = self._timed("plots", self.plots)
+        return r
+
+    def reproduction(self) -> list[dict]:
+        rows = []
+        if self.opts.tokens % 128:
+            self.log("reproduction skipped: --tokens must be a multiple of 128 for per-channel blocks")
+            return rows
+        for row, ref in REFERENCE.items():
+            for bits in self.opts.bits:
+                scheme, keys = reference_scheme(row, bits)
+                sim = self.simulation(scheme, view="all", quantize_keys=keys)
+                ppl = perplexity.simulated(self.model, self.ids, sim)
+                rec = {"row": row, "bits": bits, "ppl": ppl, "reference": ref[bits] if self.opts.tokens == 2048 else None}
+                if rec["reference"]:
+                    rec["deviation"] = ppl / rec["reference"] - 1
+                    rec["within_tolerance"] = abs(rec["deviation"]) <= TOLERANCE[bits]
+                    if self.opts.noise and not rec["within_tolerance"]:
+                        # the same quantization with another, equally exact attention kernel: low-bit
+                        # perplexity amplifies fp32 rounding differences, this shows by how much
+                        rec["ppl_eager"] = perplexity.simulated(self.model, self.ids, self.simulation(
+                            scheme, view="all", quantize_keys=keys, kernel="eager"))
+                rows.append(rec)
+                self.log(f"  reproduction {row:34s} {bits}b  ppl {ppl:8.3f}" +
+                         (f"  reference {rec['reference']:7.2f} ({rec['deviation']:+.1%})" if rec["reference"] else ""))
+        return rows
+
+    def schemes(self) -> list[dict]:
+        rows = []
+        fp = self.results["full_precision_ppl"]
+        for family in self.opts.families:
+            for bits in self.opts.bits:
+                scheme = FAMILIES[family](bits)
+                if scheme is None:
+                    continue
+                sim = self.simulation(scheme, fidelity_queries=64)
+                ppl = perplexity.simulated(self.model, self.ids, sim)
+                rows.append({"family": family, "scheme": scheme.name, "description": scheme.describe(self.head_dim),
+                             "bits": bits, "ppl": ppl, "delta": ppl - fp,
+                             "bits_per_element": scheme.effective_bits(self.head_dim),
+                             "bits_at_window": effective_bits_at(scheme, self.head_dim, self.opts.tokens),
+                             "attention_cosine": sim.fidelity.cosine, "top8_recall": sim.fidelity.recall})
+                self.log(f"  {scheme.name:14s} ppl {ppl:8.3f} ({ppl - fp:+7.3f})  {rows[-1]['bits_per_element']:.2f} "
+                         f"bits  cos {sim.fidelity.cosine:.4f}  top8 {sim.fidelity.recall:.3f}")
+        return rows
+
+    def localization(self) -> list[dict]:
+        rows = []
+        docs = [localization.build_document(self.tok, self.text, n) for n in self.opts.loc_lengths]
+        for name in ("full precision",) + tuple(self.opts.loc_schemes):
+            sim = None if name == "full precision" else self.simulation(S.preset(*_split(name)))
+            for doc in docs:
+                for rec in localization.evaluate(self.model, self.tok, doc, sim):
+                    rows.append({"scheme": name, **rec})
+            mine = [x for x in rows if x["scheme"] == name]
+            self.log(f"  localization {name:16s} exact {sum(x['exact'] for x in mine)}/{len(mine)}  "
+                     f"mean log p {sum(x['logprob'] for x in mine) / len(mine):.2f}")
+        return rows
+
+    def decode_protocol(self) -> list[dict]:
+        from ..integrations.transformers import RKVCache
+
+        ids = self.ids[:, : self.opts.decode_tokens]
+        rows = []
+        for name in self.opts.decode_schemes:
+            scheme = S.preset(*_split(name))
+            sim = perplexity.simulated(self.model, ids, self.simulation(scheme))
+            served = perplexity.decoded(self.model, ids, lambda n: RKVCache(self.model, scheme, capacity=n))
+            rows.append({"scheme": name, "tokens": ids.shape[1], "simulated_ppl": sim, "decoded_ppl": served,
+                         "relative_difference": served / sim - 1})
+            self.log(f"  decode protocol {name:12s} simulated {sim:.4f}  token-by-token {served:.4f} "
+                     f"({served / sim - 1:+.2e})")
+        return rows
+
+    def peers(self) -> list[dict]:
+        try:
+            from transformers import QuantizedCache
+        except ImportError:
+            return []
+        ids = self.ids[:, : self.opts.decode_tokens]
+        rows = []
+        for backend, module, bits in (("quanto", "optimum.quanto", 4), ("quanto", "optimum.quanto", 2),
+                                      ("hqq", "hqq", 4)):
+            try:
+                __import__(module)
+            except ImportError:
+                self.log(f"  peer QuantizedCache[{backend}] skipped: pip install {module.split('.')[-1]}")
+                continue
+
+            def make(n, b=backend, k=bits):
+                self.model.set_attn_implementation("sdpa")
+                return QuantizedCache(backend=b, config=self.model.config, nbits=k)
+
+            try:
+                ppl = perplexity.decoded(self.model, ids, make)
+            except Exception as e:  # a peer's own limitation, reported rather than fatal
+                self.log(f"  peer QuantizedCache[{backend},{bits}b] failed: {type(e).__name__}: {e}")
+                rows.append({"peer": f"QuantizedCache[{backend},{bits}b]", "error": f"{type(e).__name__}: {e}"})
+                continue
+            rows.append({"peer": f"QuantizedCache[{backend},{bits}b]", "tokens": ids.shape[1], "decoded_ppl": ppl})
+            self.log(f"  peer QuantizedCache[{backend},{bits}b] token-by-token ppl {ppl:.4f}")
+        return rows
+
+    def plots(self) -> dict:
+        out = plots.ensure_dir(self.opts.out_dir)
+        paths = {}
+        if self.results["schemes"]:
+            paths["ppl_vs_bits"] = plots.ppl_vs_bits(self.results["schemes"], self.results["full_precision_ppl"],
+                                                     os.path.join(out, "ppl_vs_bits.png"))
+        if self.results["localization"]:
+            paths["localization"] = plots.localization_vs_length(self.results["localization"],
+                                                                 os.path.join(out, "localization.png"))
+        paths["key_magnitudes"] = plots.key_magnitudes(self.capture_keys(), os.path.join(out, "key_magnitudes.png"))
+        return paths
+
+    @torch.no_grad()
+    def capture_keys(self, layers=(0, None, -1)) -> dict:
+        """Pre- and post-RoPE keys of KV head 0 for the first, middle and last layer (full precision)."""
+        n_layers = len(self.model.model.layers)
+        chosen = sorted({(n_layers // 2 if i is None else i % n_layers) for i in layers})
+        store = {}
+
+        class Capture:
+            def __init__(self, idx):
+                self.idx = idx
+
+            def attention(self, query, key, value, scaling):
+                store[self.idx] = key[0, 0].float().clone()
+                out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                     enable_gqa=True)
+                return out.transpose(1, 2)
+
+        install(self.model, None)
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.rkv_simulation = Capture(i) if i in chosen else None
+        n = min(512, self.ids.shape[1])
+        self.model(self.ids[:, :n])
+        install(self.model, None)
+        from ..ops.rope import rope
+
+        pos = torch.arange(n)
+        return {i: (rope(store[i], self.cos, self.sin, pos, inverse=True), store[i]) for i in chosen}
+
+
+def _split(name: str) -> tuple[str, int]:
+    family, bits = name.rsplit("-", 1)
+    return family, int(bits)
+
+
+# ----------------------------------------------------------------------------------------------
+# Printing
+# ----------------------------------------------------------------------------------------------
+
+
+def format_tables(r: dict) -> str:
+    lines = [f"\nfull precision perplexity: {r['full_precision_ppl']:.3f}"]
+    if r["reproduction"]:
+        lines.append("\nReproduction of the reference fake-quant protocol (every position quantized, fp32 metadata)")
+        lines.append(f"{'keys':34s} {'bits':>4s} {'ppl':>9s} {'reference':>9s} {'dev':>7s} {'ok':>3s} "
+                     f"{'eager attention (rows off the reference)':>9s}")
+        for x in r["reproduction"]:
+            ref = x.get("reference")
+            line = (f"{x['row']:34s} {x['bits']:4d} {x['ppl']:9.3f} " +
+                    (f"{ref:9.2f} {x['deviation']:+7.1%} {'yes' if x['within_tolerance'] else 'NO':>3s}" if ref
+                     else f"{'-':>9s} {'-':>7s} {'-':>3s}"))
+            if "ppl_eager" in x:
+                line += f" {x['ppl_eager']:9.3f} ({x['ppl_eager'] / x['reference'] - 1:+.1%})"
+            lines.append(line)
+    lines.append("\nSchemes as served (cache view, fp16 metadata)")
+    lines.append(f"{'scheme':14s} {'bits/el':>7s} {'@window':>7s} {'ppl':>9s} {'delta':>8s} {'cos':>7s} {'top8':>6s}  layout")
+    for x in r["schemes"]:
+        lines.append(f"{x['scheme']:14s} {x['bits_per_element']:7.2f} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} "
+                     f"{x['delta']:+8.3f} {x['attention_cosine']:7.4f} {x['top8_recall']:6.3f}  "
+                     f"{x['description'].split(': ', 1)[1].split(' = ')[0]}")
+    if r["localization"]:
+        lines.append("\nLocalization (penalty rate of Article k): exact answers and mean log p(right rate)")
+        lengths = sorted({x["length"] for x in r["localization"]})
+        lines.append(f"{'scheme':16s} " + " ".join(f"{n:>12d}" for n in lengths))
+        for name in dict.fromkeys(x["scheme"] for x in r["localization"]):
+            cells = []
+            for n in lengths:
+                xs = [x for x in r["localization"] if x["scheme"] == name and x["length"] == n]
+                cells.append(f"{sum(x['exact'] for x in xs)}/{len(xs)} {sum(x['logprob'] for x in xs) / len(xs):6.2f}")
+            lines.append(f"{name:16s} " + " ".join(f"{c:>12s}" for c in cells))
+    if r["decode_protocol"]:
+        lines.append("\nDecode protocol (token by token through the real cache and fused kernel) vs simulation")
+        for x in r["decode_protocol"]:
+            lines.append(f"{x['scheme']:14s} {x['tokens']:5d} tokens  simulated {x['simulated_ppl']:9.4f}  "
+                         f"decoded {x['decoded_ppl']:9.4f}  ({x['relative_difference']:+.2e})")
+    for x in r.get("peers", []):
+        lines.append(f"peer {x['peer']:26s} " + (f"decoded ppl {x['decoded_ppl']:9.4f} on {x['tokens']} tokens"
+                                                  if "decoded_ppl" in x else x["error"]))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    opts = Options.quick() if args.quick else Options()
+    if args.tokens:
+        opts.tokens = args.tokens
+    opts.out_dir = args.out
+    start = time.time()
+    try:
+        model, tok = data.load_model(args.model, args.gguf)
+        text = data.read_text(args.text)
+    except data.MissingMaterial as e:
+        print(f"torch_rkv report: {e}", file=sys.stderr)
+        return 2
+    if opts.tokens > model.config.max_position_embeddings:
+        print(f"torch_rkv report: --tokens {opts.tokens} exceeds the model's {model.config.max_position_embeddings}",
+              file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    report = Report(model, tok, text, opts, log=lambda s: print(s, flush=True))
+    results = report.run()
+    results["options"] = {k: v for k, v in asdict(opts).items() if k != "timings"}
+    results["timings_s"] = {**opts.timings, "total": round(time.time() - start, 1)}
+    results["machine"] = {"python": platform.python_version(), "torch": torch.__version__,
+                          "threads": torch.get_num_threads()}
+    print(format_tables(results))
+    print(f"\nplots: {', '.join(results['plots'].values())}")
+    print(f"total {results['timings_s']['total']:.0f} s: " +
+          ", ".join(f"{k} {v:.0f} s" for k, v in opts.timings.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"json: {args.json}")
+    return 0

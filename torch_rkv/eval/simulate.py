@@ -1,0 +1,210 @@
+"""The simulation protocol: run a transformers model with every attention reading keys and values quantized
+the way a scheme's cache stores them, through the library's own ops (KVQuant / QuaRot protocol).
+
+Two views of "quantized":
+* "cache" (default): exactly what the QuantizedKVCache holds when the query at position i runs: sinks
+  and the newest tokens (recent window, partial block) in full precision, whole blocks quantized. The
+  decode protocol (token by token through the real cache and fused kernel) must reproduce it.
+* "all": every position quantized, partial blocks included (block stats over the whole block, future
+  tokens too): the plain fake-quant protocol of the reference measurements.
+
+Also collects attention fidelity against full precision on the same inputs: cosine of the attention
+outputs and recall of the top-8 attended keys, over the last `fidelity_queries` queries of each call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from ..ops.hadamard import hadamard, hadamard_signs
+from ..ops.quant import Quantized, dequantize, quantize
+from ..ops.rope import rope
+from ..reference import quantized_count
+from ..scheme import Scheme
+
+ATTENTION = "rkv_simulate"
+
+
+@dataclass
+class Fidelity:
+    cosine_sum: float = 0.0
+    recall_sum: float = 0.0
+    count: int = 0
+
+    def add(self, cos: float, recall: float) -> None:
+        self.cosine_sum += cos
+        self.recall_sum += recall
+        self.count += 1
+
+    @property
+    def cosine(self) -> float:
+        return self.cosine_sum / max(self.count, 1)
+
+    @property
+    def recall(self) -> float:
+        return self.recall_sum / max(self.count, 1)
+
+
+@dataclass
+class Simulation:
+    """One scheme applied to every attention layer of a model."""
+
+    scheme: Scheme
+    rope_cos: Optional[torch.Tensor] = None  # the model's table (positions, rot/2), for pre-RoPE keys
+    rope_sin: Optional[torch.Tensor] = None
+    view: str = "cache"
+    quantize_keys: bool = True  # False: keys stay in full precision (the "values only" rows)
+    quantize_values: bool = True
+    kernel: str = "sdpa"  # or "eager": matmul + softmax, like transformers' eager attention
+    fidelity_queries: int = 0
+    fidelity: Fidelity = field(default_factory=Fidelity)
+
+    def __post_init__(self):
+        self._signs: dict[tuple[int, str], torch.Tensor] = {}
+        if self.scheme.pre_rope and self.rope_cos is None:
+            raise ValueError("Simulation: a pre-RoPE scheme needs the model's rope tables")
+
+    def signs(self, dim: int, side: str, device) -> torch.Tensor:
+        key = (dim, side)
+        if key not in self._signs:
+            seed = self.scheme.hadamard_seed + (0 if side == "k" else 1)
+            self._signs[key] = hadamard_signs(dim, seed, device)  # the cache's signs
+        return self._signs[key]
+
+    # ------------------------------------------------------------------------------------------
+    def quantized_region(self, n: int) -> tuple[int, int]:
+        """[start, end) of the token range stored quantized for the longest query of n tokens."""
+        s = self.scheme
+        if self.view == "all":
+            return 0, n
+        return s.sinks, s.sinks + quantized_count(n, s.sinks, s.recent, s.block)
+
+    def fake_quantize(self, x: torch.Tensor, side: str) -> torch.Tensor:
+        """x (B, H, n, D) in the model's space -> the same tokens after the cache's store/load round
+        trip, float32; tokens outside the quantized region unchanged."""
+        s = self.scheme
+        n, d = x.shape[-2], x.shape[-1]
+        lo, hi = self.quantized_region(n)
+        out = x.float().clone()
+        if hi <= lo or not (self.quantize_keys if side == "k" else self.quantize_values):
+            return out
+        part = out[:, :, lo:hi]
+        pos = torch.arange(lo, hi, device=x.device)
+        if side == "k" and s.pre_rope:
+            part = rope(part, self.rope_cos, self.rope_sin, pos, inverse=True)
+        rotated = s.k_hadamard if side == "k" else s.v_hadamard
+        if rotated:
+            part = hadamard(part, self.signs(d, side, x.device))
+        bits = getattr(s, f"{side}_bits")
+        group = getattr(s, f"{side}_group_size") or d
+        tokens = getattr(s, f"{side}_block_tokens")
+        if self.view == "all" and (hi - lo) % tokens:
+            raise ValueError(f"simulation view 'all': {hi - lo} tokens are not whole blocks of {tokens}")
+        q = quantize(part, bits, group, tokens, getattr(s, f"{side}_symmetric"), s.meta_dtype)
+        back = dequantize(Quantized(q.packed, q.scale, q.zero, bits), torch.float32)
+        if rotated:
+            back = hadamard(back, self.signs(d, side, x.device), inverse=True)
+        if side == "k" and s.pre_rope:
+            back = rope(back, self.rope_cos, self.rope_sin, pos)
+        out[:, :, lo:hi] = back
+        return out
+
+    def quantized_pairs(self, q_pos: torch.Tensor, n: int) -> torch.Tensor:
+        """(Nq, n) bool: whether query at position q_pos[i] sees key t in its quantized form."""
+        s = self.scheme
+        t = torch.arange(n, device=q_pos.device)
+        if self.view == "all":
+            return torch.ones(len(q_pos), n, dtype=torch.bool, device=q_pos.device)
+        visible = q_pos + 1  # the cache holds tokens 0..pos when the query at pos runs
+        over = (visible - s.sinks - s.recent).clamp(min=0)
+        q_end = s.sinks + s.block * torch.div(over, s.block, rounding_mode="floor")
+        return (t[None, :] >= s.sinks) & (t[None, :] < q_end[:, None])
+
+    # ------------------------------------------------------------------------------------------
+    def attention(self, query, key, value, scaling: float) -> torch.Tensor:
+        """Causal attention (B, N, Hq, D) of the last N positions, with quantized pairs reading the
+        fake-quantized keys and values. Keys are laid out twice, [quantized | full precision], and a
+        mask picks one copy per (query, key): one fused SDPA call."""
+        nq, n = query.shape[2], key.shape[2]
+        kq, vq = self.fake_quantize(key, "k"), self.fake_quantize(value, "v")
+        pos = n - nq + torch.arange(nq, device=query.device)
+        causal = torch.arange(n, device=query.device)[None, :] <= pos[:, None]
+        pairs = self.quantized_pairs(pos, n)
+        q = query.float()
+        if bool(pairs[causal].all()):  # every visible key is quantized (view "all", per-token caches)
+            out = self._attend(q, kq, vq, causal, scaling)
+        else:
+            # queries that see the same quantized range form groups (one per block of queries): one
+            # SDPA call per group over keys spliced from both copies; too many groups: keys laid out
+            # twice, [quantized | full precision], with a mask choosing one copy per pair
+            # every row starts its quantized range at the sinks, so equal counts mean equal rows
+            _, counts = torch.unique_consecutive(pairs.sum(dim=1), return_counts=True)
+            if len(counts) <= 64:
+                out = torch.empty_like(q)
+                start = 0
+                for count in counts.tolist():
+                    row = pairs[start]
+                    keys = torch.where(row[:, None], kq, key.float())
+                    values = torch.where(row[:, None], vq, value.float())
+                    rows = slice(start, start + count)
+                    out[:, :, rows] = self._attend(q[:, :, rows], keys, values, causal[rows], scaling)
+                    start += count
+            else:
+                keys = torch.cat([kq, key.float()], dim=2)
+                values = torch.cat([vq, value.float()], dim=2)
+                out = self._attend(q, keys, values, torch.cat([causal & pairs, causal & ~pairs], dim=1), scaling)
+        if self.fidelity_queries:
+            self._measure(q, key.float(), value.float(), kq, vq, causal, pairs, scaling, out)
+        return out.transpose(1, 2).to(query.dtype)
+
+    def _attend(self, q, k, v, mask, scaling):
+        if self.kernel == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~mask, -math.inf)
+        return torch.softmax(scores, dim=-1) @ v
+
+    def _measure(self, q, kf, vf, kq, vq, causal, pairs, scaling, out) -> None:
+        """Fidelity of the last queries of this call against full precision on the same inputs."""
+        m = min(self.fidelity_queries, q.shape[2])
+        b, hq, _, d = q.shape
+        hkv = kf.shape[1]
+        qm = q[:, :, -m:].reshape(b, hkv, hq // hkv, m, d)
+        mask = causal[-m:]
+        s_fp = torch.einsum("bhgqd,bhkd->bhgqk", qm, kf) * scaling
+        s_q = torch.where(pairs[-m:], torch.einsum("bhgqd,bhkd->bhgqk", qm, kq) * scaling, s_fp)
+        p_fp = torch.softmax(s_fp.masked_fill(~mask, -math.inf), dim=-1)
+        p_q = torch.softmax(s_q.masked_fill(~mask, -math.inf), dim=-1)
+        o_fp = torch.einsum("bhgqk,bhkd->bhgqd", p_fp, vf).reshape(b, hq, m, d)
+        cos = F.cosine_similarity(out[:, :, -m:], o_fp, dim=-1).mean().item()
+        k = min(8, p_fp.shape[-1])
+        top_fp, top_q = p_fp.topk(k, dim=-1).indices, p_q.topk(k, dim=-1).indices
+        recall = (top_fp[..., :, None] == top_q[..., None, :]).any(-1).float().mean().item()
+        self.fidelity.add(cos, recall)
+
+
+def simulated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: the module's Simulation, or SDPA when it has none."""
+    sim = getattr(module, "rkv_simulation", None)
+    if sim is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return sim.attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
+
+
+def install(model, simulation: Optional[Simulation]) -> None:
+    """Route every attention layer of `model` through `simulation` (None: plain SDPA)."""
+    AttentionInterface.register(ATTENTION, simulated_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+    for layer in model.model.layers:
+        layer.self_attn.rkv_simulation = simulation
