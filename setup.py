@@ -8,6 +8,8 @@ Environment switches:
                             baseline x86-64 / aarch64 code for a portable build.
   CUDA_HOME                 the CUDA toolkit; found from `nvcc` on PATH (even a wrapper script) if unset.
   MAX_JOBS                  parallel compile jobs (ninja).
+  RKV_SANITIZE=1            AddressSanitizer + UndefinedBehaviorSanitizer build of the C++ kernels
+                            (scripts/sanitize.sh sets it, with a CPU-only build in a copy of the tree).
 """
 
 import glob
@@ -68,6 +70,11 @@ sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join
 # -fopenmp: at::parallel_for is an inline template that is only parallel when the extension itself is
 # compiled with OpenMP (torch's own libgomp.so.1 is the one loaded at run time).
 cxx_flags = ["-O3", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden"] + cpu_isa_flags()
+link_flags = ["-fopenmp"]
+if os.environ.get("RKV_SANITIZE") == "1":
+    san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+    cxx_flags = [f for f in cxx_flags if f != "-O3"] + ["-O1"] + san
+    link_flags += san
 extra = {"cxx": cxx_flags}
 if with_cuda:
     sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
@@ -90,7 +97,7 @@ setup(
             sources,
             include_dirs=[os.path.join(ROOT, CSRC, "include"), os.path.join(ROOT, CSRC)],
             extra_compile_args=extra,
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link_flags,
         )
     ],
     cmdclass={"build_ext": BuildExtension},

@@ -38,6 +38,13 @@ def same_device(op: str, ref: torch.Tensor, arg: str, t: torch.Tensor) -> None:
     value(t.device == ref.device, op, f"{arg} is on {t.device} but the input is on {ref.device}")
 
 
+def devices(op: str, ref: torch.Tensor, **tensors) -> None:
+    """Every given tensor (None skipped) on ref's device."""
+    for arg, t in tensors.items():
+        if t is not None:
+            same_device(op, ref, arg, t)
+
+
 def row_packable(op: str, arg: str, dim, b: int) -> None:
     value((dim * b) % 8 == 0, op,
           f"the last dim of {arg} ({dim}) times bits ({b}) must be a multiple of 8 to pack whole bytes")

@@ -94,12 +94,15 @@ RKV_INLINE __m256 code_chunk(const uint8_t* row, int64_t c, bool last) {
   if constexpr (BITS == 8) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c))));
   } else {
+    // the chunk's 8 codes are its BITS bytes: read exactly those (a wider load would run past the
+    // buffer at its last row), except that 3-bit chunks borrow the next byte when it is in the row
     uint32_t w = 0;
-    // BITS bytes hold the chunk's 8 codes; a 4-byte load is fine except at the end of a 3-bit row
-    if (BITS == 3 && last) {
-      std::memcpy(&w, row + BITS * c, BITS);
+    if constexpr (BITS == 2) {
+      uint16_t h;
+      std::memcpy(&h, row + 2 * c, 2);
+      w = h;
     } else {
-      std::memcpy(&w, row + BITS * c, 4);
+      std::memcpy(&w, row + BITS * c, (BITS == 3 && last) ? 3 : 4);
     }
     const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
     const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts),
