@@ -12,6 +12,7 @@
 
 #include "../checks.h"
 #include "../dispatch.h"
+#include "../op_common.h"
 #include "attention_tiles.h"
 #include "block_quant.h"
 #include "rkv/attention.h"
@@ -218,13 +219,6 @@ void merge_splits(const DecodeGeometry& g, const Tensors& io, float* out) {
   });
 }
 
-at::Tensor hadamard_op(const at::Tensor& x, const at::Tensor& signs, bool inverse) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("rkv::hadamard", "")
-                       .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, bool)>();
-  return op.call(x, signs, inverse);
-}
-
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
                                 const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
                                 const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
@@ -241,8 +235,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_packed,
   const at::Tensor len = lengths.to(at::kLong).contiguous();
   check_decode_lengths(g, len);
   // queries in fp32, pre-scaled, and rotated into the keys' Hadamard space
-  at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();
-  if (k_signs.has_value()) qf = hadamard_op(qf, *k_signs, false);
+  const at::Tensor qf = decode_query(q, scale, k_signs);
   const at::Tensor cos = rope_cos.has_value() ? rope_cos->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor sin = rope_sin.has_value() ? rope_sin->to(at::kFloat).contiguous() : at::Tensor();
 
@@ -279,8 +272,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_packed,
   });
   at::Tensor out = at::empty({g.batch, g.q_heads, g.dim}, qf.options());
   merge_splits(g, io, out.mutable_data_ptr<float>());
-  if (v_signs.has_value()) out = hadamard_op(out, *v_signs, true);
-  return out.to(q.scalar_type());
+  return decode_output(out, v_signs, q.scalar_type());
 }
 
 }  // namespace

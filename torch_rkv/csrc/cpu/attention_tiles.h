@@ -101,8 +101,10 @@ RKV_INLINE __m256 code_chunk(const uint8_t* row, int64_t c, bool last) {
       uint16_t h;
       std::memcpy(&h, row + 2 * c, 2);
       w = h;
+    } else if (BITS == 3 && last) {
+      std::memcpy(&w, row + BITS * c, 3);  // constant sizes: each memcpy is one inlined load
     } else {
-      std::memcpy(&w, row + BITS * c, (BITS == 3 && last) ? 3 : 4);
+      std::memcpy(&w, row + BITS * c, 4);
     }
     const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
     const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts),

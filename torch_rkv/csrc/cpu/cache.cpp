@@ -12,6 +12,7 @@
 
 #include <cstring>
 
+#include "../append_side.h"
 #include "../checks.h"
 #include "../dispatch.h"
 #include "block_quant.h"
@@ -19,18 +20,6 @@
 
 namespace rkv::cpu {
 namespace {
-
-template <typename fp_t, typename meta_t>
-struct AppendSide {
-  uint8_t* packed;  // (B*H, C, row_bytes)
-  meta_t* scale;    // (B*H, C/T, ng)
-  meta_t* zero;     // same or nullptr
-  fp_t* window;     // (B*H, W, D)
-  fp_t* sink;       // (B*H, S, D)
-  const fp_t* fresh;  // (B*H, m, D)
-  int64_t block_tokens, group;
-  int bits;
-};
 
 template <typename fp_t, typename meta_t>
 void append_one(const DecodeGeometry& g, const AppendSide<fp_t, meta_t>& a, int64_t bh, int64_t n0, int64_t m,
@@ -75,16 +64,10 @@ void cache_append_cpu(const at::Tensor& k_packed, const at::Tensor& k_scale, con
   const at::Tensor kn = k_new.contiguous(), vn = v_new.contiguous();
   RKV_DISPATCH_FLOAT(k_window.scalar_type(), "rkv.cache_append", fp_t, [&] {
     RKV_DISPATCH_FLOAT(k_scale.scalar_type(), "rkv.cache_append", meta_t, [&] {
-      const auto side = [&](const at::Tensor& p, const at::Tensor& s, const std::optional<at::Tensor>& z,
-                            const at::Tensor& w, const at::Tensor& sk, const at::Tensor& fresh, int64_t bt,
-                            int64_t grp, int64_t bits) {
-        return AppendSide<fp_t, meta_t>{p.mutable_data_ptr<uint8_t>(), s.mutable_data_ptr<meta_t>(),
-                                        z.has_value() ? z->mutable_data_ptr<meta_t>() : nullptr,
-                                        w.mutable_data_ptr<fp_t>(), sk.mutable_data_ptr<fp_t>(),
-                                        fresh.const_data_ptr<fp_t>(), bt, grp, static_cast<int>(bits)};
-      };
-      const auto ks = side(k_packed, k_scale, k_zero, k_window, k_sink, kn, g.k_block_tokens, g.k_group, k_bits);
-      const auto vs = side(v_packed, v_scale, v_zero, v_window, v_sink, vn, g.v_block_tokens, g.v_group, v_bits);
+      const auto ks = append_side<fp_t, meta_t>(k_packed, k_scale, k_zero, k_window, k_sink, kn, g.k_block_tokens,
+                                                g.k_group, k_bits);
+      const auto vs = append_side<fp_t, meta_t>(v_packed, v_scale, v_zero, v_window, v_sink, vn, g.v_block_tokens,
+                                                g.v_group, v_bits);
       const int64_t* n = len.const_data_ptr<int64_t>();
       at::parallel_for(0, g.batch * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
         BlockScratch k_scratch(g.k_block_tokens, g.dim / g.k_group, g.dim);

@@ -5,29 +5,19 @@
 
 #include "../checks.h"
 #include "../dispatch.h"
+#include "../op_common.h"
 #include "block_quant.h"
 
 namespace rkv::cpu {
 namespace {
-
-std::vector<int64_t> meta_shape(const at::Tensor& x, const QuantGeometry& g) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape[shape.size() - 2] = g.blocks();
-  shape[shape.size() - 1] = g.groups();
-  return shape;
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t bits, int64_t group_size,
                                                            int64_t block_tokens, bool symmetric,
                                                            at::ScalarType meta_dtype) {
   const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype);
   const at::Tensor x = x_in.contiguous();
-  std::vector<int64_t> packed_shape(x.sizes().begin(), x.sizes().end());
-  packed_shape.back() = g.row_bytes();
-  at::Tensor packed = at::empty(packed_shape, x.options().dtype(at::kByte));
-  at::Tensor scale = at::empty(meta_shape(x, g), x.options().dtype(meta_dtype));
-  at::Tensor zero = symmetric ? at::empty({0}, x.options().dtype(meta_dtype))
-                              : at::empty(meta_shape(x, g), x.options().dtype(meta_dtype));
+  const QuantizeOutputs out = empty_quantize_outputs(x, g, symmetric, meta_dtype);
+  const at::Tensor &packed = out.packed, &scale = out.scale, &zero = out.zero;
   const int64_t block_rows = g.lead * g.blocks();
   if (block_rows == 0 || g.dim == 0) return {packed, scale, zero};
 
@@ -72,9 +62,7 @@ at::Tensor dequantize_cpu(const at::Tensor& packed_in, const at::Tensor& scale_i
   const at::Tensor packed = packed_in.contiguous();
   const at::Tensor scale = scale_in.contiguous();
   const at::Tensor zero = zero_in.has_value() ? zero_in->contiguous() : at::Tensor();
-  std::vector<int64_t> out_shape(packed.sizes().begin(), packed.sizes().end());
-  out_shape.back() = g.dim;
-  at::Tensor out = at::empty(out_shape, packed.options().dtype(out_dtype));
+  at::Tensor out = empty_dequantize_output(packed, g, out_dtype);
   if (g.lead * g.tokens == 0 || g.dim == 0) return out;
   RKV_DISPATCH_FLOAT(out_dtype, "rkv.dequantize", out_t, [&] {
     RKV_DISPATCH_FLOAT(scale.scalar_type(), "rkv.dequantize", meta_t, [&] {

@@ -7,6 +7,7 @@
 // the warp reduces the dot products for up to 8 query heads of the GQA group, and keeps an online
 // softmax and the output in registers. The warps of a block are merged in shared memory, the splits of
 // a sequence by a second kernel in split order.
+#include "../op_common.h"
 #include "common.cuh"
 #include "rkv/attention.h"
 #include "rkv/pack.h"
@@ -225,13 +226,6 @@ __global__ void merge_splits_kernel(const float* __restrict__ part_ml, const flo
   }
 }
 
-at::Tensor hadamard_op(const at::Tensor& x, const at::Tensor& signs, bool inverse) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("rkv::hadamard", "")
-                       .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, bool)>();
-  return op.call(x, signs, inverse);
-}
-
 template <typename fp_t, typename meta_t>
 Side<fp_t, meta_t> side(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
                         const at::Tensor& window, const at::Tensor& sink, int64_t block_tokens, int64_t group,
@@ -259,8 +253,7 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_packed
   const c10::cuda::CUDAGuard guard(q.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor len = lengths.to(at::kLong).contiguous();
-  at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();
-  if (k_signs.has_value()) qf = hadamard_op(qf, *k_signs, false);
+  const at::Tensor qf = decode_query(q, scale, k_signs);
   const at::Tensor cos = rope_cos.has_value() ? rope_cos->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor sin = rope_sin.has_value() ? rope_sin->to(at::kFloat).contiguous() : at::Tensor();
   // splits cover the capacity (not the data-dependent lengths): no host synchronization
@@ -295,8 +288,7 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_packed
                                                                out.mutable_data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (v_signs.has_value()) out = hadamard_op(out, *v_signs, true);
-  return out.to(q.scalar_type());
+  return decode_output(out, v_signs, q.scalar_type());
 }
 
 }  // namespace

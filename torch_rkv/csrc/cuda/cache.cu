@@ -4,23 +4,12 @@
 //    kv head, keys|values); tiles outside [Q(n0), Q(n1)) exit at once. Reads old tokens from the window.
 // 2. place_tokens_kernel: one thread per element of the new tokens, writing sinks and window slots.
 // Stream order puts every read of step 1 before every write of step 2.
+#include "../append_side.h"
 #include "block_quant.cuh"
 #include "rkv/attention.h"
 
 namespace rkv::cuda {
 namespace {
-
-template <typename fp_t, typename meta_t>
-struct AppendSide {
-  uint8_t* packed;
-  meta_t* scale;
-  meta_t* zero;
-  fp_t* window;
-  fp_t* sink;
-  const fp_t* fresh;
-  int64_t block_tokens, group;
-  int bits;
-};
 
 template <typename fp_t>
 struct SourceRows {  // token t of the tile: from the window ring if it was cached, else from the new tokens
@@ -98,14 +87,6 @@ void cache_append_cuda(const at::Tensor& k_packed, const at::Tensor& k_scale, co
   const at::Tensor kn = k_new.contiguous(), vn = v_new.contiguous();
   RKV_DISPATCH_FLOAT(k_window.scalar_type(), "rkv.cache_append", fp_t, [&] {
     RKV_DISPATCH_FLOAT(k_scale.scalar_type(), "rkv.cache_append", meta_t, [&] {
-      const auto side = [&](const at::Tensor& p, const at::Tensor& s, const std::optional<at::Tensor>& z,
-                            const at::Tensor& w, const at::Tensor& sk, const at::Tensor& fresh, int64_t bt,
-                            int64_t grp, int64_t bits) {
-        return AppendSide<fp_t, meta_t>{p.mutable_data_ptr<uint8_t>(), s.mutable_data_ptr<meta_t>(),
-                                        z.has_value() ? z->mutable_data_ptr<meta_t>() : nullptr,
-                                        w.mutable_data_ptr<fp_t>(), sk.mutable_data_ptr<fp_t>(),
-                                        fresh.const_data_ptr<fp_t>(), bt, grp, static_cast<int>(bits)};
-      };
       // an append of m tokens completes at most m / block + 1 blocks
       const int64_t tiles_k = (m / g.block + 1) * (g.block / g.k_block_tokens);
       const int64_t tiles_v = (m / g.block + 1) * (g.block / g.v_block_tokens);
@@ -113,8 +94,11 @@ void cache_append_cuda(const at::Tensor& k_packed, const at::Tensor& k_scale, co
       const dim3 grid(static_cast<unsigned>(std::min<int64_t>(max_tiles, 65535)),
                       static_cast<unsigned>(g.batch * g.kv_heads), 2);
       quantize_blocks_kernel<fp_t, meta_t><<<grid, 128, 0, stream>>>(
-          g, side(k_packed, k_scale, k_zero, k_window, k_sink, kn, g.k_block_tokens, g.k_group, k_bits),
-          side(v_packed, v_scale, v_zero, v_window, v_sink, vn, g.v_block_tokens, g.v_group, v_bits),
+          g,
+          append_side<fp_t, meta_t>(k_packed, k_scale, k_zero, k_window, k_sink, kn, g.k_block_tokens, g.k_group,
+                                    k_bits),
+          append_side<fp_t, meta_t>(v_packed, v_scale, v_zero, v_window, v_sink, vn, g.v_block_tokens, g.v_group,
+                                    v_bits),
           len.const_data_ptr<int64_t>(), m, max_tiles);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       place_tokens_kernel<fp_t><<<grid_for(kn.numel()), kThreads, 0, stream>>>(

@@ -1,4 +1,5 @@
 // CUDA kernels of rkv::quantize and rkv::dequantize.
+#include "../op_common.h"
 #include "block_quant.cuh"
 
 namespace rkv::cuda {
@@ -44,25 +45,14 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const meta
   }
 }
 
-std::vector<int64_t> meta_shape(const at::Tensor& x, const QuantGeometry& g) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape[shape.size() - 2] = g.blocks();
-  shape[shape.size() - 1] = g.groups();
-  return shape;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t bits, int64_t group_size,
                                                             int64_t block_tokens, bool symmetric,
                                                             at::ScalarType meta_dtype) {
   const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
-  std::vector<int64_t> packed_shape(x.sizes().begin(), x.sizes().end());
-  packed_shape.back() = g.row_bytes();
-  at::Tensor packed = at::empty(packed_shape, x.options().dtype(at::kByte));
-  at::Tensor scale = at::empty(meta_shape(x, g), x.options().dtype(meta_dtype));
-  at::Tensor zero = symmetric ? at::empty({0}, x.options().dtype(meta_dtype))
-                              : at::empty(meta_shape(x, g), x.options().dtype(meta_dtype));
+  const QuantizeOutputs out = empty_quantize_outputs(x, g, symmetric, meta_dtype);
+  const at::Tensor &packed = out.packed, &scale = out.scale, &zero = out.zero;
   const int64_t block_rows = g.lead * g.blocks();
   if (block_rows == 0 || g.dim == 0) return {packed, scale, zero};
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -84,9 +74,7 @@ at::Tensor dequantize_cuda(const at::Tensor& packed_in, const at::Tensor& scale_
   const at::Tensor packed = packed_in.contiguous();
   const at::Tensor scale = scale_in.contiguous();
   const at::Tensor zero = zero_in.has_value() ? zero_in->contiguous() : at::Tensor();
-  std::vector<int64_t> out_shape(packed.sizes().begin(), packed.sizes().end());
-  out_shape.back() = g.dim;
-  at::Tensor out = at::empty(out_shape, packed.options().dtype(out_dtype));
+  at::Tensor out = empty_dequantize_output(packed, g, out_dtype);
   const int64_t n = g.lead * g.tokens * g.dim;
   if (n == 0) return out;
   const auto stream = c10::cuda::getCurrentCUDAStream();
