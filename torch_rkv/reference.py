@@ -55,8 +55,8 @@ def round_meta(v: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
 def quant_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool, meta_dtype: torch.dtype):
     """(scale, zero) as float32 from each group's finite min and max; lo > hi marks an empty group."""
     empty = ~(lo <= hi)
-    lo = torch.where(empty, torch.zeros_like(lo), lo)
-    hi = torch.where(empty, torch.zeros_like(hi), hi)
+    lo = torch.where(empty, torch.zeros_like(lo), lo) + 0.0  # -0 -> +0, whichever zero the reduction met
+    hi = torch.where(empty, torch.zeros_like(hi), hi) + 0.0
     if symmetric:
         amax = torch.maximum(lo.abs(), hi.abs())
         scale = round_meta(amax.double() / (sym_bias(bits) - 1), meta_dtype, up=True)

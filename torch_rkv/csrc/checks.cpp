@@ -231,6 +231,8 @@ void check_cache_layout(const char* op, const at::Tensor& ref, const at::Tensor&
                         int64_t block, int64_t recent, DecodeGeometry& g) {
   TORCH_CHECK_VALUE(block >= 1, "rkv.", op, ": block must be >= 1 (got ", block, ")");
   TORCH_CHECK_VALUE(recent >= 0, "rkv.", op, ": recent must be >= 0 (got ", recent, ")");
+  TORCH_CHECK_VALUE(g.dim >= 1 && g.kv_heads >= 1, "rkv.", op, ": head_dim (", g.dim, ") and kv_heads (", g.kv_heads,
+                    ") must be >= 1");
   g.block = block;
   g.recent = recent;
   check_cache_quantized(op, "k", ref, k_packed, k_scale, k_zero, k_bits, block, g, g.k_block_tokens, g.k_group);

@@ -193,6 +193,7 @@ class Report:
         from ..integrations.transformers import RKVCache
 
         ids = self.ids[:, : self.opts.decode_tokens]
+        self.results["decode_window_full_precision_ppl"] = perplexity.simulated(self.model, ids, None)
         rows = []
         for name in self.opts.decode_schemes:
             scheme = S.preset(*_split(name))
@@ -315,7 +316,8 @@ def format_tables(r: dict) -> str:
                 cells.append(f"{sum(x['exact'] for x in xs)}/{len(xs)} {sum(x['logprob'] for x in xs) / len(xs):6.2f}")
             lines.append(f"{name:16s} " + " ".join(f"{c:>12s}" for c in cells))
     if r["decode_protocol"]:
-        lines.append("\nDecode protocol (token by token through the real cache and fused kernel) vs simulation")
+        lines.append("\nDecode protocol (token by token through the real cache and fused kernel) vs simulation; "
+                     f"full precision on this window: {r['decode_window_full_precision_ppl']:.4f}")
         for x in r["decode_protocol"]:
             lines.append(f"{x['scheme']:14s} {x['tokens']:5d} tokens  simulated {x['simulated_ppl']:9.4f}  "
                          f"decoded {x['decoded_ppl']:9.4f}  ({x['relative_difference']:+.2e})")

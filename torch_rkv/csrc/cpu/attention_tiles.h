@@ -152,7 +152,8 @@ RKV_INLINE float exp_sum_row(float* __restrict s, int64_t n, float m) {
   __m256 sum = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv), lo);
+    // max_ps returns its second operand when either is NaN: NaN scores stay NaN, as in softmax_exp
+    __m256 x = _mm256_max_ps(lo, _mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, ln2_hi)), _mm256_mul_ps(k, ln2_lo));
     __m256 p = _mm256_set1_ps(1.0f / 720.0f);

@@ -152,8 +152,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int j = 0; j < kMaxHeads; ++j) {
       if (j >= nh) continue;
       const float m_new = fmaxf(m[j], score[j]);
-      const float corr = softmax_exp(m[j] - m_new);  // 0 for the first token (m = -inf)
-      const float p = softmax_exp(score[j] - m_new);
+      // -inf guards: the first token (m = -inf) and a -inf score (an infinite key) weigh 0, not NaN
+      const float corr = m[j] == -INFINITY ? 0.0f : softmax_exp(m[j] - m_new);
+      const float p = m_new == -INFINITY ? 0.0f : softmax_exp(score[j] - m_new);
       l[j] = fma_f(l[j], corr, p);
       m[j] = m_new;
 #pragma unroll
@@ -221,7 +222,8 @@ __global__ void merge_splits_kernel(const float* __restrict__ part_ml, const flo
         o = o * fa + part_acc[(r * splits + s) * d + c] * fb;
         total = merged;
       }
-      out[r * d + c] = total.l > 0.0f ? o / total.l : 0.0f;  // no cached token: zero output
+      // no cached token: zero output; a NaN sum (NaN in a full-precision key) stays NaN, as on the CPU
+      out[r * d + c] = o * (total.l > 0.0f ? 1.0f / total.l : 0.0f);
     }
   }
 }
@@ -249,7 +251,20 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_packed
                                             rope_sin, rope_interleaved, k_signs, v_signs, split_tokens);
   TORCH_CHECK_VALUE(g.dim <= 2 * 32 * kMaxSlots && g.dim % 2 == 0,
                     "rkv.decode_attention: head_dim must be even and <= 256 on CUDA (got ", g.dim, ")");
-  if (split_tokens == 0) g.split_tokens = kDefaultSplit;
+  TORCH_CHECK_VALUE(g.batch <= 65535, "rkv.decode_attention: at most 65535 sequences per call on CUDA (got ",
+                    g.batch, ")");
+  if (split_tokens == 0) {
+    // enough splits to fill the GPU a few times over, never more: the partial results (and the merge)
+    // grow with the number of splits, which follows the capacity, not the lengths
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index()));
+    const int64_t chunks = (g.group_size() + kMaxHeads - 1) / kMaxHeads;
+    const int64_t wanted = std::max<int64_t>(1, (8 * sms + g.batch * g.kv_heads * chunks - 1) /
+                                                    std::max<int64_t>(1, g.batch * g.kv_heads * chunks));
+    const int64_t by_default = (g.max_tokens() + kDefaultSplit - 1) / kDefaultSplit;
+    const int64_t splits = std::max<int64_t>(1, std::min(wanted, by_default));
+    g.split_tokens = std::max<int64_t>(kDefaultSplit, (g.max_tokens() + splits - 1) / splits);
+  }
   const c10::cuda::CUDAGuard guard(q.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor len = lengths.to(at::kLong).contiguous();

@@ -28,19 +28,16 @@ struct DestRows {
   __device__ uint8_t* operator()(int64_t i) const { return base + i * row_bytes; }
 };
 
+// The tiles of one (sequence, kv head) that this thread block owns: tile = blockIdx.x + k * gridDim.x.
 template <typename fp_t, typename meta_t>
-__global__ void quantize_blocks_kernel(DecodeGeometry g, AppendSide<fp_t, meta_t> k, AppendSide<fp_t, meta_t> v,
-                                       const int64_t* __restrict__ lengths, int64_t m, int64_t max_tiles) {
-  const int64_t bh = blockIdx.y, b = bh / g.kv_heads;
-  const AppendSide<fp_t, meta_t>& a = blockIdx.z == 0 ? k : v;
-  const int64_t n0 = lengths[b], n1 = n0 + m;
-  CUDA_KERNEL_ASSERT_MSG(n0 >= 0 && n1 <= g.max_tokens(), "rkv.cache_append: appending past the cache capacity");
-  const int64_t q0 = quantized_count(n0, g.sinks, g.recent, g.block);
-  const int64_t q1 = quantized_count(n1, g.sinks, g.recent, g.block);
+__device__ void quantize_tiles(const DecodeGeometry& g, const AppendSide<fp_t, meta_t>& a, int64_t bh, int64_t n0,
+                               int64_t m, int64_t max_tiles) {
   const int64_t d = g.dim, rb = d * a.bits / 8, ng = d / a.group, meta_rows = g.capacity / a.block_tokens;
+  const int64_t q0 = quantized_count(n0, g.sinks, g.recent, g.block);
+  const int64_t q1 = quantized_count(n0 + m, g.sinks, g.recent, g.block);
   for (int64_t tile = blockIdx.x; tile < max_tiles; tile += gridDim.x) {
     const int64_t s = q0 + tile * a.block_tokens;  // first packed row of this tile
-    if (s >= q1) return;
+    if (s >= q1) return;  // uniform across the block
     const SourceRows<fp_t> src{a.window + bh * g.window * d, a.fresh + bh * m * d, g.sinks + s, n0, g.sinks,
                                g.window, d};
     meta_t* scale = a.scale + (bh * meta_rows + s / a.block_tokens) * ng;
@@ -48,6 +45,17 @@ __global__ void quantize_blocks_kernel(DecodeGeometry g, AppendSide<fp_t, meta_t
     quantize_block_row<fp_t, meta_t>(src, DestRows{a.packed + (bh * g.capacity + s) * rb, rb}, a.block_tokens, d,
                                      a.group, a.bits, a.zero == nullptr, scale, zero);
     __syncthreads();
+  }
+}
+
+// grid (tiles, sequence x kv head, keys|values); grid.y is capped at 65535, the loop covers the rest.
+template <typename fp_t, typename meta_t>
+__global__ void quantize_blocks_kernel(DecodeGeometry g, AppendSide<fp_t, meta_t> k, AppendSide<fp_t, meta_t> v,
+                                       const int64_t* __restrict__ lengths, int64_t m, int64_t max_tiles) {
+  for (int64_t bh = blockIdx.y; bh < g.batch * g.kv_heads; bh += gridDim.y) {
+    const int64_t n0 = lengths[bh / g.kv_heads];
+    CUDA_KERNEL_ASSERT_MSG(n0 >= 0 && n0 + m <= g.max_tokens(), "rkv.cache_append: appending past the capacity");
+    quantize_tiles(g, blockIdx.z == 0 ? k : v, bh, n0, m, max_tiles);
   }
 }
 
@@ -92,7 +100,7 @@ void cache_append_cuda(const at::Tensor& k_packed, const at::Tensor& k_scale, co
       const int64_t tiles_v = (m / g.block + 1) * (g.block / g.v_block_tokens);
       const int64_t max_tiles = std::max(tiles_k, tiles_v);
       const dim3 grid(static_cast<unsigned>(std::min<int64_t>(max_tiles, 65535)),
-                      static_cast<unsigned>(g.batch * g.kv_heads), 2);
+                      static_cast<unsigned>(std::min<int64_t>(g.batch * g.kv_heads, 65535)), 2);
       quantize_blocks_kernel<fp_t, meta_t><<<grid, 128, 0, stream>>>(
           g,
           append_side<fp_t, meta_t>(k_packed, k_scale, k_zero, k_window, k_sink, kn, g.k_block_tokens, g.k_group,

@@ -86,6 +86,8 @@ struct QParams {
 template <typename M>
 RKV_HD QParams make_qparams(float lo, float hi, int bits, bool symmetric) {
   if (!(lo <= hi)) return {0.0f, 0.0f};
+  lo = add_rn(lo, 0.0f);  // -0 -> +0: min/max reductions may meet -0 and +0 in any order
+  hi = add_rn(hi, 0.0f);
   if (symmetric) {
     const float amax = fmaxf(fabsf(lo), fabsf(hi));
     return {round_meta<M>(static_cast<double>(amax) / sym_qmax(bits), true), 0.0f};
