@@ -45,8 +45,7 @@ void check_row_packable(const char* op, const char* arg, int64_t dim, int64_t bi
 }
 
 QuantGeometry check_quantize(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t block_tokens,
-                             bool symmetric, at::ScalarType meta_dtype) {
-  (void)symmetric;
+                             at::ScalarType meta_dtype) {
   check_bits("quantize", "bits", bits);
   check_float_input("quantize", "x", x);
   check_meta_dtype("quantize", "meta_dtype", meta_dtype);

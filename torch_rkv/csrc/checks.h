@@ -37,7 +37,7 @@ void check_same_device(const char* op, const at::Tensor& ref, const char* arg, c
 void check_row_packable(const char* op, const char* arg, int64_t dim, int64_t bits);
 
 QuantGeometry check_quantize(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t block_tokens,
-                             bool symmetric, at::ScalarType meta_dtype);
+                             at::ScalarType meta_dtype);
 QuantGeometry check_dequantize(const at::Tensor& packed, const at::Tensor& scale,
                                const std::optional<at::Tensor>& zero, int64_t bits, at::ScalarType out_dtype);
 void check_pack(const at::Tensor& codes, int64_t bits);

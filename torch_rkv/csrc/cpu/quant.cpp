@@ -14,7 +14,7 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t bits, int64_t group_size,
                                                            int64_t block_tokens, bool symmetric,
                                                            at::ScalarType meta_dtype) {
-  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype);
+  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, meta_dtype);
   const at::Tensor x = x_in.contiguous();
   const QuantizeOutputs out = empty_quantize_outputs(x, g, symmetric, meta_dtype);
   const at::Tensor &packed = out.packed, &scale = out.scale, &zero = out.zero;

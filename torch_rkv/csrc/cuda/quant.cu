@@ -48,7 +48,7 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const meta
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t bits, int64_t group_size,
                                                             int64_t block_tokens, bool symmetric,
                                                             at::ScalarType meta_dtype) {
-  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype);
+  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, meta_dtype);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   const QuantizeOutputs out = empty_quantize_outputs(x, g, symmetric, meta_dtype);
