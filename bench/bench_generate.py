@@ -97,8 +97,7 @@ def main() -> int:
         baseline = None
         caches = list(transformers_caches(model))
         for spec in args.presets:
-            name, bits = spec.rsplit("-", 1)
-            scheme = S.preset(name, int(bits))
+            scheme = S.by_name(spec)
             caches.append((scheme.name, lambda cap, s=scheme: RKVCache(model, s, capacity=cap)))
         for name, make in caches:
             model.set_attn_implementation("sdpa")

@@ -19,6 +19,7 @@ from .ops.cache import cache_append
 from .ops.hadamard import hadamard, hadamard_signs
 from .ops.quant import Quantized, dequantize
 from .ops.rope import rope
+from .reference import quantized_count
 from .scheme import Scheme
 
 BUFFERS = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink")
@@ -141,8 +142,6 @@ class QuantizedKVCache(torch.nn.Module):
         n = self._host_lengths[layer]
         bufs = dict(zip(BUFFERS, self.layer_buffers(layer)))
         s, lay = self.scheme, self.layout
-        from .reference import quantized_count
-
         q = quantized_count(n, s.sinks, s.recent, s.block)
         out = []
         for side in ("k", "v"):

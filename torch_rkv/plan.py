@@ -151,8 +151,7 @@ def main(args) -> int:
     weight = args.weight_gb * GB if args.weight_gb is not None else model.weight_bytes(args.weight_bits)
     schemes: list[tuple[str, Scheme | None]] = [("fp16", None)]
     for spec in args.schemes:
-        family, bits = spec.rsplit("-", 1)
-        schemes.append((spec, S.preset(family, int(bits))))
+        schemes.append((spec, S.by_name(spec)))
     rows = plan(model, args.gpu_gb * GB, weight, args.reserve_gb * GB, args.context, args.batch, schemes)
     if args.json:
         print(json.dumps({"model": model.__dict__, "rows": rows}, indent=1))

@@ -170,6 +170,14 @@ PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "quarot": q
            "rkv-mixed": recommended_mixed}
 
 
+def by_name(spec: str) -> Scheme:
+    """A preset from its name as the CLI and the report write it: "rkv-3", "kivi-2", "rkv-mixed-2"."""
+    family, _, bits = spec.rpartition("-")
+    if not family or not bits.isdigit():
+        raise ValueError(f"scheme {spec!r} is not <preset>-<bits>, e.g. rkv-3; presets: {sorted(PRESETS)}")
+    return preset(family, int(bits))
+
+
 def preset(name: str, bits: int) -> Scheme:
     if name not in PRESETS:
         raise ValueError(f"unknown scheme preset {name!r}; choose one of {sorted(PRESETS)}")

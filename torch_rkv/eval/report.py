@@ -180,7 +180,7 @@ class Report:
         rows = []
         docs = [localization.build_document(self.tok, self.text, n) for n in self.opts.loc_lengths]
         for name in ("full precision",) + tuple(self.opts.loc_schemes):
-            sim = None if name == "full precision" else self.simulation(S.preset(*_split(name)))
+            sim = None if name == "full precision" else self.simulation(S.by_name(name))
             for doc in docs:
                 for rec in localization.evaluate(self.model, self.tok, doc, sim):
                     rows.append({"scheme": name, **rec})
@@ -196,7 +196,7 @@ class Report:
         self.results["decode_window_full_precision_ppl"] = perplexity.simulated(self.model, ids, None)
         rows = []
         for name in self.opts.decode_schemes:
-            scheme = S.preset(*_split(name))
+            scheme = S.by_name(name)
             sim = perplexity.simulated(self.model, ids, self.simulation(scheme))
             served = perplexity.decoded(self.model, ids, lambda n: RKVCache(self.model, scheme, capacity=n))
             rows.append({"scheme": name, "tokens": ids.shape[1], "simulated_ppl": sim, "decoded_ppl": served,
@@ -273,11 +273,6 @@ class Report:
 
         pos = torch.arange(n)
         return {i: (rope(store[i], self.cos, self.sin, pos, inverse=True), store[i]) for i in chosen}
-
-
-def _split(name: str) -> tuple[str, int]:
-    family, bits = name.rsplit("-", 1)
-    return family, int(bits)
 
 
 # ----------------------------------------------------------------------------------------------
