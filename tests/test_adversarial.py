@@ -42,10 +42,12 @@ def special_tensors(draw):
             specials.append(idx)
     if draw(st.booleans()):
         x[..., :group] = draw(st.sampled_from([0.0, 1.5, -7.0]))  # all-equal groups
+    symmetric = draw(st.booleans())
     layout = draw(st.sampled_from(["contiguous", "noncontiguous", "misaligned"]))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     return dict(x=x.to(dtype), bits=bits, group=group, block=block, specials=specials, layout=layout,
-                symmetric=draw(st.booleans()), meta=draw(st.sampled_from([torch.float16, torch.float32])))
+                symmetric=symmetric, clip=not symmetric and draw(st.booleans()),
+                meta=draw(st.sampled_from([torch.float16, torch.float32])))
 
 
 def groups_touched(case) -> torch.Tensor:
@@ -61,7 +63,7 @@ def groups_touched(case) -> torch.Tensor:
 def test_quantize_special_values_stay_in_their_group(case):
     x = case["x"]
     x_in = {"contiguous": x, "noncontiguous": noncontiguous(x), "misaligned": misaligned(x)}[case["layout"]]
-    args = (case["bits"], case["group"], case["block"], case["symmetric"], case["meta"])
+    args = (case["bits"], case["group"], case["block"], case["symmetric"], case["meta"], case["clip"])
     q = torch_rkv.quantize(x_in, *args)
     packed, scale, zero = ref.quantize(x, *args)
     assert torch.equal(q.packed, packed) and torch.equal(q.scale, scale)  # the spec holds for any input

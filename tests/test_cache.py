@@ -33,6 +33,8 @@ def append_cases(draw):
         sinks=draw(st.sampled_from([0, 2])), recent=draw(st.sampled_from([0, 3, 8])),
         meta_dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])),
     )
+    scheme = scheme.replace(k_clip=not scheme.k_symmetric and draw(st.booleans()),
+                            v_clip=not scheme.v_symmetric and draw(st.booleans()))
     chunks = draw(st.lists(st.integers(0, 13), min_size=1, max_size=6))
     return dict(scheme=scheme, chunks=chunks, dtype=draw(st.sampled_from([torch.float32, torch.float16])),
                 batch=draw(st.integers(1, 2)), heads=draw(st.integers(1, 2)), dim=32,
@@ -61,9 +63,9 @@ def test_append_matches_reference_and_writes_nothing_else(device, case):
     lengths = torch.tensor(case["offsets"][: case["batch"]])  # sequences start at different lengths
     for m in case["chunks"]:
         k, v = random_tokens(case, m, gen), random_tokens(case, m, gen)
-        ref.cache_append(*buffers_args(want), lengths, k, v, s.k_bits, s.v_bits, s.block, s.recent)
+        ref.cache_append(*buffers_args(want), lengths, k, v, s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip)
         torch_rkv.ops.cache.cache_append(*buffers_args(got), lengths.to(device), k.to(device), v.to(device),
-                                         s.k_bits, s.v_bits, s.block, s.recent)
+                                         s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip)
         lengths = lengths + m
     for name in want:
         assert torch.equal(got[name].cpu(), want[name]), name
@@ -75,8 +77,9 @@ def live_tokens(cache, layer):
 
 
 SCHEMES = [presets.per_token(4), presets.kivi(2, recent=8), presets.kvquant(3, block=16), presets.quarot(4),
-           presets.recommended(4), Scheme(name="tiny-sink", k_bits=8, v_bits=3, k_group_size=1, k_block_tokens=8,
-                                          pre_rope=True, sinks=3, recent=5, v_hadamard=True)]
+           presets.recommended(4), presets.recommended(2).replace(k_block_tokens=16, recent=8, v_clip=True),
+           Scheme(name="tiny-sink", k_bits=8, v_bits=3, k_group_size=1, k_block_tokens=8, pre_rope=True, sinks=3,
+                  recent=5, v_hadamard=True)]
 
 
 def make_cache(scheme, capacity=100, layers=2, batch=2, device="cpu", dtype=torch.float32):
@@ -105,6 +108,8 @@ def test_chunked_appends_equal_one_prefill(device, scheme, chunking):
     assert torch.equal(ko, km) and torch.equal(vo, vm)
     q = torch.randn(2, 4, 32, generator=gen).to(device)
     assert torch.equal(one.attend(1, q), many.attend(1, q))
+    if scheme.k_clip or scheme.v_clip:
+        return  # the half-step bound below is min/max quantization's; a clipped range saturates by design
     # and the cache holds these tokens: plain attention is within the bound of the stored steps
     plain = attention_fp32(q.cpu(), k.cpu(), v.cpu(), [n, n])
     bufs = {name: t.cpu() for name, t in zip(BUFFERS, one.layer_buffers(1)) if t is not None}
@@ -114,7 +119,7 @@ def test_chunked_appends_equal_one_prefill(device, scheme, chunking):
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 def test_dequantized_cache_equals_stored_tokens_within_a_step(scheme):
-    cache = make_cache(scheme.replace(k_bits=8, v_bits=8), capacity=60)
+    cache = make_cache(scheme.replace(k_bits=8, v_bits=8, k_clip=False, v_clip=False), capacity=60)
     gen = torch.Generator().manual_seed(1)
     k = torch.randn(2, 2, 60, 32, generator=gen)
     v = torch.randn(2, 2, 60, 32, generator=gen)
@@ -145,6 +150,9 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.rkv.cache_append.default,
                               (*buffers_args(bufs), torch.tensor(lengths, device=device), k, k.clone(), 4, 4, s.block,
                                s.recent))
+    torch.library.opcheck(torch.ops.rkv.cache_append.default,
+                          (*buffers_args(bufs), torch.tensor([3, 20], device=device), k, k.clone(), 4, 4, s.block,
+                           s.recent, True, True))
 
 
 class TinyAttention(torch.nn.Module):
@@ -212,6 +220,12 @@ def test_bad_input_is_a_clear_error():
         QuantizedKVCache(presets.kvquant(4), 1, 1, 2, 32, 16)
     with pytest.raises(ValueError, match="pre_rope and k_hadamard cannot be combined"):
         Scheme(pre_rope=True, k_hadamard=True)
+    with pytest.raises(ValueError, match="k_clip needs asymmetric quantization"):
+        Scheme(k_symmetric=True, k_clip=True)
+    sym = CacheLayout(presets.recommended(4).replace(v_symmetric=True), 1, 1, 32, 128, torch.float32).allocate()
+    with pytest.raises(ValueError, match="rkv.cache_append: v_clip needs asymmetric values"):
+        torch_rkv.ops.cache.cache_append(*buffers_args(sym), torch.zeros(1, dtype=torch.int64), torch.randn(1, 1, 2, 32),
+                                         torch.randn(1, 1, 2, 32), 4, 4, 128, 64, False, True)
 
 
 def test_the_op_rejects_a_full_cache_and_changes_nothing():

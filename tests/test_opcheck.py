@@ -18,6 +18,8 @@ def samples(device):
                                   (2, 1, 8, False, torch.bfloat16), (8, 32, 4, False, torch.float16)]:
         for inp in (x, noncontiguous(xh), empty):
             out.append((torch.ops.rkv.quantize.default, (inp, bits, g, t, sym, meta)))
+        if not sym:
+            out.append((torch.ops.rkv.quantize.default, (x, bits, g, t, sym, meta, True)))
         p, s, z = torch.ops.rkv.quantize(x, bits, g, t, sym, meta)
         out.append((torch.ops.rkv.dequantize.default, (p, s, None if sym else z, bits, torch.float32)))
         out.append((torch.ops.rkv.dequantize.default, (noncontiguous(p), s, None if sym else z, bits, torch.bfloat16)))

@@ -124,7 +124,8 @@ class QuantizedKVCache(torch.nn.Module):
             self._host_lengths[layer] += m
         ks, vs = self.to_storage(layer, k, v)
         s = self.scheme
-        cache_append(*self.layer_buffers(layer), self.lengths[layer], ks, vs, s.k_bits, s.v_bits, s.block, s.recent)
+        cache_append(*self.layer_buffers(layer), self.lengths[layer], ks, vs, s.k_bits, s.v_bits, s.block, s.recent,
+                     s.k_clip, s.v_clip)
         self.lengths[layer] += m
 
     def attend(self, layer: int, q: torch.Tensor, scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:

@@ -68,6 +68,36 @@ def quant_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool,
     return torch.where(empty, zeros, scale), torch.where(empty, zeros, zero)
 
 
+CLIP_STEPS = 11
+
+
+def _tile_error(tiles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Sum over each tile (*, nb, T, ng, G) of (x_hat - x)^2 for its finite values, float64, (*, nb, ng)."""
+    s, z = scale[..., :, None, :, None], zero[..., :, None, :, None]
+    err = (decode(encode(tiles, s, z, bits, False), s, z, bits) - tiles).double() ** 2
+    return torch.where(torch.isfinite(tiles), err, torch.zeros_like(err)).sum(dim=(-3, -1))
+
+
+def clip_params(tiles: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, meta_dtype: torch.dtype):
+    """(scale, zero) of the clipped-range search: candidate j = 0..10 is the range [lo + j*step, hi - j*step]
+    with step = (hi - lo) * 0.025 in float32 (none beyond j = 0 when step overflows); the candidate
+    with the least squared error over the group's finite values (float64 sum) wins, ties keep the
+    smaller j. Asymmetric parameters; tiles (*, nb, T, ng, G), lo / hi (*, nb, ng)."""
+    step = (hi - lo) * torch.tensor(0.025, dtype=torch.float32)
+    searchable = torch.isfinite(step)
+    best_scale, best_zero = quant_params(lo, hi, bits, False, meta_dtype)
+    best_err = _tile_error(tiles, best_scale, best_zero, bits)
+    for j in range(1, CLIP_STEPS):
+        cut = torch.tensor(float(j), dtype=torch.float32) * step
+        scale, zero = quant_params(lo + cut, hi - cut, bits, False, meta_dtype)
+        err = _tile_error(tiles, scale, zero, bits)
+        better = searchable & (err < best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+        best_err = torch.where(better, err, best_err)
+    return best_scale, best_zero
+
+
 def _expand_meta(m: torch.Tensor, block_tokens: int, group_size: int) -> torch.Tensor:
     """(*, N/T, D/G) -> (*, N, D): each group's value at each of its elements."""
     return m.float().repeat_interleave(block_tokens, dim=-2).repeat_interleave(group_size, dim=-1)
@@ -101,6 +131,7 @@ def quantize(
     block_tokens: int = 1,
     symmetric: bool = False,
     meta_dtype: torch.dtype = torch.float16,
+    clip: bool = False,
 ):
     """x (*, N, D) -> (packed (*, N, D*bits/8) uint8, scale, zero (*, N/T, D/G) meta_dtype).
 
@@ -109,7 +140,10 @@ def quantize(
     values; code = clamp(round((x - zero) / scale), 0, 2^bits - 1). Symmetric: scale = max|x| /
     (2^(bits-1) - 1) rounded up, code = clamp(round(x / scale), -q, q) + 2^(bits-1), zero is empty.
     round is half-to-even; NaN encodes as 0; +-Inf saturate; a group with no finite value gets scale 0.
+    clip (asymmetric only): each group's (min, max) is replaced by the best range of clip_params.
     """
+    if clip and symmetric:
+        raise ValueError("rkv.quantize: clip searches asymmetric ranges; it needs symmetric=False")
     *lead, n, d = x.shape
     t, g = block_tokens, group_size
     xf = x.float()
@@ -117,7 +151,10 @@ def quantize(
     finite = torch.isfinite(tiles)
     lo = torch.where(finite, tiles, torch.full_like(tiles, math.inf)).amin(dim=(-3, -1))
     hi = torch.where(finite, tiles, torch.full_like(tiles, -math.inf)).amax(dim=(-3, -1))
-    scale, zero = quant_params(lo, hi, bits, symmetric, meta_dtype)
+    if clip:
+        scale, zero = clip_params(tiles, lo, hi, bits, meta_dtype)
+    else:
+        scale, zero = quant_params(lo, hi, bits, symmetric, meta_dtype)
     codes = encode(xf, _expand_meta(scale, t, g), _expand_meta(zero, t, g), bits, symmetric)
     zero_out = torch.empty(0, dtype=meta_dtype, device=x.device) if symmetric else zero.to(meta_dtype)
     return pack(codes, bits), scale.to(meta_dtype), zero_out
@@ -320,7 +357,7 @@ def cache_append(
     k_packed, k_scale, k_zero, v_packed, v_scale, v_zero,
     k_window, v_window, k_sink, v_sink,
     lengths: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-    k_bits: int, v_bits: int, block: int, recent: int,
+    k_bits: int, v_bits: int, block: int, recent: int, k_clip: bool = False, v_clip: bool = False,
 ) -> None:
     """Append k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens, in place.
 
@@ -339,9 +376,9 @@ def cache_append(
             raise ValueError(f"rkv.cache_append: appending {m} tokens to sequence {b} of {n0} tokens exceeds the "
                              f"capacity of {s + k_packed.shape[-2] + recent} tokens")
         q0, q1 = quantized_count(n0, s, recent, block), quantized_count(n1, s, recent, block)
-        for new, packed, scale, zero, bits, window, sink in (
-            (k_new[b], k_packed[b], k_scale[b], k_zero, k_bits, k_window[b], k_sink[b]),
-            (v_new[b], v_packed[b], v_scale[b], v_zero, v_bits, v_window[b], v_sink[b]),
+        for new, packed, scale, zero, bits, window, sink, clip in (
+            (k_new[b], k_packed[b], k_scale[b], k_zero, k_bits, k_window[b], k_sink[b], k_clip),
+            (v_new[b], v_packed[b], v_scale[b], v_zero, v_bits, v_window[b], v_sink[b], v_clip),
         ):
             new = new.to(window.dtype)
             zb = None if zero is None else zero[b]
@@ -356,7 +393,7 @@ def cache_append(
                 rows = range(s + j * block, s + (j + 1) * block)
                 src = torch.stack([token(t) for t in rows], dim=1)  # (H, block, D)
                 p, sc, zr = quantize(src, bits, packed.shape[-1] * 8 // bits // scale.shape[-1], per_row,
-                                     zb is None, scale.dtype)
+                                     zb is None, scale.dtype, clip)
                 packed[:, j * block : (j + 1) * block] = p
                 scale[:, j * block // per_row : (j + 1) * block // per_row] = sc
                 if zb is not None:

@@ -17,7 +17,8 @@ class Scheme:
 
     A group of k_block_tokens tokens x k_group_size channels shares one scale and zero: per-token keys
     are (1, head_dim), grouped keys (1, g), per-channel keys (T, 1). Values likewise. pre_rope: keys are
-    stored before RoPE and rotated inside attention. k_hadamard / v_hadamard: stored after a random
+    stored before RoPE and rotated inside attention. k_clip / v_clip: each group's range is the
+    least-squared-error shrinkage of [min, max] (rkv.quantize's clip; asymmetric only). k_hadamard / v_hadamard: stored after a random
     Hadamard rotation (keys only post-RoPE). sinks: the first tokens in full precision; recent: at least
     this many newest tokens in full precision (KIVI's residual).
     """
@@ -31,6 +32,8 @@ class Scheme:
     v_block_tokens: int = 1
     k_symmetric: bool = False
     v_symmetric: bool = False
+    k_clip: bool = False
+    v_clip: bool = False
     pre_rope: bool = False
     k_hadamard: bool = False
     v_hadamard: bool = False
@@ -46,6 +49,9 @@ class Scheme:
         if self.pre_rope and self.k_hadamard:
             raise ValueError("Scheme: pre_rope and k_hadamard cannot be combined (RoPE does not commute with the "
                              "rotation); use Hadamard on post-RoPE keys or pre-RoPE keys without it")
+        for side in ("k", "v"):
+            if getattr(self, f"{side}_clip") and getattr(self, f"{side}_symmetric"):
+                raise ValueError(f"Scheme: {side}_clip needs asymmetric quantization ({side}_symmetric=False)")
         for arg in ("k_block_tokens", "v_block_tokens"):
             if getattr(self, arg) < 1:
                 raise ValueError(f"Scheme.{arg} must be >= 1 (got {getattr(self, arg)})")
@@ -103,7 +109,8 @@ class Scheme:
                 how = "per-token"
             else:
                 how = f"g{group or head_dim}x{tokens}t"
-            extra = ("+sym" if getattr(self, f"{s}_symmetric") else "") + ("+H" if getattr(self, f"{s}_hadamard") else "")
+            extra = ("+sym" if getattr(self, f"{s}_symmetric") else "") + ("+clip" if getattr(self, f"{s}_clip") else "") \
+                + ("+H" if getattr(self, f"{s}_hadamard") else "")
             return f"{s.upper()}{bits} {how}{extra}"
 
         parts = [side("k") + (" pre-RoPE" if self.pre_rope else ""), side("v")]
@@ -148,22 +155,23 @@ def quarot(bits: int = 4) -> Scheme:
 
 
 def recommended(bits: int = 4) -> Scheme:
-    """The library's default: pre-RoPE per-channel keys (blocks of 128 tokens), Hadamard-rotated
-    per-token values, the first 4 tokens and the newest 64 (128 at 2 bits) in full precision. Chosen from
-    the measurements in docs/guide.md: recent tokens and sinks help most, values need as much care as
-    keys, pre-RoPE per-channel keys beat every other key layout."""
-    return Scheme(name=f"rkv-{bits}", k_bits=bits, v_bits=bits, k_group_size=1, k_block_tokens=128 if bits >= 3 else 64,
-                  pre_rope=True, v_hadamard=True, sinks=4, recent=64 if bits >= 3 else 128)
+    """The library's default: pre-RoPE per-channel keys (blocks of 128 tokens; at 3 and 2 bits with
+    clipped ranges), Hadamard-rotated per-token values, the first 4 tokens and the newest 64 (128 at
+    2 bits) in full precision. Chosen from the measurements in docs/guide.md: recent tokens and sinks
+    help most, values need as much care as keys, pre-RoPE per-channel keys beat every other key layout,
+    and below 4 bits a least-squares range beats min/max for keys (at 4 bits it hurts)."""
+    return Scheme(name=f"rkv-{bits}", k_bits=bits, v_bits=bits, k_group_size=1, k_block_tokens=128,
+                  k_clip=bits <= 3, pre_rope=True, v_hadamard=True, sinks=4, recent=64 if bits >= 3 else 128)
 
 
 def recommended_mixed(v_bits: int = 2) -> Scheme:
-    """Keys one step above values (K3/V2, K4/V3): at 2 bits the keys, not the values, limit quality,
+    """Keys one step above values (K3/V2, K4/V3): at low bits the keys, not the values, limit quality,
     and per-channel key metadata is cheap, so a bit spent on keys buys the most."""
     if v_bits not in (2, 3, 4):
         raise ValueError(f"recommended_mixed: v_bits must be 2, 3 or 4 (got {v_bits})")
     k_bits = {2: 3, 3: 4, 4: 8}[v_bits]
     base = recommended(v_bits)
-    return base.replace(name=f"rkv-k{k_bits}v{v_bits}", k_bits=k_bits, k_block_tokens=128)
+    return base.replace(name=f"rkv-k{k_bits}v{v_bits}", k_bits=k_bits, k_clip=k_bits <= 3)
 
 
 PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "quarot": quarot, "rkv": recommended,

@@ -17,16 +17,17 @@ struct AppendSide {
   const fp_t* fresh;  // (B*H, m, D): the new tokens
   int64_t block_tokens, group;
   int bits;
+  bool clip;  // clipped-range search (include/rkv/quant.h)
 };
 
 template <typename fp_t, typename meta_t>
 AppendSide<fp_t, meta_t> append_side(const at::Tensor& packed, const at::Tensor& scale,
                                      const std::optional<at::Tensor>& zero, const at::Tensor& window,
                                      const at::Tensor& sink, const at::Tensor& fresh, int64_t block_tokens,
-                                     int64_t group, int64_t bits) {
+                                     int64_t group, int64_t bits, bool clip) {
   return {packed.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr<meta_t>(),
           zero.has_value() ? zero->mutable_data_ptr<meta_t>() : nullptr, window.mutable_data_ptr<fp_t>(),
-          sink.mutable_data_ptr<fp_t>(), fresh.const_data_ptr<fp_t>(), block_tokens, group, static_cast<int>(bits)};
+          sink.mutable_data_ptr<fp_t>(), fresh.const_data_ptr<fp_t>(), block_tokens, group, static_cast<int>(bits), clip};
 }
 
 }  // namespace rkv

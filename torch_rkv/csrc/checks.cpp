@@ -45,8 +45,9 @@ void check_row_packable(const char* op, const char* arg, int64_t dim, int64_t bi
 }
 
 QuantGeometry check_quantize(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t block_tokens,
-                             at::ScalarType meta_dtype) {
+                             bool symmetric, at::ScalarType meta_dtype, bool clip) {
   check_bits("quantize", "bits", bits);
+  TORCH_CHECK_VALUE(!(clip && symmetric), "rkv.quantize: clip searches asymmetric ranges; it needs symmetric=False");
   check_float_input("quantize", "x", x);
   check_meta_dtype("quantize", "meta_dtype", meta_dtype);
   TORCH_CHECK_VALUE(x.dim() >= 2, "rkv.quantize: x must have at least 2 dims (..., tokens, dim), got shape ",
@@ -323,8 +324,10 @@ DecodeGeometry check_cache_append(const at::Tensor& k_packed, const at::Tensor& 
                                   const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
                                   const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
                                   const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block,
-                                  int64_t recent) {
+                                  int64_t recent, bool k_clip, bool v_clip) {
   const char* op = "cache_append";
+  TORCH_CHECK_VALUE(!(k_clip && !k_zero.has_value()), "rkv.cache_append: k_clip needs asymmetric keys (k_zero)");
+  TORCH_CHECK_VALUE(!(v_clip && !v_zero.has_value()), "rkv.cache_append: v_clip needs asymmetric values (v_zero)");
   check_float_input(op, "k_new", k_new);
   TORCH_CHECK_VALUE(k_new.dim() == 4, "rkv.cache_append: k_new must have shape (batch, kv_heads, tokens, head_dim), ",
                     "got ", k_new.sizes());

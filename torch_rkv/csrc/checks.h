@@ -37,7 +37,7 @@ void check_same_device(const char* op, const at::Tensor& ref, const char* arg, c
 void check_row_packable(const char* op, const char* arg, int64_t dim, int64_t bits);
 
 QuantGeometry check_quantize(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t block_tokens,
-                             at::ScalarType meta_dtype);
+                             bool symmetric, at::ScalarType meta_dtype, bool clip);
 QuantGeometry check_dequantize(const at::Tensor& packed, const at::Tensor& scale,
                                const std::optional<at::Tensor>& zero, int64_t bits, at::ScalarType out_dtype);
 void check_pack(const at::Tensor& codes, int64_t bits);
@@ -83,7 +83,7 @@ DecodeGeometry check_cache_append(const at::Tensor& k_packed, const at::Tensor& 
                                   const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
                                   const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
                                   const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block,
-                                  int64_t recent);
+                                  int64_t recent, bool k_clip, bool v_clip);
 
 // Every sequence can take `tokens` more (CPU lengths only; the CUDA kernel asserts).
 void check_append_lengths(const DecodeGeometry& g, const at::Tensor& lengths_long_cpu, int64_t tokens);

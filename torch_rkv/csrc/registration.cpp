@@ -12,10 +12,11 @@ PyMODINIT_FUNC PyInit__C(void) {
 
 TORCH_LIBRARY(rkv, m) {
   // x (*, N, D) float -> packed codes (*, N, D*bits/8) uint8, scale and zero (*, N/block_tokens,
-  // D/group_size) of meta_dtype. zero is empty (numel 0) when symmetric.
+  // D/group_size) of meta_dtype. zero is empty (numel 0) when symmetric. clip: each group's range is
+  // the least-squared-error one of 11 shrinkages of [min, max] (asymmetric only; include/rkv/quant.h).
   m.def(
       "quantize(Tensor x, int bits, SymInt group_size, SymInt block_tokens, bool symmetric, "
-      "ScalarType meta_dtype) -> (Tensor packed, Tensor scale, Tensor zero)");
+      "ScalarType meta_dtype, bool clip=False) -> (Tensor packed, Tensor scale, Tensor zero)");
   // Inverse of quantize; group size and block tokens are read off scale's shape. zero=None: symmetric.
   m.def("dequantize(Tensor packed, Tensor scale, Tensor? zero, int bits, ScalarType out_dtype) -> Tensor");
   // codes (*, D) uint8 < 2^bits -> (*, D*bits/8) uint8 in the docs/format.md bit layout.
@@ -39,9 +40,10 @@ TORCH_LIBRARY(rkv, m) {
   // Appends k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens, in place: completed
   // blocks are quantized into the packed rows and metadata, other new tokens go to the sinks or the
   // window ring (reference.cache_append). Writes only the buffers marked (x!); lengths is read only.
+  // k_clip / v_clip: completed blocks are quantized with quantize's clip search.
   m.def(
       "cache_append(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_packed, "
       "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
       "Tensor(j!) v_sink, Tensor lengths, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, "
-      "SymInt recent) -> ()");
+      "SymInt recent, bool k_clip=False, bool v_clip=False) -> ()");
 }

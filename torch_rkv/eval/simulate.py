@@ -108,7 +108,7 @@ class Simulation:
         tokens = getattr(s, f"{side}_block_tokens")
         if self.view == "all" and (hi - lo) % tokens:
             raise ValueError(f"simulation view 'all': {hi - lo} tokens are not whole blocks of {tokens}")
-        q = quantize(part, bits, group, tokens, getattr(s, f"{side}_symmetric"), s.meta_dtype)
+        q = quantize(part, bits, group, tokens, getattr(s, f"{side}_symmetric"), s.meta_dtype, getattr(s, f"{side}_clip"))
         back = dequantize(Quantized(q.packed, q.scale, q.zero, bits), torch.float32)
         if rotated:
             back = hadamard(back, self.signs(d, side, x.device), inverse=True)

@@ -57,6 +57,7 @@ def quantize(
     block_tokens: int = 1,
     symmetric: bool = False,
     meta_dtype: torch.dtype = torch.float16,
+    clip: bool = False,
 ) -> Quantized:
     """Quantize ``x`` of shape (*, N, D) (float32/float16/bfloat16) to ``bits`` in {2, 3, 4, 8}.
 
@@ -64,9 +65,13 @@ def quantize(
     of 8. Returns packed (*, N, D*bits/8) uint8, scale and zero (*, N/block_tokens, D/group_size) in
     ``meta_dtype``. Computes in fp32; metadata is rounded outward so |x - x_hat| <= scale/2 for every
     finite x within the metadata dtype's range. NaN is stored as 0, +-Inf saturate.
+
+    clip=True (asymmetric only) picks each group's range among 11 shrinkages of [min, max] (0 to 25% of
+    the span cut off each side) by least squared error: values beyond the chosen range saturate, the
+    rest get a finer grid. It pays at 2 bits (see docs/guide.md).
     """
     gs = x.shape[-1] if group_size is None else group_size
-    packed, scale, zero = torch.ops.rkv.quantize.default(x, bits, gs, block_tokens, symmetric, meta_dtype)
+    packed, scale, zero = torch.ops.rkv.quantize.default(x, bits, gs, block_tokens, symmetric, meta_dtype, clip)
     return Quantized(packed, scale, None if symmetric else zero, bits)
 
 
@@ -76,8 +81,9 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 @torch.library.register_fake("rkv::quantize")
-def _quantize_fake(x, bits, group_size, block_tokens, symmetric, meta_dtype):
+def _quantize_fake(x, bits, group_size, block_tokens, symmetric, meta_dtype, clip=False):
     _validate.quantize(x, bits, group_size, block_tokens, meta_dtype)
+    _validate.value(not (clip and symmetric), "quantize", "clip searches asymmetric ranges; it needs symmetric=False")
     *lead, n, d = x.shape
     packed = x.new_empty((*lead, n, d * bits // 8), dtype=torch.uint8)
     meta = (*lead, n // block_tokens, d // group_size)

@@ -82,7 +82,8 @@ struct BlockScratch {
 // packed row). Writes groups = dim / group_size scales (and zeros unless symmetric).
 template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
 void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, int64_t dim, int64_t group_size,
-                        int bits, bool symmetric, meta_t* scale_out, meta_t* zero_out, BlockScratch& s) {
+                        int bits, bool symmetric, bool clip, meta_t* scale_out, meta_t* zero_out,
+                        BlockScratch& s) {
   const int64_t groups = dim / group_size;
   float* xs = s.x.data();
   for (int64_t t = 0; t < block_tokens; ++t) to_float(src_row(t), xs + t * dim, dim);
@@ -121,7 +122,16 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
   }
   // 2. group parameters, stored in the metadata dtype (exactly representable by construction).
   for (int64_t gi = 0; gi < groups; ++gi) {
-    const QParams p = make_qparams<meta_t>(lo[gi], hi[gi], bits, symmetric);
+    const auto group_error = [&](QParams p) {  // the tile's elements in (token, channel) order
+      double e = 0.0;
+      for (int64_t t = 0; t < block_tokens; ++t) {
+        const float* xg = xs + t * dim + gi * group_size;
+        for (int64_t c = 0; c < group_size; ++c) e += clip_error(xg[c], p, bits);
+      }
+      return e;
+    };
+    const QParams p = clip ? clipped_qparams<meta_t>(lo[gi], hi[gi], bits, group_error)
+                           : make_qparams<meta_t>(lo[gi], hi[gi], bits, symmetric);
     s.scale[gi] = p.scale;
     s.zero[gi] = p.zero;
     scale_out[gi] = static_cast<meta_t>(p.scale);

@@ -37,7 +37,7 @@ void append_one(const DecodeGeometry& g, const AppendSide<fp_t, meta_t>& a, int6
     quantize_block_row<fp_t, meta_t>(
         [&](int64_t i) { return token(first + i); },
         [&](int64_t i) { return a.packed + (bh * g.capacity + s + i) * rb; }, a.block_tokens, d, a.group, a.bits,
-        a.zero == nullptr, a.scale + (bh * (g.capacity / a.block_tokens) + s / a.block_tokens) * ng,
+        a.zero == nullptr, a.clip, a.scale + (bh * (g.capacity / a.block_tokens) + s / a.block_tokens) * ng,
         a.zero ? a.zero + (bh * (g.capacity / a.block_tokens) + s / a.block_tokens) * ng : nullptr, scratch);
   }
   // 2. sinks and window
@@ -54,9 +54,11 @@ void cache_append_cpu(const at::Tensor& k_packed, const at::Tensor& k_scale, con
                       const at::Tensor& v_packed, const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
                       const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
                       const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
-                      const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent) {
+                      const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
+                      bool k_clip, bool v_clip) {
   const DecodeGeometry g = check_cache_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
-                                              k_sink, v_sink, lengths, k_new, v_new, k_bits, v_bits, block, recent);
+                                              k_sink, v_sink, lengths, k_new, v_new, k_bits, v_bits, block, recent,
+                                              k_clip, v_clip);
   const at::Tensor len = lengths.to(at::kLong).contiguous();
   const int64_t m = k_new.size(2);
   check_append_lengths(g, len, m);
@@ -65,9 +67,9 @@ void cache_append_cpu(const at::Tensor& k_packed, const at::Tensor& k_scale, con
   RKV_DISPATCH_FLOAT(k_window.scalar_type(), "rkv.cache_append", fp_t, [&] {
     RKV_DISPATCH_FLOAT(k_scale.scalar_type(), "rkv.cache_append", meta_t, [&] {
       const auto ks = append_side<fp_t, meta_t>(k_packed, k_scale, k_zero, k_window, k_sink, kn, g.k_block_tokens,
-                                                g.k_group, k_bits);
+                                                g.k_group, k_bits, k_clip);
       const auto vs = append_side<fp_t, meta_t>(v_packed, v_scale, v_zero, v_window, v_sink, vn, g.v_block_tokens,
-                                                g.v_group, v_bits);
+                                                g.v_group, v_bits, v_clip);
       const int64_t* n = len.const_data_ptr<int64_t>();
       at::parallel_for(0, g.batch * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
         BlockScratch k_scratch(g.k_block_tokens, g.dim / g.k_group, g.dim);

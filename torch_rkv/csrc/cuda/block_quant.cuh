@@ -28,7 +28,7 @@ struct EncodeAt {
 // read back from there, so no shared memory is needed whatever dim is.
 template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
 __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row, int64_t block_tokens, int64_t dim,
-                                   int64_t group_size, int bits, bool symmetric, meta_t* scale_out,
+                                   int64_t group_size, int bits, bool symmetric, bool clip, meta_t* scale_out,
                                    meta_t* zero_out) {
   const int64_t groups = dim / group_size;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -37,7 +37,13 @@ __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row,
     for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
       Range r;
       for (int64_t t = 0; t < block_tokens; ++t) r.add(static_cast<float>(src_row(t)[c]));
-      const QParams p = make_qparams<meta_t>(r.lo, r.hi, bits, symmetric);
+      const auto channel_error = [&](QParams p) {
+        double e = 0.0;
+        for (int64_t t = 0; t < block_tokens; ++t) e += clip_error(static_cast<float>(src_row(t)[c]), p, bits);
+        return e;
+      };
+      const QParams p = clip ? clipped_qparams<meta_t>(r.lo, r.hi, bits, channel_error)
+                             : make_qparams<meta_t>(r.lo, r.hi, bits, symmetric);
       scale_out[c] = static_cast<meta_t>(p.scale);
       if (!symmetric) zero_out[c] = static_cast<meta_t>(p.zero);
     }
@@ -48,8 +54,16 @@ __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row,
       for (int64_t e = lane; e < block_tokens * group_size; e += 32)
         r.add(static_cast<float>(src_row(e / group_size)[gi * group_size + e % group_size]));
       const float lo = warp_min(r.lo), hi = warp_max(r.hi);
+      // every lane runs the search in step: the warp sum gives all of them the same errors
+      const auto group_error = [&](QParams p) {
+        double e = 0.0;
+        for (int64_t el = lane; el < block_tokens * group_size; el += 32)
+          e += clip_error(static_cast<float>(src_row(el / group_size)[gi * group_size + el % group_size]), p, bits);
+        return warp_sum(e);
+      };
+      const QParams p = clip ? clipped_qparams<meta_t>(lo, hi, bits, group_error)
+                             : make_qparams<meta_t>(lo, hi, bits, symmetric);
       if (lane == 0) {
-        const QParams p = make_qparams<meta_t>(lo, hi, bits, symmetric);
         scale_out[gi] = static_cast<meta_t>(p.scale);
         if (!symmetric) zero_out[gi] = static_cast<meta_t>(p.zero);
       }

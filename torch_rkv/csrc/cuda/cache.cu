@@ -43,7 +43,7 @@ __device__ void quantize_tiles(const DecodeGeometry& g, const AppendSide<fp_t, m
     meta_t* scale = a.scale + (bh * meta_rows + s / a.block_tokens) * ng;
     meta_t* zero = a.zero ? a.zero + (bh * meta_rows + s / a.block_tokens) * ng : nullptr;
     quantize_block_row<fp_t, meta_t>(src, DestRows{a.packed + (bh * g.capacity + s) * rb, rb}, a.block_tokens, d,
-                                     a.group, a.bits, a.zero == nullptr, scale, zero);
+                                     a.group, a.bits, a.zero == nullptr, a.clip, scale, zero);
     __syncthreads();
   }
 }
@@ -84,9 +84,11 @@ void cache_append_cuda(const at::Tensor& k_packed, const at::Tensor& k_scale, co
                        const at::Tensor& v_packed, const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
                        const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
                        const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
-                       const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent) {
+                       const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
+                       bool k_clip, bool v_clip) {
   const DecodeGeometry g = check_cache_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
-                                              k_sink, v_sink, lengths, k_new, v_new, k_bits, v_bits, block, recent);
+                                              k_sink, v_sink, lengths, k_new, v_new, k_bits, v_bits, block, recent,
+                                              k_clip, v_clip);
   const int64_t m = k_new.size(2);
   if (m == 0 || g.batch == 0) return;
   const c10::cuda::CUDAGuard guard(k_new.device());
@@ -104,9 +106,9 @@ void cache_append_cuda(const at::Tensor& k_packed, const at::Tensor& k_scale, co
       quantize_blocks_kernel<fp_t, meta_t><<<grid, 128, 0, stream>>>(
           g,
           append_side<fp_t, meta_t>(k_packed, k_scale, k_zero, k_window, k_sink, kn, g.k_block_tokens, g.k_group,
-                                    k_bits),
+                                    k_bits, k_clip),
           append_side<fp_t, meta_t>(v_packed, v_scale, v_zero, v_window, v_sink, vn, g.v_block_tokens, g.v_group,
-                                    v_bits),
+                                    v_bits, v_clip),
           len.const_data_ptr<int64_t>(), m, max_tiles);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       place_tokens_kernel<fp_t><<<grid_for(kn.numel()), kThreads, 0, stream>>>(

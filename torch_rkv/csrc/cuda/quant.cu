@@ -20,13 +20,13 @@ struct PackedRows {
 
 template <typename scalar_t, typename meta_t>
 __global__ void quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ packed, meta_t* scale,
-                                meta_t* zero, QuantGeometry g, bool symmetric) {
+                                meta_t* zero, QuantGeometry g, bool symmetric, bool clip) {
   const int64_t block_rows = g.lead * g.blocks(), ng = g.groups();
   for (int64_t br = blockIdx.x; br < block_rows; br += gridDim.x) {
     const int64_t row0 = br * g.block_tokens;
     quantize_block_row<scalar_t, meta_t>(TokenRows<scalar_t>{x + row0 * g.dim, g.dim},
                                          PackedRows{packed + row0 * g.row_bytes(), g.row_bytes()}, g.block_tokens,
-                                         g.dim, g.group_size, g.bits, symmetric, scale + br * ng,
+                                         g.dim, g.group_size, g.bits, symmetric, clip, scale + br * ng,
                                          symmetric ? nullptr : zero + br * ng);
   }
 }
@@ -47,8 +47,8 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const meta
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t bits, int64_t group_size,
                                                             int64_t block_tokens, bool symmetric,
-                                                            at::ScalarType meta_dtype) {
-  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, meta_dtype);
+                                                            at::ScalarType meta_dtype, bool clip) {
+  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype, clip);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   const QuantizeOutputs out = empty_quantize_outputs(x, g, symmetric, meta_dtype);
@@ -60,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
     RKV_DISPATCH_FLOAT(meta_dtype, "rkv.quantize", meta_t, [&] {
       quantize_kernel<scalar_t, meta_t><<<grid_for(block_rows, 1), 128, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), packed.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr<meta_t>(),
-          symmetric ? nullptr : zero.mutable_data_ptr<meta_t>(), g, symmetric);
+          symmetric ? nullptr : zero.mutable_data_ptr<meta_t>(), g, symmetric, clip);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

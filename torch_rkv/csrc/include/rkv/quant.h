@@ -12,6 +12,12 @@
 // Rounding the metadata outward (instead of to nearest) keeps every finite input inside the grid the
 // stored fp16 scale describes, so |x - x_hat| <= scale / 2 holds for the *stored* scale.
 //
+// Clipped ranges (clip=True, asymmetric only): a group's range is chosen among kClipSteps candidates
+// [lo + j*step, hi - j*step], step = (hi - lo) * 0.025, j = 0..10 (up to 25% of the span cut off each
+// side), as the one whose codes give the least squared error over the group's finite values (summed
+// in double; ties keep the wider range). At 2 bits min/max wastes levels on a channel's few extreme
+// tokens; the search trades them for a finer grid (Lloyd-Max style, restricted to a uniform grid).
+//
 // Non-finite inputs never poison their group: min/max are taken over finite values only, +-Inf
 // saturate to the ends of the grid and NaN is stored as 0 (or the grid value nearest 0). Values
 // beyond the metadata dtype's range (|x| > 65504 for fp16) saturate the same way.
@@ -111,6 +117,47 @@ RKV_HD uint32_t encode(float x, QParams p, int bits, bool symmetric) {
 RKV_HD float decode(uint32_t code, QParams p, int bits, bool symmetric) {
   if (symmetric) return mul_rn(static_cast<float>(static_cast<int>(code) - sym_bias(bits)), p.scale);
   return add_rn(mul_rn(static_cast<float>(code), p.scale), p.zero);
+}
+
+constexpr int kClipSteps = 11;
+
+// Candidate j of the clipped-range search of [lo, hi]; false when it does not exist (j > 0 and the
+// span is not finite).
+RKV_HD bool clip_candidate(float lo, float hi, int j, float& clo, float& chi) {
+  const float step = mul_rn(sub_rn(hi, lo), 0.025f);
+  if (j > 0 && !is_finite(step)) return false;
+  const float cut = mul_rn(static_cast<float>(j), step);
+  clo = add_rn(lo, cut);
+  chi = sub_rn(hi, cut);
+  return true;
+}
+
+// Squared reconstruction error of one value under asymmetric parameters p; 0 for non-finite values
+// (they saturate whatever the range).
+RKV_HD double clip_error(float x, QParams p, int bits) {
+  if (!is_finite(x)) return 0.0;
+  const float e = sub_rn(decode(encode(x, p, bits, false), p, bits, false), x);
+  return static_cast<double>(e) * static_cast<double>(e);
+}
+
+// Parameters of the group [lo, hi] (finite min/max) with the clipped-range search; group_error(p)
+// returns the sum of clip_error over the group's values. Every CUDA lane of a group calls it alike.
+template <typename M, typename GroupError>
+RKV_HD QParams clipped_qparams(float lo, float hi, int bits, const GroupError& group_error) {
+  QParams best = make_qparams<M>(lo, hi, bits, false);
+  if (!(lo <= hi)) return best;
+  double best_error = group_error(best);
+  for (int j = 1; j < kClipSteps; ++j) {
+    float clo, chi;
+    if (!clip_candidate(lo, hi, j, clo, chi)) break;
+    const QParams p = make_qparams<M>(clo, chi, bits, false);
+    const double e = group_error(p);
+    if (e < best_error) {
+      best = p;
+      best_error = e;
+    }
+  }
+  return best;
 }
 
 // Running min/max over finite values; starts empty (lo > hi).
