@@ -42,6 +42,47 @@ struct RowReader {
     codes.resize(dim);
   }
 
+  // whether tokens [t, t + n) are all packed rows (no sink or window row among them)
+  bool all_packed(int64_t t, int64_t n) const { return t >= sinks && t + n <= sinks + q_count; }
+  const uint8_t* packed_row(int64_t t) const { return packed + (t - sinks) * (dim * bits / 8); }
+  // scale and zero of packed token t when a row has one group (group == dim); symmetric: code * s + z
+  // with z = -2^(bits-1) s, as the fast decode
+  RKV_INLINE void row_params(int64_t t, float& s, float& z) const {
+    const int64_t m = (t - sinks) / block_tokens;
+    s = static_cast<float>(scale[m]);
+    z = zero ? static_cast<float>(zero[m]) : -static_cast<float>(sym_bias(bits)) * s;
+  }
+
+  // Metadata of packed token t's block in sc / zc (float; symmetric: zc = -2^(bits-1) sc on AVX2).
+  RKV_INLINE void load_meta(int64_t t) {
+    const int64_t m = (t - sinks) / block_tokens, ng = dim / group;
+    if (m == meta_row) return;
+    const bool symmetric = zero == nullptr;
+    to_float(scale + m * ng, sc.data(), ng);
+    if (!symmetric) to_float(zero + m * ng, zc.data(), ng);
+    meta_row = m;
+#if RKV_TILES_AVX2
+    if (symmetric)  // the fast decode is code * s + z for both kinds
+      for (int64_t i = 0; i < ng; ++i) zc[i] = -static_cast<float>(sym_bias(bits)) * sc[i];
+#endif
+  }
+
+  // Packed token t dequantized and rotated (rotate-half RoPE of its first 2 * half channels from the
+  // cos / sin rows of its position) in one pass; false (nothing written) where that path does not
+  // apply: sinks and window rows, portable builds, odd sizes. Same result as load + rope_row.
+  RKV_INLINE bool load_rope(int64_t t, float* out, const float* cs, const float* sn, int64_t half) {
+#if RKV_TILES_AVX2
+    if constexpr (DC > 0 && DC % 8 == 0) {
+      if (token_place(t, sinks, q_count) == Place::Packed && half % 8 == 0 && (group == 1 || group % 8 == 0)) {
+        load_meta(t);
+        decode_rope_row_fast<DC>(packed_row(t), bits, sc.data(), zc.data(), group, cs, sn, half, out);
+        return true;
+      }
+    }
+#endif
+    return false;
+  }
+
   RKV_INLINE void load(int64_t t, float* out) {
     const int64_t dim = DC > 0 ? DC : this->dim;
     switch (token_place(t, sinks, q_count)) {
@@ -52,18 +93,9 @@ struct RowReader {
         to_float(window + window_slot(t, sinks, window_len) * dim, out, dim);
         return;
       case Place::Packed: {
-        const int64_t s = t - sinks, m = s / block_tokens, ng = dim / group;
         const bool symmetric = zero == nullptr;
-        if (m != meta_row) {
-          to_float(scale + m * ng, sc.data(), ng);
-          if (!symmetric) to_float(zero + m * ng, zc.data(), ng);
-          meta_row = m;
-#if RKV_TILES_AVX2
-          if (symmetric)  // the fast decode is code * s + z for both kinds
-            for (int64_t i = 0; i < ng; ++i) zc[i] = -static_cast<float>(sym_bias(bits)) * sc[i];
-#endif
-        }
-        const uint8_t* row = packed + s * (dim * bits / 8);
+        load_meta(t);
+        const uint8_t* row = packed_row(t);
 #if RKV_TILES_AVX2
         if constexpr (DC > 0 && DC % 8 == 0) {
           if (group == 1 || group % 8 == 0) return decode_row_fast<DC>(row, bits, sc.data(), zc.data(), group, out);
@@ -142,9 +174,16 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
     return r;
   };
 
+#if RKV_TILES_AVX2
+  constexpr bool kFoldable = DC > 0 && DC % 8 == 0;
+#else
+  constexpr bool kFoldable = false;
+#endif
+  // values with one scale per row take the folded path (accumulate_codes) on whole tiles of packed rows
+  const bool fold_values = kFoldable && g.v_group == D;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     // tiles of dequantized rows, zero-padded to a multiple of 8 rows for the register-blocked kernels
-    std::vector<float> tile(kTileTokens * D, 0.0f), scores(G * ST);
+    std::vector<float> tile(kTileTokens * D, 0.0f), scores(G * ST), pp(G * kTileTokens), zsum(G);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t split = it % io.splits, bh = it / io.splits, h = bh % H, b = bh / H;
       const int64_t n = io.lengths[b], t0 = split * ST, t1 = std::min(n, t0 + ST);
@@ -168,9 +207,16 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
         const int64_t nt = std::min(kTileTokens, t1 - tt);
         for (int64_t i = 0; i < nt; ++i) {
           float* row = tile.data() + i * D;
-          keys.load(tt + i, row);
-          if (io.cos) rope_row(row, io.cos + (tt + i) * g.rope_half, io.sin + (tt + i) * g.rope_half, g.rope_half,
-                               g.interleaved);
+          if (!io.cos) {
+            keys.load(tt + i, row);
+            continue;
+          }
+          const float* cs = io.cos + (tt + i) * g.rope_half;
+          const float* sn = io.sin + (tt + i) * g.rope_half;
+          if (g.interleaved || !keys.load_rope(tt + i, row, cs, sn, g.rope_half)) {
+            keys.load(tt + i, row);
+            rope_row(row, cs, sn, g.rope_half, g.interleaved);
+          }
         }
         tile_scores<DC>(tile.data(), nt, D, qg, G, scores.data() + (tt - t0), ST);
       }
@@ -185,11 +231,34 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
       }
       // 3. un-normalized output sum_t p_t v_t, a tile of values at a time
       auto values = reader(false, b, h, q_count);
+      std::fill(zsum.begin(), zsum.end(), 0.0f);
       for (int64_t tt = t0; tt < t1; tt += kTileTokens) {
         const int64_t nt = std::min(kTileTokens, t1 - tt);
+#if RKV_TILES_AVX2
+        if constexpr (kFoldable) {
+          if (fold_values && values.all_packed(tt, nt)) {
+            float* __restrict pt = pp.data();
+            for (int64_t i = 0; i < nt; ++i) {
+              float sv, zv;
+              values.row_params(tt + i, sv, zv);
+              for (int64_t gq = 0; gq < G; ++gq) {
+                const float p = scores[gq * ST + (tt - t0) + i];
+                pt[gq * kTileTokens + i] = p * sv;
+                zsum[gq] += p * zv;
+              }
+            }
+            accumulate_codes<DC>(values.packed_row(tt), D * values.bits / 8, values.bits, nt, pt, G, kTileTokens,
+                                 acc, acc_stride);
+            continue;
+          }
+        }
+#endif
         for (int64_t i = 0; i < nt; ++i) values.load(tt + i, tile.data() + i * D);
         tile_accumulate<DC>(tile.data(), nt, D, scores.data() + (tt - t0), G, ST, acc, acc_stride);
       }
+      if (fold_values)
+        for (int64_t gq = 0; gq < G; ++gq)
+          for (int64_t c = 0; c < D; ++c) acc[gq * acc_stride + c] += zsum[gq];
     }
   });
 }

@@ -51,10 +51,14 @@ RKV_INLINE void scores_tile(const float* __restrict k, int64_t ntok, const float
         const __m256 qv = _mm256_loadu_ps(qg + c);
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (t0 + i) * D + c), acc[i]);
       }
-      alignas(32) float out[8];
-      _mm256_store_ps(out, transpose_sum8(acc));
-      const int64_t n = ntok - t0 < 8 ? ntok - t0 : 8;
-      for (int64_t i = 0; i < n; ++i) s[g * s_stride + t0 + i] = out[i];
+      const __m256 sums = transpose_sum8(acc);
+      if (ntok - t0 >= 8) {
+        _mm256_storeu_ps(s + g * s_stride + t0, sums);
+      } else {  // the tile's last, partial group of rows
+        alignas(32) float out[8];
+        _mm256_store_ps(out, sums);
+        for (int64_t i = 0; i < ntok - t0; ++i) s[g * s_stride + t0 + i] = out[i];
+      }
     }
   }
 }
@@ -134,6 +138,45 @@ RKV_INLINE void decode_row_chunks(const uint8_t* __restrict row, const float* __
   }
 }
 
+// Chunk c (8 channels) of a packed row, dequantized: code * s + z, one FMA as decode_row_chunks.
+template <int D, int BITS>
+RKV_INLINE __m256 dequant_chunk(const uint8_t* __restrict row, int64_t c, const float* __restrict sc,
+                                const float* __restrict zc, int64_t group) {
+  const __m256 code = code_chunk<BITS>(row, c, c == D / 8 - 1);
+  if (group == 1) return _mm256_fmadd_ps(code, _mm256_loadu_ps(sc + 8 * c), _mm256_loadu_ps(zc + 8 * c));
+  const int64_t gi = 8 * c / group;
+  return _mm256_fmadd_ps(code, _mm256_set1_ps(sc[gi]), _mm256_set1_ps(zc[gi]));
+}
+
+// decode_row_chunks followed by rotate-half RoPE (rope_apply's arithmetic: two products, then a
+// difference and a sum) of the first 2 * half channels, in registers: one pass over the row instead of
+// a decode pass and a RoPE pass. half must be a multiple of 8.
+template <int D, int BITS>
+RKV_INLINE void decode_rope_row_chunks(const uint8_t* __restrict row, const float* __restrict sc,
+                                       const float* __restrict zc, int64_t group, const float* __restrict cs,
+                                       const float* __restrict sn, int64_t half, float* __restrict out) {
+  const int64_t hc = half / 8;
+  for (int64_t j = 0; j < hc; ++j) {
+    const __m256 x0 = dequant_chunk<D, BITS>(row, j, sc, zc, group);
+    const __m256 x1 = dequant_chunk<D, BITS>(row, j + hc, sc, zc, group);
+    const __m256 c = _mm256_loadu_ps(cs + 8 * j), s = _mm256_loadu_ps(sn + 8 * j);
+    _mm256_storeu_ps(out + 8 * j, _mm256_sub_ps(_mm256_mul_ps(x0, c), _mm256_mul_ps(x1, s)));
+    _mm256_storeu_ps(out + 8 * (j + hc), _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x0, s)));
+  }
+  for (int64_t c = 2 * hc; c < D / 8; ++c) _mm256_storeu_ps(out + 8 * c, dequant_chunk<D, BITS>(row, c, sc, zc, group));
+}
+
+template <int D>
+RKV_INLINE void decode_rope_row_fast(const uint8_t* row, int bits, const float* sc, const float* zc, int64_t group,
+                                     const float* cs, const float* sn, int64_t half, float* out) {
+  switch (bits) {
+    case 2: return decode_rope_row_chunks<D, 2>(row, sc, zc, group, cs, sn, half, out);
+    case 3: return decode_rope_row_chunks<D, 3>(row, sc, zc, group, cs, sn, half, out);
+    case 4: return decode_rope_row_chunks<D, 4>(row, sc, zc, group, cs, sn, half, out);
+    default: return decode_rope_row_chunks<D, 8>(row, sc, zc, group, cs, sn, half, out);
+  }
+}
+
 template <int D>
 RKV_INLINE void decode_row_fast(const uint8_t* row, int bits, const float* sc, const float* zc, int64_t group,
                                 float* out) {
@@ -142,6 +185,67 @@ RKV_INLINE void decode_row_fast(const uint8_t* row, int bits, const float* sc, c
     case 3: return decode_row_chunks<D, 3>(row, sc, zc, group, out);
     case 4: return decode_row_chunks<D, 4>(row, sc, zc, group, out);
     default: return decode_row_chunks<D, 8>(row, sc, zc, group, out);
+  }
+}
+
+// Values stored per token (one scale s_t and zero z_t per row) fold their dequantization into the
+// probabilities: sum_t p_t (s_t c_t + z_t) = sum_t (p_t s_t) c_t + (sum_t p_t z_t) 1. The codes go
+// straight from the packed rows into the output accumulators, no float tile in between: per 8 codes
+// one load, shift, mask and convert, then one FMA per query head.
+// acc[j][:] += pp[j][t] * codes_t for NG heads, CB chunks of 8 channels per pass (accumulators in
+// registers: NG x CB of them, plus NG broadcasts).
+template <int D, int BITS, int NG, int CB>
+RKV_INLINE void accumulate_codes_heads(const uint8_t* __restrict rows, int64_t row_bytes, int64_t ntok,
+                                       const float* __restrict pp, int64_t p_stride, float* __restrict acc,
+                                       int64_t acc_stride) {
+  constexpr int kChunks = D / 8;
+  static_assert(kChunks % CB == 0, "passes must tile the row");
+  for (int c0 = 0; c0 < kChunks; c0 += CB) {
+    __m256 a[NG][CB];
+    for (int j = 0; j < NG; ++j)
+      for (int cc = 0; cc < CB; ++cc) a[j][cc] = _mm256_loadu_ps(acc + j * acc_stride + 8 * (c0 + cc));
+    for (int64_t t = 0; t < ntok; ++t) {
+      const uint8_t* row = rows + t * row_bytes;
+      __m256 p[NG];
+      for (int j = 0; j < NG; ++j) p[j] = _mm256_broadcast_ss(pp + j * p_stride + t);
+      for (int cc = 0; cc < CB; ++cc) {
+        const __m256 v = code_chunk<BITS>(row, c0 + cc, c0 + cc == kChunks - 1);
+        for (int j = 0; j < NG; ++j) a[j][cc] = _mm256_fmadd_ps(p[j], v, a[j][cc]);
+      }
+    }
+    for (int j = 0; j < NG; ++j)
+      for (int cc = 0; cc < CB; ++cc) _mm256_storeu_ps(acc + j * acc_stride + 8 * (c0 + cc), a[j][cc]);
+  }
+}
+
+template <int D, int BITS>
+RKV_INLINE void accumulate_codes_bits(const uint8_t* rows, int64_t row_bytes, int64_t ntok, const float* pp,
+                                      int64_t groups, int64_t p_stride, float* acc, int64_t acc_stride) {
+  constexpr int kWide = (D / 8) % 4 == 0 ? 4 : 1;  // chunks per pass for 1-2 heads
+  constexpr int kNarrow = (D / 8) % 2 == 0 ? 2 : 1;  // for 3-4 heads: 16 accumulators at most
+  int64_t g = 0;
+  for (; g + 4 <= groups; g += 4)
+    accumulate_codes_heads<D, BITS, 4, kNarrow>(rows, row_bytes, ntok, pp + g * p_stride, p_stride,
+                                                acc + g * acc_stride, acc_stride);
+  const float* p = pp + g * p_stride;
+  float* a = acc + g * acc_stride;
+  switch (groups - g) {
+    case 3: accumulate_codes_heads<D, BITS, 3, kNarrow>(rows, row_bytes, ntok, p, p_stride, a, acc_stride); break;
+    case 2: accumulate_codes_heads<D, BITS, 2, kWide>(rows, row_bytes, ntok, p, p_stride, a, acc_stride); break;
+    case 1: accumulate_codes_heads<D, BITS, 1, kWide>(rows, row_bytes, ntok, p, p_stride, a, acc_stride); break;
+    default: break;
+  }
+}
+
+// acc[g][:] += pp[g][t] * codes of packed row t, for t < ntok and every query head g of the group.
+template <int D>
+RKV_INLINE void accumulate_codes(const uint8_t* rows, int64_t row_bytes, int bits, int64_t ntok, const float* pp,
+                                 int64_t groups, int64_t p_stride, float* acc, int64_t acc_stride) {
+  switch (bits) {
+    case 2: return accumulate_codes_bits<D, 2>(rows, row_bytes, ntok, pp, groups, p_stride, acc, acc_stride);
+    case 3: return accumulate_codes_bits<D, 3>(rows, row_bytes, ntok, pp, groups, p_stride, acc, acc_stride);
+    case 4: return accumulate_codes_bits<D, 4>(rows, row_bytes, ntok, pp, groups, p_stride, acc, acc_stride);
+    default: return accumulate_codes_bits<D, 8>(rows, row_bytes, ntok, pp, groups, p_stride, acc, acc_stride);
   }
 }
 
