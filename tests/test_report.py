@@ -37,7 +37,8 @@ def test_cache_view_pairs_follow_the_cache_layout(scheme):
 
 
 @pytest.mark.parametrize("scheme", [S.recommended(4).replace(k_block_tokens=16, recent=8), S.recommended(8).replace(
-    k_block_tokens=16), S.kivi(4, block=8, recent=8), S.quarot(4), S.per_token(2)], ids=lambda s: s.name)
+    k_block_tokens=16), S.recommended(2).replace(k_block_tokens=16, recent=8), S.kivi(4, block=8, recent=8),
+    S.quarot(4), S.per_token(2)], ids=lambda s: s.name)
 def test_decode_protocol_equals_the_simulation(scheme):
     """Token by token through RKVCache and the fused kernel gives the simulated perplexity: the served path
     is the measured one (float tolerance; the tiny model does not amplify rounding much)."""

@@ -367,6 +367,10 @@ def cache_append(
     lengths is not updated (the caller adds m). New tokens are used in the window's dtype, so the result
     does not depend on how the tokens were chunked into appends.
     """
+    for side, clip, zero in (("k", k_clip, k_zero), ("v", v_clip, v_zero)):
+        if clip and zero is None:
+            raise ValueError(f"rkv.cache_append: {side}_clip needs asymmetric {'keys' if side == 'k' else 'values'} "
+                             f"({side}_zero)")
     s, w = k_sink.shape[-2], k_window.shape[-2]
     m = k_new.shape[-2]
     for b in range(k_new.shape[0]):
