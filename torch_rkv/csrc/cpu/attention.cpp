@@ -45,14 +45,6 @@ struct RowReader {
   // whether tokens [t, t + n) are all packed rows (no sink or window row among them)
   bool all_packed(int64_t t, int64_t n) const { return t >= sinks && t + n <= sinks + q_count; }
   const uint8_t* packed_row(int64_t t) const { return packed + (t - sinks) * (dim * bits / 8); }
-  // scale and zero of packed token t when a row has one group (group == dim); symmetric: code * s + z
-  // with z = -2^(bits-1) s, as the fast decode
-  RKV_INLINE void row_params(int64_t t, float& s, float& z) const {
-    const int64_t m = (t - sinks) / block_tokens;
-    s = static_cast<float>(scale[m]);
-    z = zero ? static_cast<float>(zero[m]) : -static_cast<float>(sym_bias(bits)) * s;
-  }
-
   // Metadata of packed token t's block in sc / zc (float; symmetric: zc = -2^(bits-1) sc on AVX2).
   RKV_INLINE void load_meta(int64_t t) {
     const int64_t m = (t - sinks) / block_tokens, ng = dim / group;
@@ -239,8 +231,8 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
           if (fold_values && values.all_packed(tt, nt)) {
             float* __restrict pt = pp.data();
             for (int64_t i = 0; i < nt; ++i) {
-              float sv, zv;
-              values.row_params(tt + i, sv, zv);
+              values.load_meta(tt + i);  // one group per row: its scale and zero are sc[0], zc[0]
+              const float sv = values.sc[0], zv = values.zc[0];
               for (int64_t gq = 0; gq < G; ++gq) {
                 const float p = scores[gq * ST + (tt - t0) + i];
                 pt[gq * kTileTokens + i] = p * sv;
