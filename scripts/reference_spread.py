@@ -23,26 +23,17 @@ def plain_fake_quant(x: torch.Tensor, bits: int, group: int, tokens: int) -> tor
     return (codes * scale + lo).reshape(x.shape)
 
 
-def plain_view(self, x: torch.Tensor, side: str) -> torch.Tensor:
-    """Simulation.fake_quantize for view 'all' with the plain quantizer (no Hadamard rows)."""
+def plain_round_trip(self, x: torch.Tensor, side: str) -> torch.Tensor:
+    """Simulation.round_trip with the plain quantizer instead of the library's ops."""
     s = self.scheme
-    out = x.float()
-    if side == "k" and not self.quantize_keys:
-        return out
-    pos = torch.arange(x.shape[-2], device=x.device)
-    if side == "k" and s.pre_rope:
-        out = simulate.rope(out, self.rope_cos, self.rope_sin, pos, inverse=True)
     group = getattr(s, f"{side}_group_size") or x.shape[-1]
-    out = plain_fake_quant(out, getattr(s, f"{side}_bits"), group, getattr(s, f"{side}_block_tokens"))
-    if side == "k" and s.pre_rope:
-        out = simulate.rope(out, self.rope_cos, self.rope_sin, pos)
-    return out
+    return plain_fake_quant(x.float(), getattr(s, f"{side}_bits"), group, getattr(s, f"{side}_block_tokens"))
 
 
 def main() -> None:
     model, tok = data.load_model()
     report = Report(model, tok, data.read_text(), Options(), log=lambda _: None)
-    simulate.Simulation.fake_quantize = plain_view
+    simulate.Simulation.round_trip = plain_round_trip
     print(f"{'keys':34s} bits  reference   SDPA            eager")
     for row, refs in REFERENCE.items():
         if row.startswith("Hadamard"):

@@ -103,19 +103,25 @@ class Simulation:
         rotated = s.k_hadamard if side == "k" else s.v_hadamard
         if rotated:
             part = hadamard(part, self.signs(d, side, x.device))
-        bits = getattr(s, f"{side}_bits")
-        group = getattr(s, f"{side}_group_size") or d
         tokens = getattr(s, f"{side}_block_tokens")
         if self.view == "all" and (hi - lo) % tokens:
             raise ValueError(f"simulation view 'all': {hi - lo} tokens are not whole blocks of {tokens}")
-        q = quantize(part, bits, group, tokens, getattr(s, f"{side}_symmetric"), s.meta_dtype, getattr(s, f"{side}_clip"))
-        back = dequantize(Quantized(q.packed, q.scale, q.zero, bits), torch.float32)
+        back = self.round_trip(part, side)
         if rotated:
             back = hadamard(back, self.signs(d, side, x.device), inverse=True)
         if side == "k" and s.pre_rope:
             back = rope(back, self.rope_cos, self.rope_sin, pos)
         out[:, :, lo:hi] = back
         return out
+
+    def round_trip(self, x: torch.Tensor, side: str) -> torch.Tensor:
+        """x (B, H, n, D) in the storage space (pre-RoPE / rotated) -> quantized and dequantized, float32."""
+        s = self.scheme
+        bits = getattr(s, f"{side}_bits")
+        group = getattr(s, f"{side}_group_size") or x.shape[-1]
+        q = quantize(x, bits, group, getattr(s, f"{side}_block_tokens"), getattr(s, f"{side}_symmetric"), s.meta_dtype,
+                     getattr(s, f"{side}_clip"))
+        return dequantize(Quantized(q.packed, q.scale, q.zero, bits), torch.float32)
 
     def quantized_pairs(self, q_pos: torch.Tensor, n: int) -> torch.Tensor:
         """(Nq, n) bool: whether query at position q_pos[i] sees key t in its quantized form."""

@@ -50,8 +50,10 @@ def row_packable(op: str, arg: str, dim, b: int) -> None:
           f"the last dim of {arg} ({dim}) times bits ({b}) must be a multiple of 8 to pack whole bytes")
 
 
-def quantize(x: torch.Tensor, b: int, group_size, block_tokens, md: torch.dtype) -> None:
+def quantize(x: torch.Tensor, b: int, group_size, block_tokens, md: torch.dtype, symmetric: bool = False,
+             clip: bool = False) -> None:
     bits("quantize", "bits", b)
+    value(not (clip and symmetric), "quantize", "clip searches asymmetric ranges; it needs symmetric=False")
     float_input("quantize", "x", x)
     meta_dtype("quantize", "meta_dtype", md)
     value(x.dim() >= 2, "quantize", f"x must have at least 2 dims (..., tokens, dim), got shape {list(x.shape)}")
@@ -173,8 +175,11 @@ def decode_attention(q, k_packed, v_packed, k_window, lengths, k_bits, v_bits, b
           "keys cannot be both pre-RoPE (rope_cos) and Hadamard-rotated (k_signs): RoPE does not commute with the rotation")
 
 
-def cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent) -> None:
+def cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent,
+                 k_zero=None, v_zero=None, k_clip=False, v_clip=False) -> None:
     op = "cache_append"
+    value(not (k_clip and k_zero is None), op, "k_clip needs asymmetric keys (k_zero)")
+    value(not (v_clip and v_zero is None), op, "v_clip needs asymmetric values (v_zero)")
     float_input(op, "k_new", k_new)
     value(k_new.dim() == 4, op, f"k_new must have shape (batch, kv_heads, tokens, head_dim), got {list(k_new.shape)}")
     value(v_new.shape == k_new.shape, op, f"v_new must have k_new's shape {list(k_new.shape)}, got {list(v_new.shape)}")

@@ -49,9 +49,8 @@ def cache_append(
 @torch.library.register_fake("rkv::cache_append")
 def _cache_append_fake(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                        lengths, k_new, v_new, k_bits, v_bits, block, recent, k_clip=False, v_clip=False):
-    _validate.cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent)
-    _validate.value(not (k_clip and k_zero is None), "cache_append", "k_clip needs asymmetric keys (k_zero)")
-    _validate.value(not (v_clip and v_zero is None), "cache_append", "v_clip needs asymmetric values (v_zero)")
+    _validate.cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent,
+                           k_zero, v_zero, k_clip, v_clip)
     _validate.devices("cache_append", k_new, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, lengths=lengths, v_new=v_new)

@@ -82,8 +82,7 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 @torch.library.register_fake("rkv::quantize")
 def _quantize_fake(x, bits, group_size, block_tokens, symmetric, meta_dtype, clip=False):
-    _validate.quantize(x, bits, group_size, block_tokens, meta_dtype)
-    _validate.value(not (clip and symmetric), "quantize", "clip searches asymmetric ranges; it needs symmetric=False")
+    _validate.quantize(x, bits, group_size, block_tokens, meta_dtype, symmetric, clip)
     *lead, n, d = x.shape
     packed = x.new_empty((*lead, n, d * bits // 8), dtype=torch.uint8)
     meta = (*lead, n // block_tokens, d // group_size)

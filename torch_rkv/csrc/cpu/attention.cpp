@@ -61,13 +61,14 @@ struct RowReader {
 
   // Packed token t dequantized and rotated (rotate-half RoPE of its first 2 * half channels from the
   // cos / sin rows of its position) in one pass; false (nothing written) where that path does not
-  // apply: sinks and window rows, portable builds, odd sizes. Same result as load + rope_row.
+  // apply: sinks and window rows, keys not per-channel, portable builds, odd sizes. Same result as
+  // load + rope_row.
   RKV_INLINE bool load_rope(int64_t t, float* out, const float* cs, const float* sn, int64_t half) {
 #if RKV_TILES_AVX2
     if constexpr (DC > 0 && DC % 8 == 0) {
-      if (token_place(t, sinks, q_count) == Place::Packed && half % 8 == 0 && (group == 1 || group % 8 == 0)) {
+      if (token_place(t, sinks, q_count) == Place::Packed && half % 8 == 0 && group == 1) {
         load_meta(t);
-        decode_rope_row_fast<DC>(packed_row(t), bits, sc.data(), zc.data(), group, cs, sn, half, out);
+        decode_rope_row_fast<DC>(packed_row(t), bits, sc.data(), zc.data(), cs, sn, half, out);
         return true;
       }
     }

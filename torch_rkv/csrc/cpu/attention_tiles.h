@@ -138,42 +138,37 @@ RKV_INLINE void decode_row_chunks(const uint8_t* __restrict row, const float* __
   }
 }
 
-// Chunk c (8 channels) of a packed row, dequantized: code * s + z, one FMA as decode_row_chunks.
-template <int D, int BITS>
-RKV_INLINE __m256 dequant_chunk(const uint8_t* __restrict row, int64_t c, const float* __restrict sc,
-                                const float* __restrict zc, int64_t group) {
-  const __m256 code = code_chunk<BITS>(row, c, c == D / 8 - 1);
-  if (group == 1) return _mm256_fmadd_ps(code, _mm256_loadu_ps(sc + 8 * c), _mm256_loadu_ps(zc + 8 * c));
-  const int64_t gi = 8 * c / group;
-  return _mm256_fmadd_ps(code, _mm256_set1_ps(sc[gi]), _mm256_set1_ps(zc[gi]));
-}
-
-// decode_row_chunks followed by rotate-half RoPE (rope_apply's arithmetic: two products, then a
-// difference and a sum) of the first 2 * half channels, in registers: one pass over the row instead of
-// a decode pass and a RoPE pass. half must be a multiple of 8.
+// decode_row_chunks (per-channel parameters: the layout of pre-RoPE keys) followed by rotate-half RoPE
+// (rope_apply's arithmetic: two products, then a difference and a sum) of the first 2 * half channels,
+// in registers: one pass over the row instead of a decode pass and a RoPE pass. half must be a
+// multiple of 8.
 template <int D, int BITS>
 RKV_INLINE void decode_rope_row_chunks(const uint8_t* __restrict row, const float* __restrict sc,
-                                       const float* __restrict zc, int64_t group, const float* __restrict cs,
+                                       const float* __restrict zc, const float* __restrict cs,
                                        const float* __restrict sn, int64_t half, float* __restrict out) {
+  constexpr int64_t kChunks = D / 8;
+  const auto chunk = [&](int64_t c) {  // code * s + z, one FMA as decode_row_chunks
+    return _mm256_fmadd_ps(code_chunk<BITS>(row, c, c == kChunks - 1), _mm256_loadu_ps(sc + 8 * c),
+                           _mm256_loadu_ps(zc + 8 * c));
+  };
   const int64_t hc = half / 8;
   for (int64_t j = 0; j < hc; ++j) {
-    const __m256 x0 = dequant_chunk<D, BITS>(row, j, sc, zc, group);
-    const __m256 x1 = dequant_chunk<D, BITS>(row, j + hc, sc, zc, group);
+    const __m256 x0 = chunk(j), x1 = chunk(j + hc);
     const __m256 c = _mm256_loadu_ps(cs + 8 * j), s = _mm256_loadu_ps(sn + 8 * j);
     _mm256_storeu_ps(out + 8 * j, _mm256_sub_ps(_mm256_mul_ps(x0, c), _mm256_mul_ps(x1, s)));
     _mm256_storeu_ps(out + 8 * (j + hc), _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x0, s)));
   }
-  for (int64_t c = 2 * hc; c < D / 8; ++c) _mm256_storeu_ps(out + 8 * c, dequant_chunk<D, BITS>(row, c, sc, zc, group));
+  for (int64_t c = 2 * hc; c < kChunks; ++c) _mm256_storeu_ps(out + 8 * c, chunk(c));
 }
 
 template <int D>
-RKV_INLINE void decode_rope_row_fast(const uint8_t* row, int bits, const float* sc, const float* zc, int64_t group,
+RKV_INLINE void decode_rope_row_fast(const uint8_t* row, int bits, const float* sc, const float* zc,
                                      const float* cs, const float* sn, int64_t half, float* out) {
   switch (bits) {
-    case 2: return decode_rope_row_chunks<D, 2>(row, sc, zc, group, cs, sn, half, out);
-    case 3: return decode_rope_row_chunks<D, 3>(row, sc, zc, group, cs, sn, half, out);
-    case 4: return decode_rope_row_chunks<D, 4>(row, sc, zc, group, cs, sn, half, out);
-    default: return decode_rope_row_chunks<D, 8>(row, sc, zc, group, cs, sn, half, out);
+    case 2: return decode_rope_row_chunks<D, 2>(row, sc, zc, cs, sn, half, out);
+    case 3: return decode_rope_row_chunks<D, 3>(row, sc, zc, cs, sn, half, out);
+    case 4: return decode_rope_row_chunks<D, 4>(row, sc, zc, cs, sn, half, out);
+    default: return decode_rope_row_chunks<D, 8>(row, sc, zc, cs, sn, half, out);
   }
 }
 
