@@ -51,7 +51,7 @@ def decode_attention(
     lengths (B,) int. block: tokens per quantized block (C and W >= recent + block - 1 follow from it);
     recent: tokens kept in full precision. rope_cos/rope_sin (P, rot_dim/2): keys are pre-RoPE.
     k_signs/v_signs (D,): Hadamard-rotated storage. scale: softmax scale (default 1/sqrt(D)).
-    split_tokens: tokens per split-K work item (0: 512). No cached token: zero output.
+    split_tokens: tokens per split-K work item (0: chosen from the shapes). No cached token: zero output.
     """
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.rkv.decode_attention.default(

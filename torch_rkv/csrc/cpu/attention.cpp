@@ -34,7 +34,7 @@ struct RowReader {
   // scratch: the current metadata row in float, and one row of codes
   std::vector<float> sc, zc;
   std::vector<uint8_t> codes;
-  int64_t meta_row = -1;
+  int64_t meta_lo = 0, meta_hi = 0;  // tokens [meta_lo, meta_hi) share the metadata row in sc / zc
 
   void init() {
     sc.resize(dim / group);
@@ -44,33 +44,95 @@ struct RowReader {
 
   // whether tokens [t, t + n) are all packed rows (no sink or window row among them)
   bool all_packed(int64_t t, int64_t n) const { return t >= sinks && t + n <= sinks + q_count; }
+  // Scale and zero (symmetric: -2^(bits-1) * scale) of packed rows [t, t + n) in float, for one group
+  // per row and one row per block: there they are contiguous.
+  RKV_INLINE void row_params(int64_t t, int64_t n, float* s, float* z) const {
+    to_float(scale + (t - sinks), s, n);
+    if (zero != nullptr) {
+      to_float(zero + (t - sinks), z, n);
+    } else {
+      const float bias = -static_cast<float>(sym_bias(bits));
+      for (int64_t i = 0; i < n; ++i) z[i] = bias * s[i];
+    }
+  }
   const uint8_t* packed_row(int64_t t) const { return packed + (t - sinks) * (dim * bits / 8); }
+  // Ask for packed rows [t, t + n) ahead of use: each split starts a fresh stream, which the hardware
+  // prefetcher picks up only after a few misses.
+  RKV_INLINE void prefetch(int64_t t, int64_t n) const {
+    const int64_t lo = std::max(t, sinks), hi = std::min(t + n, sinks + q_count);
+    if (lo >= hi) return;
+    const char* p = reinterpret_cast<const char*>(packed_row(lo));
+    const int64_t bytes = (hi - lo) * (dim * bits / 8);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  }
   // Metadata of packed token t's block in sc / zc (float; symmetric: zc = -2^(bits-1) sc on AVX2).
   RKV_INLINE void load_meta(int64_t t) {
+    if (t >= meta_lo && t < meta_hi) return;  // a compare per row, the division once per block
     const int64_t m = (t - sinks) / block_tokens, ng = dim / group;
-    if (m == meta_row) return;
     const bool symmetric = zero == nullptr;
     to_float(scale + m * ng, sc.data(), ng);
     if (!symmetric) to_float(zero + m * ng, zc.data(), ng);
-    meta_row = m;
+    meta_lo = sinks + m * block_tokens;
+    meta_hi = meta_lo + block_tokens;
 #if RKV_TILES_AVX2
     if (symmetric)  // the fast decode is code * s + z for both kinds
       for (int64_t i = 0; i < ng; ++i) zc[i] = -static_cast<float>(sym_bias(bits)) * sc[i];
 #endif
   }
 
-  // Packed token t dequantized and rotated (rotate-half RoPE of its first 2 * half channels from the
-  // cos / sin rows of its position) in one pass; false (nothing written) where that path does not
-  // apply: sinks and window rows, keys not per-channel, portable builds, odd sizes. Same result as
-  // load + rope_row.
-  RKV_INLINE bool load_rope(int64_t t, float* out, const float* cs, const float* sn, int64_t half) {
+#if RKV_TILES_AVX2
+  // f(std::integral_constant<int, bits>): the per-row loops below are compiled once per bit width, so
+  // the width is chosen once per tile, not per row.
+  template <typename F>
+  RKV_INLINE void with_bits(F&& f) const {
+    switch (bits) {
+      case 2: return f(std::integral_constant<int, 2>{});
+      case 3: return f(std::integral_constant<int, 3>{});
+      case 4: return f(std::integral_constant<int, 4>{});
+      default: return f(std::integral_constant<int, 8>{});
+    }
+  }
+#endif
+
+  // Rows [t, t + n) into out (n x D), dequantized, where they are all packed and the register path
+  // applies (per-channel or 8-aligned groups); false (nothing written) otherwise.
+  RKV_INLINE bool load_tile(int64_t t, int64_t n, float* out) {
 #if RKV_TILES_AVX2
     if constexpr (DC > 0 && DC % 8 == 0) {
-      if (token_place(t, sinks, q_count) == Place::Packed && half % 8 == 0 && group == 1) {
-        load_meta(t);
-        decode_rope_row_fast<DC>(packed_row(t), bits, sc.data(), zc.data(), cs, sn, half, out);
-        return true;
-      }
+      if (!all_packed(t, n) || !(group == 1 || group % 8 == 0)) return false;
+      with_bits([&](auto b) {
+        for (int64_t i = 0; i < n; ++i) {
+          load_meta(t + i);
+          decode_row_chunks<DC, decltype(b)::value>(packed_row(t + i), sc.data(), zc.data(), group, out + i * DC);
+        }
+      });
+      return true;
+    }
+#endif
+    return false;
+  }
+
+  // Rows [t, t + n) dequantized and rotated (rotate-half RoPE of the first 2 * half channels; cs / sn:
+  // the cos / sin rows of position t, half apart) in one pass, where they are all packed per-channel
+  // keys and half is a multiple of 8; false (nothing written) otherwise. Within one rounding of load
+  // + rope_row (it fuses a product into each sum).
+  RKV_INLINE bool load_rope_tile(int64_t t, int64_t n, float* out, const float* cs, const float* sn, int64_t half) {
+#if RKV_TILES_AVX2
+    if constexpr (DC > 0 && DC % 8 == 0) {
+      if (!all_packed(t, n) || group != 1 || half % 8 != 0) return false;
+      with_bits([&](auto b) {
+        constexpr int kBits = decltype(b)::value;
+        const auto rows = [&](auto hc) {  // hc: half / 8 as a constant (full rotary), or 0: runtime
+          for (int64_t i = 0; i < n; ++i) {
+            load_meta(t + i);
+            decode_rope_row_chunks<DC, kBits, decltype(hc)::value>(packed_row(t + i), sc.data(), zc.data(),
+                                                                   cs + i * half, sn + i * half, half, out + i * DC);
+          }
+        };
+        if (2 * half == DC) return rows(std::integral_constant<int, DC / 16>{});
+        rows(std::integral_constant<int, 0>{});
+      });
+      return true;
     }
 #endif
     return false;
@@ -173,12 +235,13 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
   constexpr bool kFoldable = false;
 #endif
   // values with one scale per row take the folded path (accumulate_codes) on whole tiles of packed rows
-  const bool fold_values = kFoldable && g.v_group == D;
+  const bool fold_values = kFoldable && g.v_group == D && g.v_block_tokens == 1;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     // tiles of dequantized rows, zero-padded to a multiple of 8 rows for the register-blocked kernels
     std::vector<float> tile(kTileTokens * D, 0.0f), scores(G * ST), pp(G * kTileTokens), zsum(G);
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t split = it % io.splits, bh = it / io.splits, h = bh % H, b = bh / H;
+      // kv heads vary fastest: the items of one split run together and share its cos / sin rows in cache
+      const int64_t h = it % H, bs = it / H, split = bs % io.splits, b = bs / io.splits;
       const int64_t n = io.lengths[b], t0 = split * ST, t1 = std::min(n, t0 + ST);
       const int64_t hq0 = b * g.q_heads + h * G;  // first query head of this kv head
       float* ml = io.part_ml + (hq0 * io.splits + split) * 2;
@@ -197,18 +260,20 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
       auto keys = reader(true, b, h, q_count);
       const float* qg = io.q + hq0 * D;
       for (int64_t tt = t0; tt < t1; tt += kTileTokens) {
+        keys.prefetch(tt + 2 * kTileTokens, kTileTokens);
         const int64_t nt = std::min(kTileTokens, t1 - tt);
-        for (int64_t i = 0; i < nt; ++i) {
-          float* row = tile.data() + i * D;
-          if (!io.cos) {
-            keys.load(tt + i, row);
-            continue;
-          }
-          const float* cs = io.cos + (tt + i) * g.rope_half;
-          const float* sn = io.sin + (tt + i) * g.rope_half;
-          if (g.interleaved || !keys.load_rope(tt + i, row, cs, sn, g.rope_half)) {
-            keys.load(tt + i, row);
-            rope_row(row, cs, sn, g.rope_half, g.interleaved);
+        if (!io.cos) {
+          if (!keys.load_tile(tt, nt, tile.data()))
+            for (int64_t i = 0; i < nt; ++i) keys.load(tt + i, tile.data() + i * D);
+        } else {
+          const float* cs = io.cos + tt * g.rope_half;
+          const float* sn = io.sin + tt * g.rope_half;
+          if (g.interleaved || !keys.load_rope_tile(tt, nt, tile.data(), cs, sn, g.rope_half)) {
+            for (int64_t i = 0; i < nt; ++i) {
+              float* row = tile.data() + i * D;
+              keys.load(tt + i, row);
+              rope_row(row, cs + i * g.rope_half, sn + i * g.rope_half, g.rope_half, g.interleaved);
+            }
           }
         }
         tile_scores<DC>(tile.data(), nt, D, qg, G, scores.data() + (tt - t0), ST);
@@ -226,19 +291,23 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
       auto values = reader(false, b, h, q_count);
       std::fill(zsum.begin(), zsum.end(), 0.0f);
       for (int64_t tt = t0; tt < t1; tt += kTileTokens) {
+        values.prefetch(tt + 2 * kTileTokens, kTileTokens);
         const int64_t nt = std::min(kTileTokens, t1 - tt);
 #if RKV_TILES_AVX2
         if constexpr (kFoldable) {
           if (fold_values && values.all_packed(tt, nt)) {
             float* __restrict pt = pp.data();
-            for (int64_t i = 0; i < nt; ++i) {
-              values.load_meta(tt + i);  // one group per row: its scale and zero are sc[0], zc[0]
-              const float sv = values.sc[0], zv = values.zc[0];
-              for (int64_t gq = 0; gq < G; ++gq) {
-                const float p = scores[gq * ST + (tt - t0) + i];
-                pt[gq * kTileTokens + i] = p * sv;
-                zsum[gq] += p * zv;
+            alignas(32) float sv[kTileTokens], zv[kTileTokens];
+            values.row_params(tt, nt, sv, zv);
+            for (int64_t gq = 0; gq < G; ++gq) {
+              const float* __restrict p = scores.data() + gq * ST + (tt - t0);
+              float zs = 0.0f;
+#pragma omp simd reduction(+ : zs)
+              for (int64_t i = 0; i < nt; ++i) {
+                pt[gq * kTileTokens + i] = p[i] * sv[i];
+                zs += p[i] * zv[i];
               }
+              zsum[gq] += zs;
             }
             accumulate_codes<DC>(values.packed_row(tt), D * values.bits / 8, values.bits, nt, pt, G, kTileTokens,
                                  acc, acc_stride);
@@ -246,7 +315,8 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
           }
         }
 #endif
-        for (int64_t i = 0; i < nt; ++i) values.load(tt + i, tile.data() + i * D);
+        if (!values.load_tile(tt, nt, tile.data()))
+          for (int64_t i = 0; i < nt; ++i) values.load(tt + i, tile.data() + i * D);
         tile_accumulate<DC>(tile.data(), nt, D, scores.data() + (tt - t0), G, ST, acc, acc_stride);
       }
       if (fold_values)
@@ -254,6 +324,19 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
           for (int64_t c = 0; c < D; ++c) acc[gq * acc_stride + c] += zsum[gq];
     }
   });
+}
+
+// Tokens per split when the caller leaves it to the kernel: the power of two in [512, 2048] nearest
+// above what makes kTargetItems work items (sequence, kv head, split). Longer splits cost fewer partial
+// results to zero and merge, and restart fewer prefetch streams; the items still outnumber the cores,
+// and power-of-two splits of power-of-two contexts share out evenly. A function of the shapes only,
+// never of the thread count, so results stay bit-identical across thread counts.
+int64_t default_split_tokens(int64_t rows, int64_t max_n) {
+  constexpr int64_t kTargetItems = 32, kMin = 512, kMax = 2048;
+  const int64_t want = (rows * max_n + kTargetItems - 1) / kTargetItems;
+  int64_t split = kMin;
+  while (split < want && split < kMax) split *= 2;
+  return split;
 }
 
 // out (B, Hq, D) = merge of the splits of every query head, in split order.
@@ -290,10 +373,9 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_packed,
                                 const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
                                 const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
                                 double scale, int64_t split_tokens) {
-  const DecodeGeometry g = check_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
-                                                  v_window, k_sink, v_sink, lengths, k_bits, v_bits, block, recent,
-                                                  rope_cos, rope_sin, rope_interleaved, k_signs, v_signs,
-                                                  split_tokens);
+  DecodeGeometry g = check_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
+                                            v_window, k_sink, v_sink, lengths, k_bits, v_bits, block, recent,
+                                            rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, split_tokens);
   const at::Tensor len = lengths.to(at::kLong).contiguous();
   check_decode_lengths(g, len);
   // queries in fp32, pre-scaled, and rotated into the keys' Hadamard space
@@ -302,6 +384,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_packed,
   const at::Tensor sin = rope_sin.has_value() ? rope_sin->to(at::kFloat).contiguous() : at::Tensor();
 
   const int64_t max_n = g.batch ? *std::max_element(len.const_data_ptr<int64_t>(), len.const_data_ptr<int64_t>() + g.batch) : 0;
+  if (split_tokens == 0) g.split_tokens = default_split_tokens(g.batch * g.kv_heads, max_n);
   Tensors io;
   io.splits = std::max<int64_t>(1, (max_n + g.split_tokens - 1) / g.split_tokens);
   at::Tensor part_ml = at::empty({g.batch, g.q_heads, io.splits, 2}, qf.options());

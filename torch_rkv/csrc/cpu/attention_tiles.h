@@ -139,10 +139,12 @@ RKV_INLINE void decode_row_chunks(const uint8_t* __restrict row, const float* __
 }
 
 // decode_row_chunks (per-channel parameters: the layout of pre-RoPE keys) followed by rotate-half RoPE
-// (rope_apply's arithmetic: two products, then a difference and a sum) of the first 2 * half channels,
-// in registers: one pass over the row instead of a decode pass and a RoPE pass. half must be a
-// multiple of 8.
-template <int D, int BITS>
+// of the first 2 * half channels, in registers: one pass over the row instead of a decode pass and a
+// RoPE pass. Each rotated channel is one product and one FMA (x0 c - x1 s, x1 c + x0 s): within one
+// rounding of rope_apply's two products and a sum. half must be a multiple of 8; HC = half / 8 when
+// it is a compile-time constant (full rotary: the loop unrolls, cos / sin stay out of the stack), 0
+// otherwise.
+template <int D, int BITS, int HC>
 RKV_INLINE void decode_rope_row_chunks(const uint8_t* __restrict row, const float* __restrict sc,
                                        const float* __restrict zc, const float* __restrict cs,
                                        const float* __restrict sn, int64_t half, float* __restrict out) {
@@ -151,25 +153,14 @@ RKV_INLINE void decode_rope_row_chunks(const uint8_t* __restrict row, const floa
     return _mm256_fmadd_ps(code_chunk<BITS>(row, c, c == kChunks - 1), _mm256_loadu_ps(sc + 8 * c),
                            _mm256_loadu_ps(zc + 8 * c));
   };
-  const int64_t hc = half / 8;
+  const int64_t hc = HC > 0 ? HC : half / 8;
   for (int64_t j = 0; j < hc; ++j) {
     const __m256 x0 = chunk(j), x1 = chunk(j + hc);
     const __m256 c = _mm256_loadu_ps(cs + 8 * j), s = _mm256_loadu_ps(sn + 8 * j);
-    _mm256_storeu_ps(out + 8 * j, _mm256_sub_ps(_mm256_mul_ps(x0, c), _mm256_mul_ps(x1, s)));
-    _mm256_storeu_ps(out + 8 * (j + hc), _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x0, s)));
+    _mm256_storeu_ps(out + 8 * j, _mm256_fmsub_ps(x0, c, _mm256_mul_ps(x1, s)));
+    _mm256_storeu_ps(out + 8 * (j + hc), _mm256_fmadd_ps(x1, c, _mm256_mul_ps(x0, s)));
   }
   for (int64_t c = 2 * hc; c < kChunks; ++c) _mm256_storeu_ps(out + 8 * c, chunk(c));
-}
-
-template <int D>
-RKV_INLINE void decode_rope_row_fast(const uint8_t* row, int bits, const float* sc, const float* zc,
-                                     const float* cs, const float* sn, int64_t half, float* out) {
-  switch (bits) {
-    case 2: return decode_rope_row_chunks<D, 2>(row, sc, zc, cs, sn, half, out);
-    case 3: return decode_rope_row_chunks<D, 3>(row, sc, zc, cs, sn, half, out);
-    case 4: return decode_rope_row_chunks<D, 4>(row, sc, zc, cs, sn, half, out);
-    default: return decode_rope_row_chunks<D, 8>(row, sc, zc, cs, sn, half, out);
-  }
 }
 
 template <int D>
