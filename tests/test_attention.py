@@ -30,7 +30,7 @@ def attention_cases(draw):
     key_space = draw(st.sampled_from(["post", "pre", "hadamard"]))
     scheme = Scheme(
         k_bits=draw(st.sampled_from([2, 3, 4, 8])), v_bits=draw(st.sampled_from([2, 3, 4, 8])),
-        k_group_size=k_group, k_block_tokens=k_tokens, v_group_size=draw(st.sampled_from([None, 16])),
+        k_group_size=k_group, k_block_tokens=k_tokens, v_group_size=draw(st.sampled_from([None, 16, 32, 64])),
         v_block_tokens=1, k_symmetric=draw(st.booleans()), v_symmetric=draw(st.booleans()),
         pre_rope=key_space == "pre", k_hadamard=key_space == "hadamard", v_hadamard=draw(st.booleans()),
         sinks=draw(st.sampled_from([0, 1, 4])), recent=draw(st.sampled_from([0, 8])),

@@ -44,15 +44,16 @@ struct RowReader {
 
   // whether tokens [t, t + n) are all packed rows (no sink or window row among them)
   bool all_packed(int64_t t, int64_t n) const { return t >= sinks && t + n <= sinks + q_count; }
-  // Scale and zero (symmetric: -2^(bits-1) * scale) of packed rows [t, t + n) in float, for one group
-  // per row and one row per block: there they are contiguous.
+  // Scales and zeros (symmetric: -2^(bits-1) * scale) of packed rows [t, t + n) in float, (n, groups)
+  // row-major, for one row per block: there they are contiguous.
   RKV_INLINE void row_params(int64_t t, int64_t n, float* s, float* z) const {
-    to_float(scale + (t - sinks), s, n);
+    const int64_t ng = dim / group;
+    to_float(scale + (t - sinks) * ng, s, n * ng);
     if (zero != nullptr) {
-      to_float(zero + (t - sinks), z, n);
+      to_float(zero + (t - sinks) * ng, z, n * ng);
     } else {
       const float bias = -static_cast<float>(sym_bias(bits));
-      for (int64_t i = 0; i < n; ++i) z[i] = bias * s[i];
+      for (int64_t i = 0; i < n * ng; ++i) z[i] = bias * s[i];
     }
   }
   const uint8_t* packed_row(int64_t t) const { return packed + (t - sinks) * (dim * bits / 8); }
@@ -234,11 +235,17 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
 #else
   constexpr bool kFoldable = false;
 #endif
-  // values with one scale per row take the folded path (accumulate_codes) on whole tiles of packed rows
-  const bool fold_values = kFoldable && g.v_group == D && g.v_block_tokens == 1;
+  // values quantized per token (one row per block; one group per row, or groups of a multiple of 32
+  // channels, which every register pass of accumulate_codes stays inside) take the folded path on
+  // whole tiles of packed rows
+  const bool fold_values = kFoldable && g.v_block_tokens == 1 && (g.v_group == D || g.v_group % 32 == 0);
+  const int64_t VG = D / g.v_group;  // value groups per row
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     // tiles of dequantized rows, zero-padded to a multiple of 8 rows for the register-blocked kernels
-    std::vector<float> tile(kTileTokens * D, 0.0f), scores(G * ST), pp(G * kTileTokens), zsum(G);
+    std::vector<float> tile(kTileTokens * D, 0.0f), scores(G * ST);
+    // folded values: p * scale per (head, group, row), p * zero summed per (head, group), the tile's
+    // scales and zeros
+    std::vector<float> pp(G * VG * kTileTokens), zsum(G * VG), sv(kTileTokens * VG), zv(kTileTokens * VG);
     for (int64_t it = begin; it < end; ++it) {
       // kv heads vary fastest: the items of one split run together and share its cos / sin rows in cache
       const int64_t h = it % H, bs = it / H, split = bs % io.splits, b = bs / io.splits;
@@ -297,20 +304,23 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
         if constexpr (kFoldable) {
           if (fold_values && values.all_packed(tt, nt)) {
             float* __restrict pt = pp.data();
-            alignas(32) float sv[kTileTokens], zv[kTileTokens];
-            values.row_params(tt, nt, sv, zv);
+            const float* __restrict svp = sv.data();
+            const float* __restrict zvp = zv.data();
+            values.row_params(tt, nt, sv.data(), zv.data());
             for (int64_t gq = 0; gq < G; ++gq) {
               const float* __restrict p = scores.data() + gq * ST + (tt - t0);
-              float zs = 0.0f;
+              for (int64_t vg = 0; vg < VG; ++vg) {
+                float zs = 0.0f;
 #pragma omp simd reduction(+ : zs)
-              for (int64_t i = 0; i < nt; ++i) {
-                pt[gq * kTileTokens + i] = p[i] * sv[i];
-                zs += p[i] * zv[i];
+                for (int64_t i = 0; i < nt; ++i) {
+                  pt[(gq * VG + vg) * kTileTokens + i] = p[i] * svp[i * VG + vg];
+                  zs += p[i] * zvp[i * VG + vg];
+                }
+                zsum[gq * VG + vg] += zs;
               }
-              zsum[gq] += zs;
             }
-            accumulate_codes<DC>(values.packed_row(tt), D * values.bits / 8, values.bits, nt, pt, G, kTileTokens,
-                                 acc, acc_stride);
+            accumulate_codes<DC>(values.packed_row(tt), D * values.bits / 8, values.bits, nt,
+                                 FoldedProbs{pt, VG * kTileTokens, g.v_group / 8, kTileTokens}, G, acc, acc_stride);
             continue;
           }
         }
@@ -321,7 +331,7 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
       }
       if (fold_values)
         for (int64_t gq = 0; gq < G; ++gq)
-          for (int64_t c = 0; c < D; ++c) acc[gq * acc_stride + c] += zsum[gq];
+          for (int64_t c = 0; c < D; ++c) acc[gq * acc_stride + c] += zsum[gq * VG + c / g.v_group];
     }
   });
 }

@@ -174,26 +174,35 @@ RKV_INLINE void decode_row_fast(const uint8_t* row, int bits, const float* sc, c
   }
 }
 
-// Values stored per token (one scale s_t and zero z_t per row) fold their dequantization into the
-// probabilities: sum_t p_t (s_t c_t + z_t) = sum_t (p_t s_t) c_t + (sum_t p_t z_t) 1. The codes go
-// straight from the packed rows into the output accumulators, no float tile in between: per 8 codes
+// Values stored per token (scale s_tg and zero z_tg per row and group) fold their dequantization into
+// the probabilities: sum_t p_t (s_tg c_t + z_tg) = sum_t (p_t s_tg) c_t + (sum_t p_t z_tg) 1. The codes
+// go straight from the packed rows into the output accumulators, no float tile in between: per 8 codes
 // one load, shift, mask and convert, then one FMA per query head.
-// acc[j][:] += pp[j][t] * codes_t for NG heads, CB chunks of 8 channels per pass (accumulators in
-// registers: NG x CB of them, plus NG broadcasts).
+//
+// The folded probabilities p_t s_tg of head j, for the group of 8-channel chunk c, row t:
+struct FoldedProbs {
+  const float* p;
+  int64_t head_stride, group_chunks, group_stride;  // group_chunks: chunks per group (D / 8 for one)
+  RKV_INLINE const float* at(int64_t j, int64_t c) const { return p + j * head_stride + (c / group_chunks) * group_stride; }
+};
+
+// acc[j][:] += pp(j, chunk)[t] * codes_t for NG heads, CB chunks of 8 channels per pass, all in one
+// group (accumulators in registers: NG x CB of them, plus NG broadcasts).
 template <int D, int BITS, int NG, int CB>
 RKV_INLINE void accumulate_codes_heads(const uint8_t* __restrict rows, int64_t row_bytes, int64_t ntok,
-                                       const float* __restrict pp, int64_t p_stride, float* __restrict acc,
-                                       int64_t acc_stride) {
+                                       const FoldedProbs& pp, float* __restrict acc, int64_t acc_stride) {
   constexpr int kChunks = D / 8;
   static_assert(kChunks % CB == 0, "passes must tile the row");
   for (int c0 = 0; c0 < kChunks; c0 += CB) {
+    const float* pj[NG];
+    for (int j = 0; j < NG; ++j) pj[j] = pp.at(j, c0);
     __m256 a[NG][CB];
     for (int j = 0; j < NG; ++j)
       for (int cc = 0; cc < CB; ++cc) a[j][cc] = _mm256_loadu_ps(acc + j * acc_stride + 8 * (c0 + cc));
     for (int64_t t = 0; t < ntok; ++t) {
       const uint8_t* row = rows + t * row_bytes;
       __m256 p[NG];
-      for (int j = 0; j < NG; ++j) p[j] = _mm256_broadcast_ss(pp + j * p_stride + t);
+      for (int j = 0; j < NG; ++j) p[j] = _mm256_broadcast_ss(pj[j] + t);
       for (int cc = 0; cc < CB; ++cc) {
         const __m256 v = code_chunk<BITS>(row, c0 + cc, c0 + cc == kChunks - 1);
         for (int j = 0; j < NG; ++j) a[j][cc] = _mm256_fmadd_ps(p[j], v, a[j][cc]);
@@ -205,33 +214,32 @@ RKV_INLINE void accumulate_codes_heads(const uint8_t* __restrict rows, int64_t r
 }
 
 template <int D, int BITS>
-RKV_INLINE void accumulate_codes_bits(const uint8_t* rows, int64_t row_bytes, int64_t ntok, const float* pp,
-                                      int64_t groups, int64_t p_stride, float* acc, int64_t acc_stride) {
+RKV_INLINE void accumulate_codes_bits(const uint8_t* rows, int64_t row_bytes, int64_t ntok, FoldedProbs pp,
+                                      int64_t groups, float* acc, int64_t acc_stride) {
   constexpr int kWide = (D / 8) % 4 == 0 ? 4 : 1;  // chunks per pass for 1-2 heads
-  constexpr int kNarrow = (D / 8) % 2 == 0 ? 2 : 1;  // for 3-4 heads: 16 accumulators at most
+  constexpr int kNarrow = (D / 8) % 2 == 0 ? 2 : 1;  // for 3-4 heads: 6-8 accumulators, no spills
   int64_t g = 0;
-  for (; g + 4 <= groups; g += 4)
-    accumulate_codes_heads<D, BITS, 4, kNarrow>(rows, row_bytes, ntok, pp + g * p_stride, p_stride,
-                                                acc + g * acc_stride, acc_stride);
-  const float* p = pp + g * p_stride;
+  for (; g + 4 <= groups; g += 4, pp.p += 4 * pp.head_stride)
+    accumulate_codes_heads<D, BITS, 4, kNarrow>(rows, row_bytes, ntok, pp, acc + g * acc_stride, acc_stride);
   float* a = acc + g * acc_stride;
   switch (groups - g) {
-    case 3: accumulate_codes_heads<D, BITS, 3, kNarrow>(rows, row_bytes, ntok, p, p_stride, a, acc_stride); break;
-    case 2: accumulate_codes_heads<D, BITS, 2, kWide>(rows, row_bytes, ntok, p, p_stride, a, acc_stride); break;
-    case 1: accumulate_codes_heads<D, BITS, 1, kWide>(rows, row_bytes, ntok, p, p_stride, a, acc_stride); break;
+    case 3: accumulate_codes_heads<D, BITS, 3, kNarrow>(rows, row_bytes, ntok, pp, a, acc_stride); break;
+    case 2: accumulate_codes_heads<D, BITS, 2, kWide>(rows, row_bytes, ntok, pp, a, acc_stride); break;
+    case 1: accumulate_codes_heads<D, BITS, 1, kWide>(rows, row_bytes, ntok, pp, a, acc_stride); break;
     default: break;
   }
 }
 
-// acc[g][:] += pp[g][t] * codes of packed row t, for t < ntok and every query head g of the group.
+// acc[g][:] += pp(g, chunk)[t] * codes of packed row t, for t < ntok and every query head g of the
+// GQA group. Value groups must be a multiple of 32 channels (or the whole row): a pass never leaves one.
 template <int D>
-RKV_INLINE void accumulate_codes(const uint8_t* rows, int64_t row_bytes, int bits, int64_t ntok, const float* pp,
-                                 int64_t groups, int64_t p_stride, float* acc, int64_t acc_stride) {
+RKV_INLINE void accumulate_codes(const uint8_t* rows, int64_t row_bytes, int bits, int64_t ntok,
+                                 const FoldedProbs& pp, int64_t groups, float* acc, int64_t acc_stride) {
   switch (bits) {
-    case 2: return accumulate_codes_bits<D, 2>(rows, row_bytes, ntok, pp, groups, p_stride, acc, acc_stride);
-    case 3: return accumulate_codes_bits<D, 3>(rows, row_bytes, ntok, pp, groups, p_stride, acc, acc_stride);
-    case 4: return accumulate_codes_bits<D, 4>(rows, row_bytes, ntok, pp, groups, p_stride, acc, acc_stride);
-    default: return accumulate_codes_bits<D, 8>(rows, row_bytes, ntok, pp, groups, p_stride, acc, acc_stride);
+    case 2: return accumulate_codes_bits<D, 2>(rows, row_bytes, ntok, pp, groups, acc, acc_stride);
+    case 3: return accumulate_codes_bits<D, 3>(rows, row_bytes, ntok, pp, groups, acc, acc_stride);
+    case 4: return accumulate_codes_bits<D, 4>(rows, row_bytes, ntok, pp, groups, acc, acc_stride);
+    default: return accumulate_codes_bits<D, 8>(rows, row_bytes, ntok, pp, groups, acc, acc_stride);
   }
 }
 
