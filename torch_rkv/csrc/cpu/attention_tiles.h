@@ -98,15 +98,20 @@ RKV_INLINE __m256 code_chunk(const uint8_t* row, int64_t c, bool last) {
   if constexpr (BITS == 8) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c))));
   } else {
-    // the chunk's 8 codes are its BITS bytes: read exactly those (a wider load would run past the
-    // buffer at its last row), except that 3-bit chunks borrow the next byte when it is in the row
+    // the chunk's 8 codes are its BITS bytes: never read past the row (a wider load would run past
+    // the buffer at its last row). 3-bit chunks borrow the next byte when it is in the row; the last
+    // one reads the 4 bytes ending with it and drops the first (a 3-byte read would be assembled on
+    // the stack, and the wider reload stalls on store forwarding)
     uint32_t w = 0;
     if constexpr (BITS == 2) {
       uint16_t h;
       std::memcpy(&h, row + 2 * c, 2);
       w = h;
+    } else if (BITS == 3 && last && c > 0) {
+      std::memcpy(&w, row + BITS * c - 1, 4);
+      w >>= 8;
     } else if (BITS == 3 && last) {
-      std::memcpy(&w, row + BITS * c, 3);  // constant sizes: each memcpy is one inlined load
+      std::memcpy(&w, row, 3);  // a row of one chunk (head_dim 8)
     } else {
       std::memcpy(&w, row + BITS * c, 4);
     }
