@@ -8,8 +8,9 @@ the same run:
   read          a plain float32 sum over a buffer as large as the packed cache: the machine's read speed
 
     python bench/bench_decode.py [--json] [--contexts 4096 16384 65536] [--bits 8 4 3 2]
+                                 [--values per-token grouped-32 grouped-16]
 
-Records: bits, key scheme, context, batch, heads, head_dim, ms of each, speedups, cache bytes read and
+Records: bits, key and value schemes, context, batch, heads, head_dim, ms of each, speedups, cache bytes read and
 the fused kernel's GB/s and its time relative to the read time for the same bytes. Correctness is
 checked once per case (fused vs reference-style dequantize + attention) before timing.
 
@@ -21,6 +22,7 @@ kernel, the SDPA baselines, dequantize-then-SDPA and the read) cycles through en
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -41,6 +43,7 @@ KEY_SCHEMES = {
     "per-channel": dict(k_group_size=1, k_block_tokens=128),
     "pre-rope-per-channel": dict(k_group_size=1, k_block_tokens=128, pre_rope=True),
 }
+VALUE_SCHEMES = {"per-token": dict(), "grouped-32": dict(v_group_size=32), "grouped-16": dict(v_group_size=16)}
 
 
 def fill_random(layout: CacheLayout, n: int, device) -> dict:
@@ -86,6 +89,7 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--bits", type=int, nargs="+", default=[8, 4, 3, 2])
     ap.add_argument("--keys", nargs="+", default=["per-channel", "pre-rope-per-channel"], choices=list(KEY_SCHEMES))
+    ap.add_argument("--values", nargs="+", default=["per-token"], choices=list(VALUE_SCHEMES))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--min-run-time", type=float, default=0.5)
@@ -115,47 +119,46 @@ def main() -> int:
                              args.min_run_time)
             del kv16
             cos, sin = torch_rkv.rope_tables(d, n, theta=1e4, device=dev)
-            for key_name in args.keys:
-                for bits in args.bits:
-                    scheme = Scheme(k_bits=bits, v_bits=bits, **KEY_SCHEMES[key_name])
-                    layout = CacheLayout(scheme, b, hkv, d, n, torch.float32)
-                    bufs = fill_random(layout, n, dev)
-                    lengths = torch.full((b,), n, device=dev)
-                    rope = (cos, sin) if scheme.pre_rope else (None, None)
-                    a = [bufs.get(k) for k in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero",
-                                                "k_window", "v_window", "k_sink", "v_sink")]
+            for key_name, value_name, bits in itertools.product(args.keys, args.values, args.bits):
+                scheme = Scheme(k_bits=bits, v_bits=bits, **KEY_SCHEMES[key_name], **VALUE_SCHEMES[value_name])
+                layout = CacheLayout(scheme, b, hkv, d, n, torch.float32)
+                bufs = fill_random(layout, n, dev)
+                lengths = torch.full((b,), n, device=dev)
+                rope = (cos, sin) if scheme.pre_rope else (None, None)
+                a = [bufs.get(k) for k in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero",
+                                            "k_window", "v_window", "k_sink", "v_sink")]
 
-                    def fused(bufs):
-                        return torch_rkv.decode_attention(q, *bufs, lengths, bits, bits, scheme.block, scheme.recent,
-                                                          rope[0], rope[1])
+                def fused(bufs):
+                    return torch_rkv.decode_attention(q, *bufs, lengths, bits, bits, scheme.block, scheme.recent,
+                                                      rope[0], rope[1])
 
-                    def deq_sdpa(a=a):
-                        k = torch_rkv.dequantize(torch_rkv.Quantized(a[0], a[1], a[2], bits), torch.float32)
-                        v = torch_rkv.dequantize(torch_rkv.Quantized(a[3], a[4], a[5], bits), torch.float32)
-                        if rope[0] is not None:
-                            k = torch_rkv.rope(k, cos, sin, torch.arange(n, device=dev))
-                        return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)[:, :, 0]
+                def deq_sdpa(a=a):
+                    k = torch_rkv.dequantize(torch_rkv.Quantized(a[0], a[1], a[2], bits), torch.float32)
+                    v = torch_rkv.dequantize(torch_rkv.Quantized(a[3], a[4], a[5], bits), torch.float32)
+                    if rope[0] is not None:
+                        k = torch_rkv.rope(k, cos, sin, torch.arange(n, device=dev))
+                    return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)[:, :, 0]
 
-                    got, want = fused(a), deq_sdpa()
-                    err = (got - want).abs().max().item()
-                    assert err < 1e-3 * want.abs().max().item() + 1e-4, f"fused != dequantize+SDPA ({err})"
-                    nbytes = sum(t.numel() * t.element_size() for t in a if t is not None)
-                    ncopies = 1 if dev != "cpu" else min(16, max(2, -(-4 * last_level_cache_bytes() // nbytes)))
-                    copies = [a] + [[None if t is None else t.clone() for t in a] for _ in range(ncopies - 1)]
-                    reads = [torch.randn(-(-nbytes // 4), device=dev) for _ in range(ncopies)]
-                    t_read = time_ms(cycled(lambda buf: buf.sum(), reads), args.min_run_time)
-                    t_fused = time_ms(cycled(fused, copies), args.min_run_time)
-                    t_deq = time_ms(cycled(deq_sdpa, copies), args.min_run_time)
-                    rec = dict(bits=bits, keys=key_name, context=n, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
-                               device=dev, ms=t_fused, sdpa_fp32_ms=t_fp32, sdpa_half_ms=t_bf16, deq_sdpa_ms=t_deq,
-                               read_ms=t_read, speedup_vs_sdpa_fp32=t_fp32 / t_fused,
-                               speedup_vs_sdpa_half=t_bf16 / t_fused, speedup_vs_deq_sdpa=t_deq / t_fused,
-                               cache_bytes=nbytes, gbps=nbytes / t_fused / 1e6, read_gbps=nbytes / t_read / 1e6,
-                               time_vs_read=t_fused / t_read)
-                    if args.peak_gbps:
-                        rec["fraction_of_peak"] = rec["gbps"] / args.peak_gbps
-                    emit(rec, args.json)
-                    del bufs, a, copies, reads
+                got, want = fused(a), deq_sdpa()
+                err = (got - want).abs().max().item()
+                assert err < 1e-3 * want.abs().max().item() + 1e-4, f"fused != dequantize+SDPA ({err})"
+                nbytes = sum(t.numel() * t.element_size() for t in a if t is not None)
+                ncopies = 1 if dev != "cpu" else min(16, max(2, -(-4 * last_level_cache_bytes() // nbytes)))
+                copies = [a] + [[None if t is None else t.clone() for t in a] for _ in range(ncopies - 1)]
+                reads = [torch.randn(-(-nbytes // 4), device=dev) for _ in range(ncopies)]
+                t_read = time_ms(cycled(lambda buf: buf.sum(), reads), args.min_run_time)
+                t_fused = time_ms(cycled(fused, copies), args.min_run_time)
+                t_deq = time_ms(cycled(deq_sdpa, copies), args.min_run_time)
+                rec = dict(bits=bits, keys=key_name, values=value_name, context=n, batch=b, q_heads=hq, kv_heads=hkv, head_dim=d,
+                           device=dev, ms=t_fused, sdpa_fp32_ms=t_fp32, sdpa_half_ms=t_bf16, deq_sdpa_ms=t_deq,
+                           read_ms=t_read, speedup_vs_sdpa_fp32=t_fp32 / t_fused,
+                           speedup_vs_sdpa_half=t_bf16 / t_fused, speedup_vs_deq_sdpa=t_deq / t_fused,
+                           cache_bytes=nbytes, gbps=nbytes / t_fused / 1e6, read_gbps=nbytes / t_read / 1e6,
+                           time_vs_read=t_fused / t_read)
+                if args.peak_gbps:
+                    rec["fraction_of_peak"] = rec["gbps"] / args.peak_gbps
+                emit(rec, args.json)
+                del bufs, a, copies, reads
             del k32, v32
     return 0
 
