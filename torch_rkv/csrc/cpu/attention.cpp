@@ -52,9 +52,14 @@ struct RowReader {
     if (zero != nullptr) {
       to_float(zero + (t - sinks) * ng, z, n * ng);
     } else {
-      const float bias = -static_cast<float>(sym_bias(bits));
-      for (int64_t i = 0; i < n * ng; ++i) z[i] = bias * s[i];
+      symmetric_zeros(s, z, n * ng);
     }
+  }
+  // The zero that makes the fast decode code * s + z also hold for symmetric codes (stored with a
+  // bias of 2^(bits-1)).
+  RKV_INLINE void symmetric_zeros(const float* s, float* z, int64_t n) const {
+    const float bias = -static_cast<float>(sym_bias(bits));
+    for (int64_t i = 0; i < n; ++i) z[i] = bias * s[i];
   }
   const uint8_t* packed_row(int64_t t) const { return packed + (t - sinks) * (dim * bits / 8); }
   // Ask for packed rows [t, t + n) ahead of use: each split starts a fresh stream, which the hardware
@@ -76,8 +81,7 @@ struct RowReader {
     meta_lo = sinks + m * block_tokens;
     meta_hi = meta_lo + block_tokens;
 #if RKV_TILES_AVX2
-    if (symmetric)  // the fast decode is code * s + z for both kinds
-      for (int64_t i = 0; i < ng; ++i) zc[i] = -static_cast<float>(sym_bias(bits)) * sc[i];
+    if (symmetric) symmetric_zeros(sc.data(), zc.data(), ng);
 #endif
   }
 
@@ -95,12 +99,15 @@ struct RowReader {
   }
 #endif
 
+  // whether decode_row_chunks takes these rows (head_dim a multiple of 8 is the caller's condition)
+  bool register_decode() const { return group == 1 || group % 8 == 0; }
+
   // Rows [t, t + n) into out (n x D), dequantized, where they are all packed and the register path
-  // applies (per-channel or 8-aligned groups); false (nothing written) otherwise.
+  // applies; false (nothing written) otherwise.
   RKV_INLINE bool load_tile(int64_t t, int64_t n, float* out) {
 #if RKV_TILES_AVX2
     if constexpr (DC > 0 && DC % 8 == 0) {
-      if (!all_packed(t, n) || !(group == 1 || group % 8 == 0)) return false;
+      if (!all_packed(t, n) || !register_decode()) return false;
       with_bits([&](auto b) {
         for (int64_t i = 0; i < n; ++i) {
           load_meta(t + i);
@@ -154,7 +161,12 @@ struct RowReader {
         const uint8_t* row = packed_row(t);
 #if RKV_TILES_AVX2
         if constexpr (DC > 0 && DC % 8 == 0) {
-          if (group == 1 || group % 8 == 0) return decode_row_fast<DC>(row, bits, sc.data(), zc.data(), group, out);
+          if (register_decode()) {
+            with_bits([&](auto b) {
+              decode_row_chunks<DC, decltype(b)::value>(row, sc.data(), zc.data(), group, out);
+            });
+            return;
+          }
         }
 #endif
         decode_row(row, sc.data(), zc.data(), dim, group, bits, symmetric, codes.data(), out);

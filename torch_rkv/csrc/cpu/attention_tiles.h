@@ -168,17 +168,6 @@ RKV_INLINE void decode_rope_row_chunks(const uint8_t* __restrict row, const floa
   for (int64_t c = 2 * hc; c < kChunks; ++c) _mm256_storeu_ps(out + 8 * c, chunk(c));
 }
 
-template <int D>
-RKV_INLINE void decode_row_fast(const uint8_t* row, int bits, const float* sc, const float* zc, int64_t group,
-                                float* out) {
-  switch (bits) {
-    case 2: return decode_row_chunks<D, 2>(row, sc, zc, group, out);
-    case 3: return decode_row_chunks<D, 3>(row, sc, zc, group, out);
-    case 4: return decode_row_chunks<D, 4>(row, sc, zc, group, out);
-    default: return decode_row_chunks<D, 8>(row, sc, zc, group, out);
-  }
-}
-
 // Values stored per token (scale s_tg and zero z_tg per row and group) fold their dequantization into
 // the probabilities: sum_t p_t (s_tg c_t + z_tg) = sum_t (p_t s_tg) c_t + (sum_t p_t z_tg) 1. The codes
 // go straight from the packed rows into the output accumulators, no float tile in between: per 8 codes
@@ -188,7 +177,9 @@ RKV_INLINE void decode_row_fast(const uint8_t* row, int bits, const float* sc, c
 struct FoldedProbs {
   const float* p;
   int64_t head_stride, group_chunks, group_stride;  // group_chunks: chunks per group (D / 8 for one)
-  RKV_INLINE const float* at(int64_t j, int64_t c) const { return p + j * head_stride + (c / group_chunks) * group_stride; }
+  RKV_INLINE const float* at(int64_t j, int64_t c) const {
+    return p + j * head_stride + (c / group_chunks) * group_stride;
+  }
 };
 
 // acc[j][:] += pp(j, chunk)[t] * codes_t for NG heads, CB chunks of 8 channels per pass, all in one
