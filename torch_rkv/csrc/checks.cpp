@@ -280,7 +280,7 @@ DecodeGeometry check_decode_attention(
   g.q_heads = q.size(1);
   g.dim = q.size(2);
   TORCH_CHECK_VALUE(split_tokens >= 0, "rkv.decode_attention: split_tokens must be >= 0 (got ", split_tokens, ")");
-  g.split_tokens = split_tokens == 0 ? 512 : split_tokens;
+  g.split_tokens = split_tokens;
   TORCH_CHECK_VALUE(k_packed.dim() == 4, "rkv.decode_attention: k_packed must have shape (batch, kv_heads, "
                     "capacity, bytes), got ", k_packed.sizes());
   g.kv_heads = k_packed.size(1);

@@ -54,7 +54,7 @@ struct DecodeGeometry {
   int k_bits = 8, v_bits = 8;
   int64_t rope_half = 0, rope_positions = 0;  // rope_half == 0: keys stored post-RoPE
   bool interleaved = false;
-  int64_t split_tokens = 512;
+  int64_t split_tokens = 0;  // 0: each backend chooses (CPU by the shapes, CUDA by the SM count)
   RKV_HD int64_t group_size() const { return q_heads / kv_heads; }
   RKV_HD int64_t max_tokens() const { return sinks + capacity + recent; }
 };

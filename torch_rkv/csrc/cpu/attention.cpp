@@ -216,6 +216,25 @@ struct Tensors {
   int64_t splits;
 };
 
+// Folded values of one tile of nt rows: pt[(g, vg)][i] = p[g][i] * s[i][vg] and zsum[(g, vg)] +=
+// sum_i p[g][i] * z[i][vg], for the G query heads (p rows p_stride apart) and VG value groups.
+RKV_INLINE void fold_probs(const float* __restrict p, int64_t p_stride, int64_t G, int64_t VG, int64_t nt,
+                           const float* __restrict s, const float* __restrict z, float* __restrict pt,
+                           float* __restrict zsum) {
+  for (int64_t gq = 0; gq < G; ++gq) {
+    const float* __restrict pg = p + gq * p_stride;
+    for (int64_t vg = 0; vg < VG; ++vg) {
+      float zs = 0.0f;
+#pragma omp simd reduction(+ : zs)
+      for (int64_t i = 0; i < nt; ++i) {
+        pt[(gq * VG + vg) * kTileTokens + i] = pg[i] * s[i * VG + vg];
+        zs += pg[i] * z[i * VG + vg];
+      }
+      zsum[gq * VG + vg] += zs;
+    }
+  }
+}
+
 template <typename fp_t, typename meta_t, int DC>
 void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor& k_packed, const at::Tensor& k_scale,
                    const at::Tensor& k_zero, const at::Tensor& v_packed, const at::Tensor& v_scale,
@@ -315,24 +334,11 @@ void decode_kernel(const DecodeGeometry& g, const Tensors& io, const at::Tensor&
 #if RKV_TILES_AVX2
         if constexpr (kFoldable) {
           if (fold_values && values.all_packed(tt, nt)) {
-            float* __restrict pt = pp.data();
-            const float* __restrict svp = sv.data();
-            const float* __restrict zvp = zv.data();
             values.row_params(tt, nt, sv.data(), zv.data());
-            for (int64_t gq = 0; gq < G; ++gq) {
-              const float* __restrict p = scores.data() + gq * ST + (tt - t0);
-              for (int64_t vg = 0; vg < VG; ++vg) {
-                float zs = 0.0f;
-#pragma omp simd reduction(+ : zs)
-                for (int64_t i = 0; i < nt; ++i) {
-                  pt[(gq * VG + vg) * kTileTokens + i] = p[i] * svp[i * VG + vg];
-                  zs += p[i] * zvp[i * VG + vg];
-                }
-                zsum[gq * VG + vg] += zs;
-              }
-            }
+            fold_probs(scores.data() + (tt - t0), ST, G, VG, nt, sv.data(), zv.data(), pp.data(), zsum.data());
             accumulate_codes<DC>(values.packed_row(tt), D * values.bits / 8, values.bits, nt,
-                                 FoldedProbs{pt, VG * kTileTokens, g.v_group / 8, kTileTokens}, G, acc, acc_stride);
+                                 FoldedProbs{pp.data(), VG * kTileTokens, g.v_group / 8, kTileTokens}, G, acc,
+                                 acc_stride);
             continue;
           }
         }
