@@ -1,8 +1,11 @@
 # Entry points on a fresh machine (Python 3.11 and nvcc, no torch):
 #   make report   the main job (python -m torch_rkv report on the default model and text)
 #   make test     the test suite (what .ci/run runs)
-# Both create .venv, install torch and the tools, and build the extension (CPU kernels always, CUDA
-# kernels when nvcc and a CUDA build of torch are present). RKV_BUILD_CUDA=0 make test: CPU only.
+# Both create .venv, install torch and the tools, and install torch_rkv itself with pip (an editable
+# install compiled against the venv's torch: CPU kernels always, CUDA kernels when nvcc and a CUDA
+# build of torch are present). RKV_BUILD_CUDA=0 make test: CPU only.
+#   make kernels  incremental rebuild of the extension in place after editing a kernel (ninja keeps the
+#                 objects under build/; pip's editable install rebuilds everything)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,10 +14,10 @@ PY := $(VENV)/bin/python
 export TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
 export MAX_JOBS ?= 2
 
-DEPS := numpy ninja "pytest>=8" "hypothesis>=6.100" "transformers>=4.56" "gguf>=0.10" accelerate psutil \
-        "matplotlib>=3.7" tqdm
+DEPS := numpy ninja "setuptools>=64" wheel "pytest>=8" "hypothesis>=6.100" "transformers>=5.0,<6" "gguf>=0.10" \
+        accelerate psutil "matplotlib>=3.7" tqdm
 
-.PHONY: all build test report bench clean
+.PHONY: all build kernels test report bench clean
 
 all: test
 
@@ -27,11 +30,13 @@ $(VENV)/.deps: pyproject.toml
 	# the report's peers (transformers QuantizedCache backends); optional: the report skips what is missing
 	$(PY) -m pip install -q optimum-quanto || echo "optimum-quanto unavailable: the report will skip it"
 	DISABLE_CUDA=1 $(PY) -m pip install -q hqq || echo "hqq unavailable: the report will skip it"
-	# import torch_rkv from this checkout (the extension is built in place by `build`)
-	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch_rkv_checkout.pth"
 	touch $@
 
 build: $(VENV)/.deps
+	@start=$$(date +%s); $(PY) -m pip install -q --no-build-isolation --no-deps -e . && \
+	  echo "build: torch_rkv compiled and installed in $$(( $$(date +%s) - start )) s"
+
+kernels:
 	$(PY) setup.py -q build_ext --inplace
 
 test: build

@@ -11,21 +11,39 @@ import torch
 import torch.utils.benchmark as benchmark
 
 
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
 def machine() -> dict:
+    """Where a number came from: the CPU model, its SIMD features, the torch_rkv CPU kernels in use, and
+    ATen's own CPU level (each bench prints this in its header)."""
     info = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
+        "simd": "",
         "threads": torch.get_num_threads(),
     }
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
+            text = f.read()
+        for line in text.splitlines():
+            if line.startswith("model name") and info["cpu"] in ("", platform.machine(), platform.processor()):
+                info["cpu"] = line.split(":", 1)[1].strip()
+            if line.startswith(("flags", "Features")):
+                have = set(line.split(":", 1)[1].split())
+                info["simd"] = "+".join(f for f in SIMD_FLAGS if f in have)
+                break
     except OSError:
         pass
+    try:
+        import torch_rkv
+
+        info["rkv_cpu"] = torch_rkv.cpu_capability()
+    except ImportError:
+        pass
+    info["aten_cpu"] = torch.backends.cpu.get_cpu_capability()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

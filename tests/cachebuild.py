@@ -41,6 +41,29 @@ def fill(layout: CacheLayout, keys: torch.Tensor, values: torch.Tensor, lengths:
     return bufs
 
 
+def build(case, device="cpu"):
+    """(layout, buffers, q, post-RoPE keys, values, cos, sin, k_signs, v_signs)."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    s, d = case["scheme"], case["d"]
+    b = len(case["lengths"])
+    layout = CacheLayout(s, b, case["kv_heads"], d, case["capacity"], case["fp_dtype"])
+    n_max = layout.max_tokens
+    keys = torch.randn(b, case["kv_heads"], n_max, d, generator=gen)
+    keys[..., 3] += 4.0  # an outlier channel, as in real keys
+    values = torch.randn(b, case["kv_heads"], n_max, d, generator=gen)
+    q = torch.randn(b, case["q_heads"], d, generator=gen).to(case["q_dtype"])
+    cos, sin = torch_rkv.rope_tables(d, n_max + 3, theta=1e4, rot_dim=case["rot"])
+    k_signs = torch_rkv.hadamard_signs(d, 1) if s.k_hadamard else None
+    v_signs = torch_rkv.hadamard_signs(d, 2) if s.v_hadamard else None
+    ks = stored_keys(s, keys, cos, sin, k_signs, case["interleaved"])
+    vs = torch_rkv.hadamard(values, v_signs) if v_signs is not None else values
+    bufs = fill(layout, ks, vs, case["lengths"])
+    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    bufs = {k: v.to(device) for k, v in bufs.items()}
+    rope = (mv(cos), mv(sin)) if s.pre_rope else (None, None)
+    return layout, bufs, q.to(device), keys, values, rope, mv(k_signs), mv(v_signs)
+
+
 def attention_fp32(q, keys, values, lengths, scale=None):
     """Plain fp32 attention of q (B, Hq, D) over keys/values (B, Hkv, n_max, D) truncated per sequence."""
     b_, hq, d = q.shape

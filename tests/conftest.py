@@ -32,6 +32,9 @@ def device_params(op: str = "quantize"):
 
 DEVICES = device_params()
 
+# Every op of the rkv library, from the registered schemas (not a hand-written list that can fall behind).
+RKV_OPS = sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("rkv::"))
+
 
 def noncontiguous(x: torch.Tensor) -> torch.Tensor:
     """The same values as x in a non-contiguous view (every other element of a wider buffer)."""

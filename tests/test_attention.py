@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from cachebuild import attention_fp32, buffers_args, fill, float_tolerance, quantization_bound, stored_keys
+from cachebuild import attention_fp32, buffers_args, build, float_tolerance, quantization_bound
 from conftest import device_params
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,7 +21,7 @@ DEVICES = device_params("decode_attention")
 
 @st.composite
 def attention_cases(draw):
-    d = draw(st.sampled_from([64, 128, 256]))
+    d = draw(st.sampled_from([64, 96, 128, 256]))  # 96: the kernel's generic (not unrolled) head dim
     kv_heads = draw(st.integers(1, 3))
     ratio = draw(st.sampled_from([1, 3, 4]))
     k_kind = draw(st.sampled_from(["token", "grouped", "channel"]))
@@ -30,11 +30,11 @@ def attention_cases(draw):
     key_space = draw(st.sampled_from(["post", "pre", "hadamard"]))
     scheme = Scheme(
         k_bits=draw(st.sampled_from([2, 3, 4, 8])), v_bits=draw(st.sampled_from([2, 3, 4, 8])),
-        k_group_size=k_group, k_block_tokens=k_tokens, v_group_size=draw(st.sampled_from([None, 16, 32, 64])),
+        k_group_size=k_group, k_block_tokens=k_tokens, v_group_size=draw(st.sampled_from([g for g in (None, 16, 32, 64) if g is None or d % g == 0])),
         v_block_tokens=1, k_symmetric=draw(st.booleans()), v_symmetric=draw(st.booleans()),
         pre_rope=key_space == "pre", k_hadamard=key_space == "hadamard", v_hadamard=draw(st.booleans()),
         sinks=draw(st.sampled_from([0, 1, 4])), recent=draw(st.sampled_from([0, 8])),
-        meta_dtype=draw(st.sampled_from([torch.float16, torch.float32])),
+        meta_dtype=draw(st.sampled_from([torch.float16, torch.float32, torch.bfloat16])),
     )
     batch = draw(st.integers(1, 3))
     cap = draw(st.sampled_from([40, 100]))
@@ -45,32 +45,9 @@ def attention_cases(draw):
         d=d, kv_heads=kv_heads, q_heads=kv_heads * ratio, scheme=scheme, capacity=cap, lengths=lengths,
         rot=draw(st.sampled_from([d, d // 2])), interleaved=draw(st.booleans()),
         q_dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
-        fp_dtype=draw(st.sampled_from([torch.float32, torch.float16])),
+        fp_dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
         split=draw(st.sampled_from([0, 7, 32])), seed=draw(st.integers(0, 2**16)),
     )
-
-
-def build(case, device="cpu"):
-    """(layout, buffers, q, post-RoPE keys, values, cos, sin, k_signs, v_signs)."""
-    gen = torch.Generator().manual_seed(case["seed"])
-    s, d = case["scheme"], case["d"]
-    b = len(case["lengths"])
-    layout = CacheLayout(s, b, case["kv_heads"], d, case["capacity"], case["fp_dtype"])
-    n_max = layout.max_tokens
-    keys = torch.randn(b, case["kv_heads"], n_max, d, generator=gen)
-    keys[..., 3] += 4.0  # an outlier channel, as in real keys
-    values = torch.randn(b, case["kv_heads"], n_max, d, generator=gen)
-    q = torch.randn(b, case["q_heads"], d, generator=gen).to(case["q_dtype"])
-    cos, sin = torch_rkv.rope_tables(d, n_max + 3, theta=1e4, rot_dim=case["rot"])
-    k_signs = torch_rkv.hadamard_signs(d, 1) if s.k_hadamard else None
-    v_signs = torch_rkv.hadamard_signs(d, 2) if s.v_hadamard else None
-    ks = stored_keys(s, keys, cos, sin, k_signs, case["interleaved"])
-    vs = torch_rkv.hadamard(values, v_signs) if v_signs is not None else values
-    bufs = fill(layout, ks, vs, case["lengths"])
-    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-    bufs = {k: v.to(device) for k, v in bufs.items()}
-    rope = (mv(cos), mv(sin)) if s.pre_rope else (None, None)
-    return layout, bufs, q.to(device), keys, values, rope, mv(k_signs), mv(v_signs)
 
 
 def run_kernel(case, device, bufs, q, rope, k_signs, v_signs, split=None):
@@ -178,19 +155,6 @@ def test_split_k_is_exact_and_deterministic(device):
         # thread counts
         assert torch.equal(one, outs[1])
         assert torch.equal(chosen, outs[3])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
-    for key_space in ("post", "pre", "hadamard"):
-        s = scheme_at(4, k_group_size=1, k_block_tokens=8, v_group_size=16, pre_rope=key_space == "pre",
-                      k_hadamard=key_space == "hadamard", v_hadamard=key_space != "post", sinks=1, recent=4)
-        case = dict(d=64, kv_heads=2, q_heads=6, scheme=s, capacity=40, lengths=[40, 9], rot=64, interleaved=False,
-                    q_dtype=torch.float16, fp_dtype=torch.float16, split=16, seed=1)
-        _, bufs, q, _, _, rope, ks, vs = build(case, device)
-        lengths = torch.tensor(case["lengths"], device=device)
-        args = (q, *buffers_args(bufs), lengths, 4, 4, s.block, s.recent, rope[0], rope[1], False, ks, vs, 0.125, 16)
-        torch.library.opcheck(torch.ops.rkv.decode_attention.default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)

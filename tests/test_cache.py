@@ -140,21 +140,6 @@ def test_nbytes_is_exact(device):
         assert cache.nbytes() == actual
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
-    s = presets.recommended(4).replace(sinks=2, recent=4, k_block_tokens=8)
-    layout = CacheLayout(s, 2, 2, 64, 40, torch.float16)
-    bufs = layout.allocate(device)
-    k = torch.randn(2, 2, 9, 64, device=device).half()
-    for lengths in ([0, 5], [20, 31]):
-        torch.library.opcheck(torch.ops.rkv.cache_append.default,
-                              (*buffers_args(bufs), torch.tensor(lengths, device=device), k, k.clone(), 4, 4, s.block,
-                               s.recent))
-    torch.library.opcheck(torch.ops.rkv.cache_append.default,
-                          (*buffers_args(bufs), torch.tensor([3, 20], device=device), k, k.clone(), 4, 4, s.block,
-                           s.recent, True, True))
-
-
 class TinyAttention(torch.nn.Module):
     """One attention layer's decode step against the quantized cache: project, rotate, append, attend."""
 
@@ -197,6 +182,29 @@ def test_compiled_decode_step_matches_eager_without_recompiling(device, scheme):
             assert torch.allclose(step(x), eager(x), atol=1e-5, rtol=1e-5), i
     assert torch.equal(eager_cache.lengths, compiled_cache.lengths)
     assert counters["stats"]["unique_graphs"] - graphs == 1  # the sequence grew by 20 tokens: one graph
+    # the lengths compiled steps wrote are the ones every eager method reads
+    assert compiled_cache.seq_length(1) == eager_cache.seq_length(1) == 20 and compiled_cache.seq_length(0) == 0
+    for got, want in zip(compiled_cache.dequantized(1), eager_cache.dequantized(1)):
+        assert got.shape == want.shape == (2, 2, 20, 32) and torch.allclose(got, want, atol=1e-3)
+
+
+def test_capacity_is_enforced_by_compiled_steps():
+    """The capacity guard is a device-side check in the traced code: compiled steps stop at the capacity
+    with the cache's error, with no host copy of the lengths to fall out of date."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cache = make_cache(presets.kivi(4, block=8, recent=4), capacity=24)  # 24 packed rows + 4 recent
+    assert cache.capacity == 28
+    step = torch.compile(TinyAttention(cache, 0), fullgraph=True)
+    with torch.no_grad():
+        for _ in range(28):
+            step(torch.randn(2, 64))
+        assert cache.seq_length(0) == 28
+        with pytest.raises(RuntimeError, match="appending 1 tokens to layer 0 exceeds the capacity of 28 tokens"):
+            step(torch.randn(2, 64))
+    assert cache.seq_length(0) == 28  # the refused step wrote nothing
+    cache.reset()
+    assert cache.seq_length(0) == 0
 
 
 def test_bad_input_is_a_clear_error():
@@ -212,7 +220,7 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match=re.escape("rkv.cache_append: k_packed must have shape (batch=3")):
         torch_rkv.ops.cache.cache_append(*bufs, torch.zeros(3, dtype=torch.int64), torch.randn(3, 2, 1, 32),
                                          torch.randn(3, 2, 1, 32), 4, 4, 64, 64)
-    with pytest.raises(ValueError, match=r"appending 500 tokens to layer 0 holding 0 exceeds the capacity"):
+    with pytest.raises(RuntimeError, match=r"appending 500 tokens to layer 0 exceeds the capacity of \d+ tokens"):
         cache.append(0, torch.randn(2, 2, 500, 32), torch.randn(2, 2, 500, 32))
     with pytest.raises(ValueError, match=r"group_size 48 does not divide head_dim 32"):
         make_cache(presets.recommended(4).replace(v_group_size=48))

@@ -3,9 +3,13 @@ torch.compile(fullgraph=True) of functions chaining them."""
 
 import pytest
 import torch
-from conftest import DEVICES, noncontiguous
+from cachebuild import buffers_args, build
+from conftest import DEVICES, RKV_OPS, noncontiguous
 
 import torch_rkv
+from torch_rkv import scheme as presets
+from torch_rkv.layout import CacheLayout
+from torch_rkv.scheme import Scheme
 
 
 def samples(device):
@@ -38,17 +42,39 @@ def samples(device):
         out.append((torch.ops.rkv.hadamard.default, (x, signs, inv)))
         out.append((torch.ops.rkv.hadamard.default, (noncontiguous(xh), None, inv)))
         out.append((torch.ops.rkv.hadamard.default, (empty, None, inv)))
+    return out + cache_samples(device)
+
+
+def cache_samples(device):
+    """cache_append into empty, partly filled and block-completing sequences (and with clipping), and
+    decode_attention with post-RoPE, pre-RoPE and Hadamard keys."""
+    out = []
+    s = presets.recommended(4).replace(sinks=2, recent=4, k_block_tokens=8)
+    bufs = CacheLayout(s, 2, 2, 64, 40, torch.float16).allocate(device)
+    k = torch.randn(2, 2, 9, 64, device=device).half()
+    for lengths, clip in (([0, 5], False), ([20, 31], False), ([3, 20], True)):
+        out.append((torch.ops.rkv.cache_append.default, (*buffers_args(bufs), torch.tensor(lengths, device=device), k,
+                                                         k.clone(), 4, 4, s.block, s.recent, clip, clip)))
+    for key_space in ("post", "pre", "hadamard"):
+        s = Scheme(k_bits=4, v_bits=4, k_group_size=1, k_block_tokens=8, v_group_size=16, v_block_tokens=1,
+                   pre_rope=key_space == "pre", k_hadamard=key_space == "hadamard", v_hadamard=key_space != "post",
+                   sinks=1, recent=4)
+        case = dict(d=64, kv_heads=2, q_heads=6, scheme=s, capacity=40, lengths=[40, 9], rot=64, interleaved=False,
+                    q_dtype=torch.float16, fp_dtype=torch.float16, split=16, seed=1)
+        _, bufs, q, _, _, rope, ks, vs = build(case, device)
+        lengths = torch.tensor(case["lengths"], device=device)
+        out.append((torch.ops.rkv.decode_attention.default,
+                    (q, *buffers_args(bufs), lengths, 4, 4, s.block, s.recent, rope[0], rope[1], False, ks, vs, 0.125,
+                     16)))
     return out
 
 
-OPS = ["quantize", "dequantize", "pack", "unpack", "rope", "hadamard"]
-
-
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("name", RKV_OPS)
 def test_opcheck(device, name):
+    """Every registered op (the list comes from the schemas): an op without samples here fails."""
     cases = [(op, args) for op, args in samples(device) if op.name().endswith(f"::{name}")]
-    assert cases
+    assert cases, f"no opcheck samples for rkv::{name}"
     for op, args in cases:
         torch.library.opcheck(op, args)
 

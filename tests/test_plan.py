@@ -24,6 +24,39 @@ def test_planned_bytes_equal_the_allocated_cache(scheme, context, batch):
     assert plan.kv_bytes(model, scheme, context, batch) == cache.nbytes() == allocated
 
 
+# Bytes of one layer, worked out by hand from docs/format.md (not from CacheLayout, which is under test):
+HAND_COUNTED = [
+    # per-token 4-bit, batch 2 x 3 heads x 100 tokens, d=64: per token and head 32 code bytes + fp16 scale
+    # and zero, for K and V: 2 * (32 + 2 + 2) = 72 bytes; x 600 token-heads
+    (S.per_token(4), 2, 3, 64, 100, 600 * 72),
+    # KIVI-2 (per-channel keys in blocks of 32, values in groups of 32) with 4 sinks, recent 128, d=64,
+    # 1 x 2 heads, capacity 1000: packed rows round up (1000 - 4 - 128 = 868 -> 896 = 28 blocks); the
+    # window ring holds recent + block - 1 = 159 rows.
+    #   codes     2 sides x 2 heads x 896 rows x 16 bytes          = 57344
+    #   K meta    2 heads x 28 blocks x 64 channels x (scale+zero) x 2 B = 14336
+    #   V meta    2 heads x 896 rows x 2 groups x (scale+zero) x 2 B    = 14336
+    #   window    2 sides x 2 heads x 159 x 64 x 2 B               = 81408
+    #   sinks     2 sides x 2 heads x 4 x 64 x 2 B                 = 2048
+    (S.kivi(2).replace(sinks=4), 1, 2, 64, 1000, 57344 + 14336 + 14336 + 81408 + 2048),
+    # 3-bit per-token, symmetric keys (no zero), fp32 metadata, d=64, 1 x 2 heads x 10 tokens: 24 code
+    # bytes per row; keys 24 + 4, values 24 + 4 + 4 per token and head
+    (S.per_token(3).replace(k_symmetric=True, meta_dtype=torch.float32), 1, 2, 64, 10, 20 * (28 + 32)),
+]
+
+
+@pytest.mark.parametrize("scheme,batch,heads,dim,capacity,want", HAND_COUNTED, ids=lambda x: getattr(x, "name", None))
+def test_bytes_match_a_count_by_hand(scheme, batch, heads, dim, capacity, want):
+    from torch_rkv.layout import CacheLayout
+
+    assert CacheLayout(scheme, batch, heads, dim, capacity, torch.float16).nbytes() == want
+    cache = QuantizedKVCache(scheme, 3, batch, heads, dim, capacity, dtype=torch.float16,
+                             rope=(torch.zeros(4096, dim // 2), torch.zeros(4096, dim // 2)))
+    assert cache.nbytes() == 3 * want
+    assert sum(t.numel() * t.element_size() for name, t in cache.named_buffers() if name in BUFFERS) == 3 * want
+    model = plan.ModelShape("tiny", layers=3, kv_heads=heads, head_dim=dim, params=1e6)
+    assert plan.kv_bytes(model, scheme, capacity, batch) == 3 * want
+
+
 def test_full_precision_baseline_and_bytes_per_token():
     model = plan.MODELS["llama-3-8b"]
     assert plan.bytes_per_token(model, None) == 2 * 32 * 8 * 128 * 2  # K and V, fp16

@@ -20,6 +20,15 @@ from .scheme import Scheme
 __version__ = "0.1.0"
 
 
+def cpu_capability() -> str:
+    """The CPU kernels in use: "avx2" (x86-64 with AVX2, FMA and F16C) or "default" (portable C++),
+    chosen once from the CPU's features; RKV_CPU_CAPABILITY=default|avx2 forces one (csrc/cpu/capability.h)."""
+    return _C.cpu_capability()
+
+
+cpu_capability()  # a bad RKV_CPU_CAPABILITY fails here, at import, naming the variable
+
+
 def has_kernel(op: str, device_type: str) -> bool:
     """Whether rkv::<op> has a kernel compiled for device_type ("cpu" or "cuda")."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"rkv::{op}", device_type.upper())
@@ -33,6 +42,7 @@ __all__ = [
     "dequantize",
     "hadamard",
     "hadamard_signs",
+    "cpu_capability",
     "has_kernel",
     "pack",
     "quantize",

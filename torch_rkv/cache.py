@@ -70,7 +70,6 @@ class QuantizedKVCache(torch.nn.Module):
         self.register_buffer("k_signs", hadamard_signs(head_dim, scheme.hadamard_seed, device) if scheme.k_hadamard else None)
         self.register_buffer("v_signs", hadamard_signs(head_dim, scheme.hadamard_seed + 1, device)
                              if scheme.v_hadamard else None)
-        self._host_lengths = [0] * num_layers  # eager-mode mirror, for errors before any kernel runs
 
     # ---------------------------------------------------------------------------------------------
     @property
@@ -87,11 +86,14 @@ class QuantizedKVCache(torch.nn.Module):
         return self.num_layers * self.layout.nbytes()
 
     def seq_length(self, layer: int = 0) -> int:
-        return self._host_lengths[layer]
+        """Tokens cached in this layer (its longest sequence). Read from `lengths`, the one record of
+        lengths that eager and compiled appends both keep; on a GPU this reads device memory (a sync), so
+        the decode path itself never calls it."""
+        self._check_layer(layer)
+        return int(self.lengths[layer].max()) if self.lengths.shape[1] else 0
 
     def reset(self) -> None:
         self.lengths.zero_()
-        self._host_lengths = [0] * self.num_layers
 
     # ---------------------------------------------------------------------------------------------
     def to_storage(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -117,11 +119,11 @@ class QuantizedKVCache(torch.nn.Module):
                 raise ValueError(f"QuantizedKVCache.append: {name} must have shape (batch={lay.batch}, "
                                  f"kv_heads={lay.kv_heads}, tokens, head_dim={lay.head_dim}), got {list(t.shape)}")
         m = k.shape[-2]
-        if not torch.compiler.is_compiling():
-            if self._host_lengths[layer] + m > self.capacity:
-                raise ValueError(f"QuantizedKVCache: appending {m} tokens to layer {layer} holding "
-                                 f"{self._host_lengths[layer]} exceeds the capacity of {self.capacity} tokens")
-            self._host_lengths[layer] += m
+        # checked on the lengths' device: no host sync per step, and the same check eager and compiled,
+        # on CPU (raises here) and CUDA (a device-side assert)
+        torch._assert_async((self.lengths[layer] + m <= self.capacity).all(),
+                            f"QuantizedKVCache: appending {m} tokens to layer {layer} exceeds the capacity of "
+                            f"{self.capacity} tokens")
         ks, vs = self.to_storage(layer, k, v)
         s = self.scheme
         cache_append(*self.layer_buffers(layer), self.lengths[layer], ks, vs, s.k_bits, s.v_bits, s.block, s.recent,
@@ -138,9 +140,13 @@ class QuantizedKVCache(torch.nn.Module):
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's cached keys (post-RoPE, original space) and values in full precision,
-        (B, Hkv, n, D) float32; all sequences must hold the same number of tokens."""
+        (B, Hkv, n, D) float32; all sequences must hold the same number of tokens. Reads the lengths on
+        the host (a sync on a GPU)."""
         self._check_layer(layer)
-        n = self._host_lengths[layer]
+        n = self.seq_length(layer)
+        if bool((self.lengths[layer] != n).any()):
+            raise ValueError(f"QuantizedKVCache.dequantized: the sequences of layer {layer} hold different numbers "
+                             f"of tokens ({self.lengths[layer].tolist()})")
         bufs = dict(zip(BUFFERS, self.layer_buffers(layer)))
         s, lay = self.scheme, self.layout
         q = quantized_count(n, s.sinks, s.recent, s.block)

@@ -1,6 +1,6 @@
 #include "checks.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "rkv/hadamard.h"
 #include "rkv/pack.h"

@@ -1,6 +1,7 @@
 #include "op_common.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 namespace rkv {

@@ -3,11 +3,70 @@
 #include <Python.h>
 #include <torch/library.h>
 
-// `import torch_rkv._C` loads this shared object, which runs the static registrations below. The
-// module itself is empty; everything is reached through torch.ops.rkv.
+#include <c10/util/Exception.h>
+
+#include <exception>
+
+#include "cpu/capability.h"
+
+#ifndef RKV_CUDA_REQUEST
+#define RKV_CUDA_REQUEST 2
+#endif
+
+namespace {
+
+// _C.cpu_capability() -> "default" | "avx2": the CPU kernels in use (cpu/capability.h). A bad
+// RKV_CPU_CAPABILITY raises here, at import, with the variable named.
+PyObject* cpu_capability(PyObject*, PyObject*) {
+  try {
+    return PyUnicode_FromString(rkv::cpu::capability_name(rkv::cpu::capability()));
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
+
+// _C.cpu_capabilities() -> the levels this build has and this CPU runs, best last.
+PyObject* cpu_capabilities(PyObject*, PyObject*) {
+  PyObject* out = PyList_New(0);
+  for (auto c : {rkv::cpu::Capability::Default, rkv::cpu::Capability::Avx2}) {
+    if (!rkv::cpu::supported(c)) continue;
+    PyObject* name = PyUnicode_FromString(rkv::cpu::capability_name(c));
+    PyList_Append(out, name);
+    Py_DECREF(name);
+  }
+  return out;
+}
+
+PyMethodDef methods[] = {
+    {"cpu_capability", cpu_capability, METH_NOARGS, "The CPU kernels in use: default or avx2."},
+    {"cpu_capabilities", cpu_capabilities, METH_NOARGS, "The CPU kernel levels this build and CPU can run."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+// `import torch_rkv._C` loads this shared object, which runs the static registrations below. The ops
+// are reached through torch.ops.rkv; the module itself only says how it was built (`build`: whether
+// the CUDA kernels are in, and what RKV_BUILD_CUDA asked for) and which CPU kernels run.
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+#ifdef RKV_WITH_CUDA
+  const bool cuda = true;
+#else
+  const bool cuda = false;
+#endif
+  static const char* requests[] = {"0", "1", "auto"};
+  PyObject* build = Py_BuildValue("{s:O,s:s}", "cuda_kernels", cuda ? Py_True : Py_False, "cuda_request",
+                                  requests[RKV_CUDA_REQUEST]);
+  if (build == nullptr || PyModule_AddObject(m, "build", build) < 0) {
+    Py_XDECREF(build);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
 }
 
 TORCH_LIBRARY(rkv, m) {

@@ -9,8 +9,9 @@ into the quantized cache; every decode step (one new token) runs rkv::decode_att
 cache. Pre-RoPE storage needs no model change: keys arrive post-RoPE, the cache undoes the rotation
 with a table built from the model's own rotary module (so its RoPE scaling variant matches) and the
 kernel re-applies it. Llama-architecture models (rotate-half RoPE, GQA); transformers 5.x (tested with
-the release in tests/test_transformers.py). Not supported: left-padded batches in decode (an error),
-dynamic / LongRoPE scaling (their tables depend on the length), beam-search cropping.
+5.24). Not supported, each an error on every device (a device-side check, no host sync per step):
+left-padded batches and position offsets; also dynamic / LongRoPE scaling (their tables depend on the
+length) and beam-search cropping.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if attention_mask is not None and attention_mask.device.type == "cpu" and not bool(attention_mask.all()):
-        raise NotImplementedError("torch_rkv: the fused decode path attends to every cached token; padded batches "
-                                  "(an attention mask with masked positions) are not supported")
+    if attention_mask is not None:  # checked on the mask's device: no host sync per decode step
+        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        torch._assert_async(allowed.all(), "torch_rkv: the fused decode path attends to every cached token; "
+                            "padded batches (an attention mask with masked positions) are not supported")
     out = layer.cache.attend(layer.index, query[:, :, 0], scale=scaling)  # (B, Hq, D)
     layer.pending = False
     return out[:, None].to(query.dtype), None  # (B, 1, Hq, D)
@@ -93,29 +95,32 @@ class RKVLayer(CacheLayerMixin):
         if self.pending:
             raise RuntimeError("torch_rkv: the last decode step did not use the fused attention; enable it with "
                                "torch_rkv.integrations.transformers.enable(model) (RKVCache(model, ...) does)")
-        n_before, m = self.cache.seq_length(self.index), key_states.shape[-2]
-        self._check_positions(kwargs, n_before, m)
-        self.cache.append(self.index, key_states, value_states)
+        m = key_states.shape[-2]
+        self._check_positions(kwargs, m)
         if m == 1:  # decode (a first token too): the attention reads the quantized cache, the key says where
+            self.cache.append(self.index, key_states, value_states)
             key = key_states.view_as(key_states)
             key._rkv_layer = self
             self.pending = True
             return key, value_states
+        n_before = self.cache.seq_length(self.index)  # a host read per chunk of several tokens, never per step
+        self.cache.append(self.index, key_states, value_states)
         if n_before == 0:  # prefill: ordinary attention on the fresh keys and values
             return key_states, value_states
         k, v = self.cache.dequantized(self.index)  # several new tokens after a prefill: attend over all
         return k.to(key_states.dtype), v.to(value_states.dtype)
 
-    @staticmethod
-    def _check_positions(kwargs, n_before: int, m: int) -> None:
-        """The kernel rotates cached keys to their slot; the model's positions must be those slots."""
+    def _check_positions(self, kwargs, m: int) -> None:
+        """The kernel rotates cached keys to their slot; the model's positions must be those slots.
+        Checked on the device of the positions, with no host sync, the same way on every device."""
         pos = kwargs.get("position_ids", kwargs.get("kwargs", {}).get("position_ids"))
-        if pos is None or pos.device.type != "cpu":
-            return  # on a GPU this check would synchronize
-        want = torch.arange(n_before, n_before + m)
-        if not bool((pos.reshape(-1, pos.shape[-1]) == want).all()):
-            raise NotImplementedError("torch_rkv: position_ids must equal the cache slots (no left padding or "
-                                      f"position offsets); got {pos.tolist()} for slots {n_before}..{n_before + m - 1}")
+        if pos is None:
+            return
+        lengths = self.cache.lengths[self.index]  # (B,) before this append
+        want = lengths[:, None] + torch.arange(m, device=lengths.device)  # (B, m)
+        torch._assert_async((pos.reshape(-1, pos.shape[-1]).to(want.device) == want).all(),
+                            "torch_rkv: position_ids must equal the cache slots (no left padding or position "
+                            "offsets)")
 
     def get_seq_length(self) -> int:
         return self.cache.seq_length(self.index)

@@ -1,7 +1,7 @@
 // CPU micro-kernels of decode attention over a tile of dequantized rows (float, row-major [t][D]):
 //   scores_tile:     s[g][t] = q_g . k_t          for every query head g of a GQA group
 //   accumulate_tile: acc[g][:] += p[g][t] * v_t
-// With AVX2+FMA they are register-blocked: 8 tokens' dot products are reduced together by a transpose
+// In the AVX2 translation unit (capability.h) they are register-blocked: 8 tokens' dot products are reduced together by a transpose
 // (one horizontal sum per 8 scores, not per score), and the output accumulators stay in registers
 // across the tile. Elsewhere the same loops are written for the auto-vectorizer.
 #pragma once
@@ -9,10 +9,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "capability.h"
+#include "decode_kernel.h"
 #include "rkv/attention.h"
 #include "rkv/macros.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if RKV_CPU_ISA_AVX2
 #include <immintrin.h>
 #define RKV_TILES_AVX2 1
 #else
@@ -20,8 +22,7 @@
 #endif
 
 namespace rkv::cpu {
-
-constexpr int64_t kTileTokens = 32;  // rows per tile: a key and a value tile of D=128 fit in L1
+inline namespace RKV_CPU_ISA {
 
 #if RKV_TILES_AVX2
 
@@ -311,4 +312,5 @@ RKV_INLINE void accumulate_tile_generic(const float* __restrict v, int64_t ntok,
     }
 }
 
+}  // namespace RKV_CPU_ISA
 }  // namespace rkv::cpu

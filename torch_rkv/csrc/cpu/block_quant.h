@@ -6,11 +6,13 @@
 #include <cstring>
 #include <vector>
 
+#include "capability.h"
 #include "convert.h"
 #include "rkv/pack.h"
 #include "rkv/quant.h"
 
 namespace rkv::cpu {
+inline namespace RKV_CPU_ISA {
 
 // Fast whole-row pack for the CPU; same bytes as pack_byte (the layout spec) for every width.
 inline void pack_row(const uint8_t* __restrict codes, int64_t dim, int bits, uint8_t* __restrict out) {
@@ -196,4 +198,5 @@ void dequantize_block_row(const uint8_t* packed, const meta_t* scale, const meta
   }
 }
 
+}  // namespace RKV_CPU_ISA
 }  // namespace rkv::cpu

@@ -6,7 +6,7 @@
 //   2. new tokens t < S go to the sinks, new tokens that stay in full precision to the window ring.
 // Step 1 reads ring slots that step 2 may overwrite, so it runs first. All checks (shapes, dtypes,
 // capacity of every sequence) happen before the first write: a rejected call changes nothing.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -1,8 +1,9 @@
 // Row conversions between the storage dtypes and fp32 for the CPU kernels.
 //
-// c10::Half's scalar conversion is a branchy bit-trick that blocks vectorization; with F16C these use
-// vcvtph2ps / vcvtps2ph (round to nearest even, as c10 does), and the bfloat16 paths are the same
-// integer arithmetic as c10::BFloat16 written so the compiler vectorizes it.
+// c10::Half's scalar conversion is a branchy bit-trick that blocks vectorization; in the AVX2 translation
+// unit (capability.h) these use F16C's vcvtph2ps / vcvtps2ph (round to nearest even, as c10 does), and
+// the bfloat16 paths are the same integer arithmetic as c10::BFloat16 written so the compiler
+// vectorizes it.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -10,19 +11,21 @@
 
 #include <cstring>
 
+#include "capability.h"
 #include "rkv/macros.h"
 
-#if defined(__F16C__)
+#if RKV_CPU_ISA_AVX2
 #include <immintrin.h>
 #endif
 
 namespace rkv::cpu {
+inline namespace RKV_CPU_ISA {
 
 RKV_INLINE void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 RKV_INLINE void to_float(const c10::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__F16C__)
+#if RKV_CPU_ISA_AVX2
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
@@ -44,7 +47,7 @@ inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(ds
 
 inline void from_float(const float* src, c10::Half* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__F16C__)
+#if RKV_CPU_ISA_AVX2
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -64,4 +67,5 @@ inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
   }
 }
 
+}  // namespace RKV_CPU_ISA
 }  // namespace rkv::cpu

@@ -1,6 +1,7 @@
 // CPU kernels of rkv::pack and rkv::unpack. They use the per-byte / per-code functions of
 // include/rkv/pack.h, the same ones the CUDA kernels run, so these tests pin the GPU's layout too.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

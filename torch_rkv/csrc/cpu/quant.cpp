@@ -1,5 +1,5 @@
 // CPU kernels of rkv::quantize and rkv::dequantize.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

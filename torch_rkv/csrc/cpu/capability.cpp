@@ -1,0 +1,54 @@
+#include "capability.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "decode_kernel.h"
+
+namespace rkv::cpu {
+
+const char* capability_name(Capability c) { return c == Capability::Avx2 ? "avx2" : "default"; }
+
+bool supported(Capability c) {
+  switch (c) {
+    case Capability::Default:
+      return true;
+    case Capability::Avx2:
+#if defined(__x86_64__) && defined(__GNUC__)
+      // __builtin_cpu_supports also checks that the OS saves the AVX registers (XCR0)
+      __builtin_cpu_init();
+      return decode_items_avx2(0) != nullptr && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+#else
+      return false;
+#endif
+  }
+  return false;
+}
+
+namespace {
+
+Capability choose() {
+  const char* forced = std::getenv("RKV_CPU_CAPABILITY");
+  if (forced == nullptr || *forced == '\0') return supported(Capability::Avx2) ? Capability::Avx2 : Capability::Default;
+  for (Capability c : {Capability::Default, Capability::Avx2}) {
+    if (std::strcmp(forced, capability_name(c)) == 0) {
+      TORCH_CHECK(supported(c), "RKV_CPU_CAPABILITY=", forced, ": this CPU or this build of torch_rkv cannot run the ",
+                  forced, " kernels (unset it, or use default)");
+      return c;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "RKV_CPU_CAPABILITY=", forced, " is not a CPU level torch_rkv knows (default, avx2)");
+  return Capability::Default;
+}
+
+}  // namespace
+
+Capability capability() {
+  static const Capability chosen = choose();
+  return chosen;
+}
+
+}  // namespace rkv::cpu
