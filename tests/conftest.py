@@ -43,3 +43,19 @@ def noncontiguous(x: torch.Tensor) -> torch.Tensor:
     view = wide[..., ::2]
     assert not view.is_contiguous() or x.numel() <= 1
     return view
+
+
+@pytest.fixture(scope="session")
+def smollm2_alice():
+    """SmolLM2-135M-Instruct, its tokenizer and alice29.txt, loaded once per session (about 35 s), or a
+    skip when the evaluation material is not installed. Each user sets the attention it needs: the
+    report's simulation and RKVCache both select their own."""
+    from torch_rkv.eval import data
+
+    try:
+        data.model_gguf(fetch=False)
+        text = data.read_text(str(data.text_path()))
+    except data.MissingMaterial as e:
+        pytest.skip(f"evaluation material unavailable: {e}")
+    model, tok = data.load_model()
+    return model, tok, text

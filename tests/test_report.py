@@ -91,16 +91,9 @@ def test_localization_document_places_every_needle():
 
 
 @pytest.mark.slow
-def test_reproduces_the_4_bit_reference_rows():
+def test_reproduces_the_4_bit_reference_rows(smollm2_alice):
     """Every 4-bit row of the reference fake-quant table within 2% (SmolLM2, alice29, 2048 tokens)."""
-    from torch_rkv.eval import data
-
-    try:
-        data.model_gguf(fetch=False)
-        text = data.read_text(str(data.text_path()))
-    except data.MissingMaterial as e:
-        pytest.skip(f"evaluation material unavailable: {e}")
-    model, tok = data.load_model()
+    model, tok, text = smollm2_alice
     ids = tok("<|endoftext|>" + text, return_tensors="pt").input_ids[:, :2048]
     cos, sin = model_rope_tables(model, 2048)
     assert math.isclose(perplexity.simulated(model, ids, None), 19.874, rel_tol=1e-3)

@@ -209,18 +209,9 @@ def test_bad_scheme_for_the_model_and_full_cache():
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from torch_rkv.eval import data
-
-    try:
-        data.model_gguf(fetch=False)
-    except data.MissingMaterial as e:
-        pytest.skip(f"SmolLM2 model package not installed ({e})")
-    try:
-        text = data.read_text(str(data.text_path()))
-    except data.MissingMaterial as e:
-        pytest.skip(f"alice29.txt unavailable: {e}")
-    model, tok = data.load_model()
+def smollm2(smollm2_alice):
+    model, tok, text = smollm2_alice
+    model.set_attn_implementation("sdpa")
     ids = tok("<|endoftext|>" + text, return_tensors="pt").input_ids[:, :1024]
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=32, do_sample=False)

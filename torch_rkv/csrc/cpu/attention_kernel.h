@@ -1,5 +1,5 @@
 // The CPU decode-attention kernel (rkv::decode_attention), written once and compiled once per
-// instruction set: cpu/attention_default.cpp (portable) and cpu/attention_avx2.cpp (AVX2 + FMA + F16C,
+// instruction set: cpu/attention_default.cpp (portable) and cpu/attention_avx2*.cpp (AVX2 + FMA + F16C,
 // where attention_tiles.h's register-blocked tiles take over). cpu/attention.cpp runs it.
 //
 // Work items are (sequence, kv head, split of split_tokens tokens): each dequantizes its keys once for
@@ -251,10 +251,12 @@ void decode_items(const DecodeArgs& a, int64_t begin, int64_t end, float* scratc
   // whole tiles of packed rows
   const bool fold_values = kFoldable && g.v_block_tokens == 1 && (g.v_group == D || g.v_group % 32 == 0);
   const int64_t VG = D / g.v_group;  // value groups per row
-  float* const pp = scratch + lay.folded;
   float* const zsum = scratch + lay.zsum;
+#if RKV_TILES_AVX2
+  float* const pp = scratch + lay.folded;
   float* const sv = scratch + lay.scales;
   float* const zv = scratch + lay.zeros;
+#endif
   std::fill(tile, tile + kTileTokens * D, 0.0f);  // rows past a partial tile stay readable zeros
   for (int64_t it = begin; it < end; ++it) {
     // kv heads vary fastest: the items of one split run together and share its cos / sin rows in cache
@@ -331,15 +333,13 @@ void decode_items(const DecodeArgs& a, int64_t begin, int64_t end, float* scratc
   }
 }
 
-// The kernel for head_dim `dim`: a compile-time constant for the common sizes (fully unrolled row
-// loops), the generic loops otherwise.
-inline DecodeItems select_decode_items(int64_t dim) {
-  switch (dim) {
-    case 64: return &decode_items<64>;
-    case 128: return &decode_items<128>;
-    case 256: return &decode_items<256>;
-    default: return &decode_items<0>;
-  }
+// The kernel for head_dim `dim` among the head dims `Dims` (compile-time constants: fully unrolled row
+// loops; 0 is the generic kernel for any other head dim), or nullptr.
+template <int... Dims>
+DecodeItems select_decode_items(int64_t dim) {
+  DecodeItems out = nullptr;
+  ((out = out == nullptr && (Dims == dim || Dims == 0) ? &decode_items<Dims> : out), ...);
+  return out;
 }
 
 }  // namespace RKV_CPU_ISA

@@ -19,7 +19,7 @@ bool supported(Capability c) {
 #if defined(__x86_64__) && defined(__GNUC__)
       // __builtin_cpu_supports also checks that the OS saves the AVX registers (XCR0)
       __builtin_cpu_init();
-      return decode_items_avx2(0) != nullptr && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      return avx2_kernels_built() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
 #else
       return false;

@@ -69,9 +69,11 @@ struct ScratchLayout {
 // Runs work items [begin, end) of (sequence, split, kv head), writing their partial softmax results.
 using DecodeItems = void (*)(const DecodeArgs& a, int64_t begin, int64_t end, float* scratch);
 
-// The kernel for head_dim `dim` of each instruction set; decode_items_avx2 is nullptr in a build that
-// has no AVX2 kernels (a compiler without GCC's target pragmas, or not x86-64).
+// The kernel for head_dim `dim` of each instruction set. decode_items_avx2 runs AVX2 code: call it only
+// where capability() chose Avx2. avx2_kernels_built: whether this build has them (GCC's target pragmas
+// on x86-64), safe on any CPU.
 DecodeItems decode_items_default(int64_t dim);
 DecodeItems decode_items_avx2(int64_t dim);
+bool avx2_kernels_built();
 
 }  // namespace rkv::cpu
