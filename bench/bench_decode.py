@@ -8,7 +8,10 @@ the same run:
   read          a plain float32 sum over a buffer as large as the packed cache: the machine's read speed
 
     python bench/bench_decode.py [--json] [--contexts 4096 16384 65536] [--bits 8 4 3 2]
-                                 [--values per-token grouped-32 grouped-16]
+                                 [--values per-token grouped-32 grouped-16] [--cpu-levels avx2 default]
+
+--cpu-levels also times the fused kernel at each listed torch_rkv CPU level (csrc/cpu/capability.h) in the
+same run: ms_<level> and the first level's speedup over each other one.
 
 Records: bits, key and value schemes, context, batch, heads, head_dim, ms of each, speedups, cache bytes read and
 the fused kernel's GB/s and its time relative to the read time for the same bytes. Correctness is
@@ -94,8 +97,11 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--min-run-time", type=float, default=0.5)
     ap.add_argument("--peak-gbps", type=float, default=None, help="device peak bandwidth, for the GPU report")
+    ap.add_argument("--cpu-levels", nargs="+", default=[], choices=["avx2", "default"],
+                    help="CPU device: also time the fused kernel at these torch_rkv CPU levels")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    chosen = torch_rkv.cpu_capability()
     print_machine()
     dev = args.device
     half = torch.bfloat16 if dev == "cpu" else torch.float16
@@ -157,6 +163,14 @@ def main() -> int:
                            time_vs_read=t_fused / t_read)
                 if args.peak_gbps:
                     rec["fraction_of_peak"] = rec["gbps"] / args.peak_gbps
+                for level in args.cpu_levels:
+                    torch_rkv._C._set_cpu_capability(level)
+                    err = (fused(a) - want).abs().max().item()
+                    assert err < 1e-3 * want.abs().max().item() + 1e-4, f"{level} kernel != dequantize+SDPA ({err})"
+                    rec[f"ms_{level}"] = time_ms(cycled(fused, copies), args.min_run_time)
+                    torch_rkv._C._set_cpu_capability(chosen)
+                for level in args.cpu_levels[1:]:
+                    rec[f"{args.cpu_levels[0]}_vs_{level}"] = rec[f"ms_{level}"] / rec[f"ms_{args.cpu_levels[0]}"]
                 emit(rec, args.json)
                 del bufs, a, copies, reads
             del k32, v32

@@ -80,6 +80,29 @@ def test_matches_reference_over_the_dequantized_cache(device, case):
             assert torch.equal(got[b].cpu(), torch.zeros_like(got[b].cpu()))
 
 
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_every_cpu_level_matches_the_reference(d):
+    """The portable and the AVX2 kernels (every level this CPU runs, switched in one process) each equal
+    the reference to float tolerance, for an unrolled and a generic head dim."""
+    s = Scheme(k_bits=3, v_bits=4, k_group_size=1, k_block_tokens=16, v_group_size=32, pre_rope=True,
+               v_hadamard=True, sinks=2, recent=8, meta_dtype=torch.bfloat16)
+    case = dict(d=d, kv_heads=2, q_heads=6, scheme=s, capacity=100, lengths=[100, 37], rot=d, interleaved=False,
+                q_dtype=torch.float32, fp_dtype=torch.bfloat16, split=32, seed=3)
+    _, bufs, q, keys, values, rope, ks, vs = build(case)
+    want = run_reference(case, bufs, q, rope, ks, vs)
+    chosen = torch_rkv.cpu_capability()
+    try:
+        for level in torch_rkv._C.cpu_capabilities():
+            torch_rkv._C._set_cpu_capability(level)
+            assert torch_rkv.cpu_capability() == level
+            got = run_kernel(case, "cpu", bufs, q, rope, ks, vs)
+            assert (got - want).abs().max().item() <= float_tolerance(q, keys, values, torch.float32), level
+    finally:
+        torch_rkv._C._set_cpu_capability(chosen)
+    with pytest.raises(ValueError, match="avx9000 is not a CPU level"):
+        torch_rkv._C._set_cpu_capability("avx9000")
+
+
 def scheme_at(bits: int, **kw) -> Scheme:
     return Scheme(k_bits=bits, v_bits=bits, **kw)
 

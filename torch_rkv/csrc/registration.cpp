@@ -26,6 +26,19 @@ PyObject* cpu_capability(PyObject*, PyObject*) {
   }
 }
 
+// _C._set_cpu_capability(name): switch the CPU kernels (benchmarks and tests compare both in one run).
+PyObject* set_cpu_capability(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (name == nullptr) return nullptr;
+  try {
+    rkv::cpu::set_capability(name);
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 // _C.cpu_capabilities() -> the levels this build has and this CPU runs, best last.
 PyObject* cpu_capabilities(PyObject*, PyObject*) {
   PyObject* out = PyList_New(0);
@@ -41,6 +54,7 @@ PyObject* cpu_capabilities(PyObject*, PyObject*) {
 PyMethodDef methods[] = {
     {"cpu_capability", cpu_capability, METH_NOARGS, "The CPU kernels in use: default or avx2."},
     {"cpu_capabilities", cpu_capabilities, METH_NOARGS, "The CPU kernel levels this build and CPU can run."},
+    {"_set_cpu_capability", set_cpu_capability, METH_O, "Switch the CPU kernels: default or avx2."},
     {nullptr, nullptr, 0, nullptr},
 };
 

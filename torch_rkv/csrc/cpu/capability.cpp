@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -30,25 +31,36 @@ bool supported(Capability c) {
 
 namespace {
 
-Capability choose() {
-  const char* forced = std::getenv("RKV_CPU_CAPABILITY");
-  if (forced == nullptr || *forced == '\0') return supported(Capability::Avx2) ? Capability::Avx2 : Capability::Default;
+Capability parse(const char* what, const char* name) {
   for (Capability c : {Capability::Default, Capability::Avx2}) {
-    if (std::strcmp(forced, capability_name(c)) == 0) {
-      TORCH_CHECK(supported(c), "RKV_CPU_CAPABILITY=", forced, ": this CPU or this build of torch_rkv cannot run the ",
-                  forced, " kernels (unset it, or use default)");
+    if (std::strcmp(name, capability_name(c)) == 0) {
+      TORCH_CHECK(supported(c), what, name, ": this CPU or this build of torch_rkv cannot run the ", name,
+                  " kernels (use default)");
       return c;
     }
   }
-  TORCH_CHECK_VALUE(false, "RKV_CPU_CAPABILITY=", forced, " is not a CPU level torch_rkv knows (default, avx2)");
+  TORCH_CHECK_VALUE(false, what, name, " is not a CPU level torch_rkv knows (default, avx2)");
   return Capability::Default;
+}
+
+Capability choose() {
+  const char* forced = std::getenv("RKV_CPU_CAPABILITY");
+  if (forced == nullptr || *forced == '\0') return supported(Capability::Avx2) ? Capability::Avx2 : Capability::Default;
+  return parse("RKV_CPU_CAPABILITY=", forced);
+}
+
+// The level in use: chosen once, changed only by set_capability (benchmarks and tests).
+std::atomic<int>& current() {
+  static std::atomic<int> level{static_cast<int>(choose())};
+  return level;
 }
 
 }  // namespace
 
-Capability capability() {
-  static const Capability chosen = choose();
-  return chosen;
+Capability capability() { return static_cast<Capability>(current().load(std::memory_order_relaxed)); }
+
+void set_capability(const char* name) {
+  current().store(static_cast<int>(parse("cpu capability ", name)), std::memory_order_relaxed);
 }
 
 }  // namespace rkv::cpu

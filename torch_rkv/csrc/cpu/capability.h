@@ -32,5 +32,8 @@ Capability capability();
 const char* capability_name(Capability c);
 // Whether this build has the level's kernels and this CPU (and OS) can run them.
 bool supported(Capability c);
+// Switches the level for every later call, by name ("default", "avx2"): for benchmarks and tests that
+// time or compare both in one process. Not for use while a kernel runs on another thread.
+void set_capability(const char* name);
 
 }  // namespace rkv::cpu
