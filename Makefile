@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 export TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
 export MAX_JOBS ?= 2
 
-DEPS := numpy ninja "setuptools>=64" wheel "pytest>=8" "hypothesis>=6.100" "transformers>=5.0,<6" "gguf>=0.10" \
+DEPS := numpy ninja "setuptools>=77" wheel "pytest>=8" "hypothesis>=6.100" "transformers>=5.24,<6" "gguf>=0.10" \
         accelerate psutil "matplotlib>=3.7" tqdm
 
 .PHONY: all build kernels test report bench clean
