@@ -21,8 +21,13 @@ run() {  # run NAME VAR=VALUE... -- pytest arguments
   local vars=()
   while [ "$1" != "--" ]; do vars+=("$1"); shift; done
   shift
-  local start=$(date +%s)
-  env "${vars[@]}" "$py" -m pytest -q -p no:cacheprovider "$@"
+  local start=$(date +%s) inductor
+  # each variant compiles into its own inductor cache: torch's FX graph cache key leaves out
+  # ATEN_CPU_CAPABILITY, so a graph compiled for AVX-512 would be reloaded and its C++ rebuilt without
+  # the vector ISA it was generated for (a compile error, not a test result)
+  inductor=$(mktemp -d)
+  env "${vars[@]}" TORCHINDUCTOR_CACHE_DIR="$inductor" "$py" -m pytest -q -p no:cacheprovider "$@"
+  rm -rf "$inductor"
   echo "cpu paths: $name passed in $(( $(date +%s) - start )) s"
 }
 
