@@ -141,7 +141,7 @@ def test_appends_touch_nothing_outside_the_buffers_and_rejected_calls_change_not
             k[0, 0, 0, 0] = math.nan  # specials in new tokens never reach other tokens' groups
         before = {n: t.clone() for n, t in whole.items()}
         if int(lengths[0]) + m > layout.max_tokens:
-            with pytest.raises(ValueError, match=re.escape(f"exceeds the cache capacity of {layout.max_tokens} tokens")):
+            with pytest.raises(ValueError, match=re.escape(f"exceeds its capacity of {layout.max_tokens} tokens")):
                 torch_rkv.ops.cache.cache_append(*buffers_args(bufs), lengths, k, k.clone(), scheme.k_bits,
                                                  scheme.v_bits, scheme.block, scheme.recent)
             assert all(same_bits(whole[n], before[n]) for n in whole)  # rejected: unchanged

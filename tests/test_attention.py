@@ -225,7 +225,7 @@ def bad_cases(device):
     ], [
         (lambda: call(lengths=too_long), ValueError,
          f"lengths[0] = {layout.max_tokens + 1} is outside [0, {layout.max_tokens}]"),
-        (lambda: call(cos=rope[0][:30], sin=rope[1][:30]), ValueError, "lengths[0] = 40 needs rope positions up to 39 but rope_cos has 30"),
+        (lambda: call(cos=rope[0][:30], sin=rope[1][:30]), ValueError, "sequence 0 needs rope positions up to 39 but rope_cos has 30"),
     ]
 
 

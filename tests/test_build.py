@@ -16,8 +16,8 @@ from conftest import RKV_OPS
 
 
 def test_the_op_list_comes_from_the_registered_schemas():
-    assert {"quantize", "dequantize", "pack", "unpack", "rope", "hadamard", "cache_append",
-            "decode_attention"} <= set(RKV_OPS)
+    assert {"quantize", "dequantize", "pack", "unpack", "rope", "hadamard", "cache_append", "decode_attention",
+            "paged_append", "paged_decode_attention", "paged_prefill_attention", "paged_copy"} <= set(RKV_OPS)
 
 
 @pytest.mark.parametrize("op", RKV_OPS)

@@ -193,16 +193,16 @@ def test_capacity_is_enforced_by_compiled_steps():
     with the cache's error, with no host copy of the lengths to fall out of date."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cache = make_cache(presets.kivi(4, block=8, recent=4), capacity=24)  # 24 packed rows + 4 recent
-    assert cache.capacity == 28
+    cache = make_cache(presets.kivi(4, block=8, recent=4), capacity=22)  # rows round up to 3 blocks of 8
+    assert cache.capacity == 24
     step = torch.compile(TinyAttention(cache, 0), fullgraph=True)
     with torch.no_grad():
-        for _ in range(28):
+        for _ in range(24):
             step(torch.randn(2, 64))
-        assert cache.seq_length(0) == 28
-        with pytest.raises(RuntimeError, match="appending 1 tokens to layer 0 exceeds the capacity of 28 tokens"):
+        assert cache.seq_length(0) == 24
+        with pytest.raises(RuntimeError, match="appending 1 tokens to layer 0 exceeds the capacity of 24 tokens"):
             step(torch.randn(2, 64))
-    assert cache.seq_length(0) == 28  # the refused step wrote nothing
+    assert cache.seq_length(0) == 24  # the refused step wrote nothing
     cache.reset()
     assert cache.seq_length(0) == 0
 
@@ -242,7 +242,7 @@ def test_the_op_rejects_a_full_cache_and_changes_nothing():
     bufs = layout.allocate()
     before = {k: v.clone() for k, v in bufs.items()}
     k = torch.randn(1, 1, layout.max_tokens + 1, 32)
-    with pytest.raises(ValueError, match=re.escape(f"exceeds the cache capacity of {layout.max_tokens} tokens")):
+    with pytest.raises(ValueError, match=re.escape(f"exceeds its capacity of {layout.max_tokens} tokens")):
         torch_rkv.ops.cache.cache_append(*buffers_args(bufs), torch.zeros(1, dtype=torch.int64), k, k, 4, 4, s.block,
                                          s.recent)
     assert all(torch.equal(bufs[n], before[n]) for n in bufs)

@@ -66,6 +66,53 @@ def cache_samples(device):
         out.append((torch.ops.rkv.decode_attention.default,
                     (q, *buffers_args(bufs), lengths, 4, 4, s.block, s.recent, rope[0], rope[1], False, ks, vs, 0.125,
                      16)))
+    return out + paged_samples(device)
+
+
+def paged_samples(device):
+    """The paged ops over a pool whose regions are views into one page buffer (pages any stride apart):
+    appends with and without page counts and slot_mapping, decode and prefill with pre-RoPE and Hadamard
+    keys, and page copies."""
+    from pagedbuild import Pool, random_tables
+
+    from torch_rkv.layout import PageLayout
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    on = lambda t: t.to(device)  # noqa: E731
+    for key_space in ("pre", "hadamard"):
+        s = presets.recommended(4).replace(sinks=2, recent=4, k_block_tokens=8, pre_rope=key_space == "pre",
+                                           k_hadamard=key_space == "hadamard")
+        pool = Pool(PageLayout(s, 2, 64, 16, torch.float16), 8, 3, gen, zeros=True).clone(device)
+        tables = on(random_tables(gen, 8, [20, 9], 16, 3))
+        slots = on(torch.tensor([2, 0], dtype=torch.int32))
+        k = on(torch.randn(14, 2, 64, generator=gen).half())
+        for lengths, fill, slot_map in (([0, 0], True, False), ([5, 3], False, True)):
+            qsl = on(torch.tensor([0, 9, 14]))
+            mapping = None
+            if slot_map:
+                t = tables.cpu().long()
+                mapping = on(torch.tensor([int(t[b, p // 16]) * 16 + p % 16 for b, (n, m) in
+                                           enumerate(zip(lengths, (9, 5))) for p in range(n, n + m)]))
+            out.append((torch.ops.rkv.paged_append.default,
+                        (*pool.tensors(), pool.fill if fill else None, tables, slots, on(torch.tensor(lengths)), qsl, k,
+                         k.clone(), 4, 4, s.block, s.recent, False, False, mapping)))
+        cos, sin = (on(t) for t in torch_rkv.rope_tables(64, 64))
+        rope = (cos, sin) if key_space == "pre" else (None, None)
+        signs = on(torch_rkv.hadamard_signs(64, 1)) if key_space == "hadamard" else None
+        vs = on(torch_rkv.hadamard_signs(64, 2))
+        lengths = on(torch.tensor([14, 3]))
+        q = on(torch.randn(2, 6, 64, generator=gen).half())
+        out.append((torch.ops.rkv.paged_decode_attention.default,
+                    (q, *pool.tensors(), tables, slots, lengths, 4, 4, s.block, s.recent, *rope, False, signs, vs,
+                     0.125, 8)))
+        qp = on(torch.randn(7, 6, 64, generator=gen).half())
+        out.append((torch.ops.rkv.paged_prefill_attention.default,
+                    (qp, k[:7], k[:7].clone(), on(torch.tensor([0, 3, 6])), 3, *pool.tensors(), tables, slots, lengths,
+                     4, 4, s.block, s.recent, *rope, False, signs, vs, 0.125, 0)))
+        out.append((torch.ops.rkv.paged_copy.default,
+                    (*pool.tensors(), pool.fill, on(torch.tensor([1, 2])), on(torch.tensor([5, 6])),
+                     on(torch.tensor([0])), on(torch.tensor([1])))))
     return out
 
 

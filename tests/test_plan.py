@@ -30,14 +30,15 @@ HAND_COUNTED = [
     # and zero, for K and V: 2 * (32 + 2 + 2) = 72 bytes; x 600 token-heads
     (S.per_token(4), 2, 3, 64, 100, 600 * 72),
     # KIVI-2 (per-channel keys in blocks of 32, values in groups of 32) with 4 sinks, recent 128, d=64,
-    # 1 x 2 heads, capacity 1000: packed rows round up (1000 - 4 - 128 = 868 -> 896 = 28 blocks); the
-    # window ring holds recent + block - 1 = 159 rows.
-    #   codes     2 sides x 2 heads x 896 rows x 16 bytes          = 57344
-    #   K meta    2 heads x 28 blocks x 64 channels x (scale+zero) x 2 B = 14336
-    #   V meta    2 heads x 896 rows x 2 groups x (scale+zero) x 2 B    = 14336
+    # 1 x 2 heads, capacity 1000: packed rows round up to whole blocks (1000 -> 1024 = 32 blocks; the
+    # sinks and the window have rows too, filled as their blocks complete); the window ring holds
+    # recent + block - 1 = 159 rows.
+    #   codes     2 sides x 2 heads x 1024 rows x 16 bytes         = 65536
+    #   K meta    2 heads x 32 blocks x 64 channels x (scale+zero) x 2 B = 16384
+    #   V meta    2 heads x 1024 rows x 2 groups x (scale+zero) x 2 B    = 16384
     #   window    2 sides x 2 heads x 159 x 64 x 2 B               = 81408
     #   sinks     2 sides x 2 heads x 4 x 64 x 2 B                 = 2048
-    (S.kivi(2).replace(sinks=4), 1, 2, 64, 1000, 57344 + 14336 + 14336 + 81408 + 2048),
+    (S.kivi(2).replace(sinks=4), 1, 2, 64, 1000, 65536 + 16384 + 16384 + 81408 + 2048),
     # 3-bit per-token, symmetric keys (no zero), fp32 metadata, d=64, 1 x 2 heads x 10 tokens: 24 code
     # bytes per row; keys 24 + 4, values 24 + 4 + 4 per token and head
     (S.per_token(3).replace(k_symmetric=True, meta_dtype=torch.float32), 1, 2, 64, 10, 20 * (28 + 32)),
@@ -92,3 +93,20 @@ def test_config_json_of_any_model(tmp_path):
     shape = plan.from_config(str(path), None)
     assert (shape.layers, shape.kv_heads, shape.head_dim) == (32, 8, 128)
     assert abs(shape.params / 8.03e9 - 1) < 0.01  # the estimate recovers Llama-3-8B's size
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("context", [1, 300, 1000])
+def test_paged_bytes_equal_the_allocated_paged_cache(scheme, context):
+    """plan's paged concurrency counts what a PagedQuantizedKVCache holding one sequence allocates."""
+    from torch_rkv.paged import PagedQuantizedKVCache
+
+    model = plan.ModelShape("tiny", layers=3, kv_heads=2, head_dim=64, params=1e6)
+    want = plan.paged_sequence_bytes(model, scheme, context)
+    cache = PagedQuantizedKVCache(scheme, model.layers, model.kv_heads, model.head_dim, 1, 1, dtype=torch.float16,
+                                  rope=(torch.zeros(4096, 32), torch.zeros(4096, 32)))
+    pages = cache.layout.pages_for(context)
+    cache = PagedQuantizedKVCache(scheme, model.layers, model.kv_heads, model.head_dim, pages, 1, dtype=torch.float16,
+                                  rope=(torch.zeros(4096, 32), torch.zeros(4096, 32)))
+    assert cache.nbytes() == want
+    assert plan.paged_sequences(model, scheme, 10 * want + 1, context) == 10

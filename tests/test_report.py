@@ -31,8 +31,8 @@ def test_cache_view_pairs_follow_the_cache_layout(scheme):
     n = 60
     pairs = sim.quantized_pairs(torch.arange(n), n)
     for i in range(n):
-        q = ref.quantized_count(i + 1, scheme.sinks, scheme.recent, scheme.block)
-        want = [scheme.sinks <= t < scheme.sinks + q for t in range(n)]
+        q = ref.quantized_count(i + 1, scheme.recent, scheme.block)
+        want = [scheme.sinks <= t < q for t in range(n)]
         assert pairs[i].tolist() == want
 
 

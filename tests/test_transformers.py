@@ -107,6 +107,28 @@ def test_forward_with_use_cache_matches_full_forward(scheme):
     assert cache.get_seq_length() == 70
 
 
+def test_a_second_turn_runs_the_prefill_kernel_over_the_quantized_cache(monkeypatch):
+    """A second turn (a chunk of several tokens after the prefill) attends through
+    rkv::paged_prefill_attention: the cache as stored, the chunk itself in full precision; nothing is
+    dequantized. At 8 bits the two-turn generation agrees with transformers' own cache."""
+    model = tiny_llama()
+    scheme = S.recommended(8).replace(k_block_tokens=16)
+    first = torch.randint(0, 160, (1, 40), generator=torch.Generator().manual_seed(6))
+    reply = model.generate(first, max_new_tokens=8, do_sample=False)
+    second = torch.cat([reply, torch.randint(0, 160, (1, 20), generator=torch.Generator().manual_seed(7))], dim=1)
+    want = model.generate(second, max_new_tokens=12, do_sample=False)
+
+    calls = []
+    prefill = QuantizedKVCache.prefill
+    monkeypatch.setattr(QuantizedKVCache, "prefill", lambda self, *a, **k: calls.append(1) or prefill(self, *a, **k))
+    monkeypatch.setattr(QuantizedKVCache, "dequantized", lambda *a: pytest.fail("the chunk path dequantized the cache"))
+    cache = RKVCache(model, scheme, capacity=128)
+    model.generate(first, max_new_tokens=8, do_sample=False, cache=cache)
+    got = model.generate(second, max_new_tokens=12, do_sample=False, cache=cache)  # the new 20 tokens: one chunk
+    assert len(calls) == model.config.num_hidden_layers  # one chunk per layer
+    assert_agrees(model, second, want, got, scheme, 8, TINY_SENSITIVITY, 128)
+
+
 @pytest.mark.parametrize("rope_parameters", [{"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
                                              {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                               "original_max_position_embeddings": 128}],

@@ -16,6 +16,7 @@ import torch
 from .layout import CacheLayout
 from .ops.attention import decode_attention
 from .ops.cache import cache_append
+from .ops.paged import paged_prefill_attention
 from .ops.hadamard import hadamard, hadamard_signs
 from .ops.quant import Quantized, dequantize
 from .ops.rope import rope
@@ -118,13 +119,16 @@ class QuantizedKVCache(torch.nn.Module):
             if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != want:
                 raise ValueError(f"QuantizedKVCache.append: {name} must have shape (batch={lay.batch}, "
                                  f"kv_heads={lay.kv_heads}, tokens, head_dim={lay.head_dim}), got {list(t.shape)}")
-        m = k.shape[-2]
+        self._append_storage(layer, *self.to_storage(layer, k, v))
+
+    def _append_storage(self, layer: int, ks: torch.Tensor, vs: torch.Tensor) -> None:
+        """Append tokens already in the storage space and dtype, after the capacity check."""
+        m = ks.shape[-2]
         # checked on the lengths' device: no host sync per step, and the same check eager and compiled,
         # on CPU (raises here) and CUDA (a device-side assert)
         torch._assert_async((self.lengths[layer] + m <= self.capacity).all(),
                             f"QuantizedKVCache: appending {m} tokens to layer {layer} exceeds the capacity of "
                             f"{self.capacity} tokens")
-        ks, vs = self.to_storage(layer, k, v)
         s = self.scheme
         cache_append(*self.layer_buffers(layer), self.lengths[layer], ks, vs, s.k_bits, s.v_bits, s.block, s.recent,
                      s.k_clip, s.v_clip)
@@ -138,10 +142,30 @@ class QuantizedKVCache(torch.nn.Module):
                                 s.recent, self.rope_cos, self.rope_sin, self.rope_interleaved, self.k_signs,
                                 self.v_signs, scale, split_tokens)
 
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
+                split_tokens: int = 0) -> torch.Tensor:
+        """A chunk of m new tokens per sequence: causal attention of their post-RoPE queries q (B, Hq, m, D)
+        over this layer's cache as stored and over the chunk itself in full precision, then the chunk's
+        post-RoPE keys / values (B, Hkv, m, D) appended. Returns (B, Hq, m, D) in q's dtype. The served
+        form of a second turn, chunked prefill or speculative verification (rkv::paged_prefill_attention
+        over the contiguous layout)."""
+        self._check_layer(layer)
+        b, hq, m, d = q.shape
+        ks, vs = self.to_storage(layer, k, v)
+        rows = lambda t: t.transpose(1, 2).reshape(b * m, t.shape[1], d)  # noqa: E731  (B, H, m, D) -> (B*m, H, D)
+        qsl = torch.arange(b + 1, device=q.device) * m
+        s = self.scheme
+        out = paged_prefill_attention(rows(q), rows(ks), rows(vs), qsl, m, *self.layer_buffers(layer), None, None,
+                                      self.lengths[layer], s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
+                                      self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
+                                      split_tokens)
+        self._append_storage(layer, ks, vs)
+        return out.reshape(b, m, hq, d).transpose(1, 2)
+
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's cached keys (post-RoPE, original space) and values in full precision,
-        (B, Hkv, n, D) float32; all sequences must hold the same number of tokens. Reads the lengths on
-        the host (a sync on a GPU)."""
+        (B, Hkv, n, D) float32, read as attention reads them; all sequences must hold the same number of
+        tokens. Reads the lengths on the host (a sync on a GPU)."""
         self._check_layer(layer)
         n = self.seq_length(layer)
         if bool((self.lengths[layer] != n).any()):
@@ -149,20 +173,20 @@ class QuantizedKVCache(torch.nn.Module):
                              f"of tokens ({self.lengths[layer].tolist()})")
         bufs = dict(zip(BUFFERS, self.layer_buffers(layer)))
         s, lay = self.scheme, self.layout
-        q = quantized_count(n, s.sinks, s.recent, s.block)
+        q = quantized_count(n, s.recent, s.block)
         out = []
         for side in ("k", "v"):
             bits = getattr(s, f"{side}_bits")
             t = getattr(s, f"{side}_block_tokens")
             parts = [bufs[f"{side}_sink"][:, :, : min(n, s.sinks)].float()]
-            if q:
+            if q > s.sinks:
                 zero = bufs[f"{side}_zero"]
                 qt = Quantized(bufs[f"{side}_packed"][:, :, :q], bufs[f"{side}_scale"][:, :, : q // t],
                                None if zero is None else zero[:, :, : q // t], bits)
-                parts.append(dequantize(qt, torch.float32))
-            if n > s.sinks + q:
-                slots = torch.arange(s.sinks + q, n, device=self.lengths.device)
-                parts.append(bufs[f"{side}_window"][:, :, (slots - s.sinks) % lay.window].float())
+                parts.append(dequantize(qt, torch.float32)[:, :, s.sinks :])
+            if n > max(s.sinks, q):
+                slots = torch.arange(max(s.sinks, q), n, device=self.lengths.device)
+                parts.append(bufs[f"{side}_window"][:, :, slots % lay.window].float())
             out.append(torch.cat(parts, dim=2))
         k, v = out
         if self.k_signs is not None:

@@ -1,5 +1,11 @@
-"""Buffer shapes and exact byte counts of a quantized KV cache: the one source of truth that the cache
-allocates from and the memory planner counts with."""
+"""Buffer shapes and exact byte counts of a quantized KV cache, contiguous or paged: the one source of
+truth that the caches allocate from and the memory planner counts with (docs/format.md).
+
+Both layouts store a layer the same way (reference.py, "The quantized KV cache"): codes and metadata in
+pages of P token rows per kv head, and per sequence a side slot of full-precision rows (S sinks and a
+ring of W = recent + block - 1 newest tokens). The contiguous layout is one page of the whole capacity
+per sequence; the paged one is a pool of small pages that sequences address through block tables.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +15,64 @@ import torch
 
 from .scheme import Scheme
 
+ALIGN = 16  # bytes: every region of a page starts on this boundary, and a page is a multiple of it
+
 
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def _nbytes(shapes) -> int:
+    total = 0
+    for shape, dt in shapes:
+        n = 1
+        for x in shape:
+            n *= x
+        total += n * torch.empty((), dtype=dt).element_size()
+    return total
+
+
 def packed_tokens(scheme: Scheme, capacity: int) -> int:
     """Quantized token rows per sequence and head for `capacity` tokens: whole blocks."""
-    return round_up(max(0, capacity - scheme.sinks - scheme.recent), scheme.block)
+    return round_up(max(0, capacity), scheme.block)
 
 
 def max_tokens(scheme: Scheme, capacity: int) -> int:
-    """Tokens a cache sized for `capacity` really holds (sinks + whole quantized blocks + recent)."""
-    return scheme.sinks + packed_tokens(scheme, capacity) + scheme.recent
+    """Tokens a contiguous cache sized for `capacity` really holds: its rows, whole blocks."""
+    return packed_tokens(scheme, capacity)
+
+
+def window_tokens(scheme: Scheme) -> int:
+    """Rows of the full-precision ring: recent + block - 1 tokens at most wait there."""
+    return scheme.recent + scheme.block - 1
+
+
+def page_regions(scheme: Scheme, kv_heads: int, head_dim: int, rows: int):
+    """(name, shape (kv_heads, rows or metadata rows, last dim), dtype) of one page's regions, in their
+    byte order: codes of keys, then of values, then each side's scales and zeros (absent when
+    symmetric)."""
+    s, h, d = scheme, kv_heads, head_dim
+    out = [(f"{side}_codes", (h, rows, d * getattr(s, f"{side}_bits") // 8), torch.uint8) for side in ("k", "v")]
+    for side in ("k", "v"):
+        group = getattr(s, f"{side}_group_size") or d
+        meta = (h, rows // getattr(s, f"{side}_block_tokens"), d // group)
+        out.append((f"{side}_scale", meta, s.meta_dtype))
+        if not getattr(s, f"{side}_symmetric"):
+            out.append((f"{side}_zero", meta, s.meta_dtype))
+    return out
+
+
+def side_shapes(scheme: Scheme, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype):
+    """name -> (shape, dtype) of the full-precision side rows of `slots` sequences."""
+    w, s = window_tokens(scheme), scheme.sinks
+    return {f"{side}_{kind}": ((slots, kv_heads, rows, head_dim), dtype)
+            for kind, rows in (("window", w), ("sink", s)) for side in ("k", "v")}
 
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """One layer's buffers for `batch` sequences of up to `capacity` tokens (the layout may hold a few
-    more: quantized capacity is rounded up to whole blocks; `max_tokens` is exact)."""
+    """One layer's contiguous buffers for `batch` sequences of up to `capacity` tokens (the layout may
+    hold a few more: the rows are rounded up to whole blocks; `max_tokens` is exact)."""
 
     scheme: Scheme
     batch: int
@@ -49,8 +94,7 @@ class CacheLayout:
 
     @property
     def window(self) -> int:
-        """Size of the full-precision ring: recent + block - 1 tokens at most wait there."""
-        return self.scheme.recent + self.scheme.block - 1
+        return window_tokens(self.scheme)
 
     @property
     def max_tokens(self) -> int:
@@ -58,19 +102,10 @@ class CacheLayout:
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every buffer; k_zero / v_zero absent when symmetric."""
-        s, b, h, d, c = self.scheme, self.batch, self.kv_heads, self.head_dim, self.packed_capacity
         out = {}
-        for side in ("k", "v"):
-            bits = getattr(s, f"{side}_bits")
-            group = getattr(s, f"{side}_group_size") or d
-            tokens = getattr(s, f"{side}_block_tokens")
-            out[f"{side}_packed"] = ((b, h, c, d * bits // 8), torch.uint8)
-            meta = (b, h, c // tokens, d // group)
-            out[f"{side}_scale"] = (meta, s.meta_dtype)
-            if not getattr(s, f"{side}_symmetric"):
-                out[f"{side}_zero"] = (meta, s.meta_dtype)
-            out[f"{side}_window"] = ((b, h, self.window, d), self.dtype)
-            out[f"{side}_sink"] = ((b, h, s.sinks, d), self.dtype)
+        for name, shape, dt in page_regions(self.scheme, self.kv_heads, self.head_dim, self.packed_capacity):
+            out[name.replace("_codes", "_packed")] = ((self.batch, *shape), dt)
+        out.update(side_shapes(self.scheme, self.kv_heads, self.head_dim, self.batch, self.dtype))
         return out
 
     def allocate(self, device=None) -> dict[str, torch.Tensor]:
@@ -78,10 +113,86 @@ class CacheLayout:
 
     def nbytes(self) -> int:
         """Exact bytes of all buffers of this layer."""
-        total = 0
-        for shape, dt in self.shapes().values():
-            n = 1
-            for x in shape:
-                n *= x
-            total += n * torch.empty((), dtype=dt).element_size()
-        return total
+        return _nbytes(self.shapes().values())
+
+
+def default_page_size(scheme: Scheme) -> int:
+    """The scheme's block, so that a page is the unit of quantization: a full page's codes and metadata
+    depend on its own tokens only, which is what lets full pages be shared by reference and cached by
+    prefix. Per-token schemes (block 1) take 16 tokens, vLLM's default block size."""
+    return scheme.block if scheme.block >= 16 else round_up(16, scheme.block)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The byte layout of one page (P tokens of one layer, every kv head) and of a side slot.
+
+    A page is one contiguous run of `page_bytes` bytes holding the regions of page_regions, each at
+    `offsets[name]` (ALIGN-aligned), so a pool is a (pages, page_bytes) uint8 tensor whose region views
+    the paged ops take. P must be a multiple of the scheme's block."""
+
+    scheme: Scheme
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype = torch.float16  # full-precision side rows
+
+    def __post_init__(self):
+        self.scheme.check_head_dim(self.head_dim)
+        if self.page_size < 1 or self.page_size % self.scheme.block:
+            raise ValueError(f"PageLayout: page_size {self.page_size} must be a positive multiple of the scheme's "
+                             f"block ({self.scheme.block} tokens): a page holds whole quantization blocks")
+        if self.kv_heads < 1:
+            raise ValueError(f"PageLayout: kv_heads must be >= 1 (got {self.kv_heads})")
+
+    def regions(self):
+        return page_regions(self.scheme, self.kv_heads, self.head_dim, self.page_size)
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        at, out = 0, {}
+        for name, shape, dt in self.regions():
+            out[name] = at
+            at = round_up(at + _nbytes([(shape, dt)]), ALIGN)
+        return out
+
+    @property
+    def page_bytes(self) -> int:
+        name, shape, dt = self.regions()[-1]
+        return round_up(self.offsets[name] + _nbytes([(shape, dt)]), ALIGN)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of a page that hold codes and metadata (page_bytes less the alignment padding)."""
+        return sum(_nbytes([(shape, dt)]) for _, shape, dt in self.regions())
+
+    def side_shapes(self, slots: int):
+        return side_shapes(self.scheme, self.kv_heads, self.head_dim, slots, self.dtype)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one sequence's side slot (sinks and window ring, keys and values)."""
+        return _nbytes(self.side_shapes(1).values())
+
+    def views(self, pool: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The region views (pages, kv_heads, rows, last dim) of a (pages, page_bytes) uint8 pool: each
+        contiguous within a page, page_bytes apart."""
+        if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != self.page_bytes:
+            raise ValueError(f"PageLayout.views: the pool must be a (pages, {self.page_bytes}) uint8 tensor, got "
+                             f"{tuple(pool.shape)} {pool.dtype}")
+        out = {}
+        for name, shape, dt in self.regions():
+            at, n = self.offsets[name], _nbytes([(shape, dt)])
+            out[name] = pool[:, at : at + n].view(dt).unflatten(1, shape)
+        return out
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages a sequence of `tokens` tokens holds (the last one possibly partial)."""
+        return -(-tokens // self.page_size)
+
+    def sequence_bytes(self, tokens: int) -> int:
+        """Bytes one sequence of `tokens` tokens occupies in a PagedQuantizedKVCache: its pages' codes and
+        metadata (page rounding included) and its side slot. An engine that keeps one buffer per page
+        adds the alignment padding, page_bytes - payload_bytes a page (0 for the presets at head_dim 64
+        and 128)."""
+        return self.pages_for(tokens) * self.payload_bytes + self.slot_bytes

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import scheme as S
-from .layout import CacheLayout
+from .layout import CacheLayout, PageLayout, default_page_size, round_up
 from .scheme import Scheme
 
 GIB = 1024**3
@@ -108,6 +108,25 @@ def most_sequences(model: ModelShape, scheme: Scheme | None, budget: float, cont
     return n
 
 
+def paged_sequence_bytes(model: ModelShape, scheme: Scheme | None, context: int, page_size: int | None = None,
+                         dtype=torch.float16) -> int:
+    """Exact bytes one sequence of `context` tokens holds in a paged cache, every layer: its pages (the
+    last one partial: page rounding included), their page counts and its side slot of full-precision
+    rows (PagedQuantizedKVCache, from PageLayout). scheme None: a full-precision paged cache in `dtype`
+    (pages of 16 tokens, vLLM's default)."""
+    if scheme is None:
+        p = page_size or 16
+        return 2 * model.layers * model.kv_heads * round_up(context, p) * model.head_dim * torch.finfo(dtype).bits // 8
+    layout = PageLayout(scheme, model.kv_heads, model.head_dim, page_size or default_page_size(scheme), dtype)
+    return model.layers * (layout.sequence_bytes(context) + 4 * layout.pages_for(context))
+
+
+def paged_sequences(model: ModelShape, scheme: Scheme | None, budget: float, context: int,
+                    page_size: int | None = None) -> int:
+    """Sequences of `context` tokens a paged cache of `budget` bytes holds at once."""
+    return max(0, int(budget // paged_sequence_bytes(model, scheme, context, page_size)))
+
+
 def plan(model: ModelShape, gpu_bytes: float, weight_bytes: float, reserve_bytes: float, context: int, batch: int,
          schemes: list[tuple[str, Scheme | None]]) -> list[dict]:
     budget = gpu_bytes - weight_bytes - reserve_bytes
@@ -122,6 +141,8 @@ def plan(model: ModelShape, gpu_bytes: float, weight_bytes: float, reserve_bytes
             "fits": need <= budget,
             "longest_context_batch1": longest_context(model, scheme, budget),
             "max_sequences_at_context": most_sequences(model, scheme, budget, context),
+            "paged_sequences_at_context": paged_sequences(model, scheme, budget, context),
+            "paged_bytes_per_sequence": paged_sequence_bytes(model, scheme, context),
         })
     return rows
 
@@ -162,9 +183,11 @@ def main(args) -> int:
           f"{args.reserve_gb:.0f} GB -> {budget / GB:.1f} GB for the KV cache")
     print(f"context {args.context:,} tokens x batch {args.batch}\n")
     print(f"{'scheme':14s} {'bits/el':>7s} {'KB/token':>9s} {'KV cache GB':>12s} {'fits':>5s} "
-          f"{'longest ctx (b=1)':>18s} {'seqs @ ctx':>11s}")
+          f"{'longest ctx (b=1)':>18s} {'seqs @ ctx':>11s} {'paged':>6s}")
     for r in rows:
         print(f"{r['scheme']:14s} {r['bits_per_element']:7.2f} {r['bytes_per_token'] / 1024:9.1f} "
               f"{r['kv_bytes'] / GB:12.2f} {'yes' if r['fits'] else 'no':>5s} {r['longest_context_batch1']:18,d} "
-              f"{r['max_sequences_at_context']:11d}")
+              f"{r['max_sequences_at_context']:11d} {r['paged_sequences_at_context']:6d}")
+    print("\nseqs @ ctx: a contiguous cache of that batch; paged: PagedQuantizedKVCache, page rounding and each "
+          "sequence's side slot (sinks and window) included")
     return 0

@@ -71,26 +71,28 @@ def quant_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool,
 CLIP_STEPS = 11
 
 
-def _tile_error(tiles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """Sum over each tile (*, nb, T, ng, G) of (x_hat - x)^2 for its finite values, float64, (*, nb, ng)."""
+def _tile_error(tiles: torch.Tensor, counted: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                bits: int) -> torch.Tensor:
+    """Sum over each tile (*, nb, T, ng, G) of (x_hat - x)^2 for its counted values, float64, (*, nb, ng)."""
     s, z = scale[..., :, None, :, None], zero[..., :, None, :, None]
     err = (decode(encode(tiles, s, z, bits, False), s, z, bits) - tiles).double() ** 2
-    return torch.where(torch.isfinite(tiles), err, torch.zeros_like(err)).sum(dim=(-3, -1))
+    return torch.where(counted, err, torch.zeros_like(err)).sum(dim=(-3, -1))
 
 
-def clip_params(tiles: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, meta_dtype: torch.dtype):
+def clip_params(tiles: torch.Tensor, counted: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int,
+                meta_dtype: torch.dtype):
     """(scale, zero) of the clipped-range search: candidate j = 0..10 is the range [lo + j*step, hi - j*step]
     with step = (hi - lo) * 0.025 in float32 (none beyond j = 0 when step overflows); the candidate
-    with the least squared error over the group's finite values (float64 sum) wins, ties keep the
-    smaller j. Asymmetric parameters; tiles (*, nb, T, ng, G), lo / hi (*, nb, ng)."""
+    with the least squared error over the group's counted values (finite, not sinks; float64 sum) wins,
+    ties keep the smaller j. Asymmetric parameters; tiles (*, nb, T, ng, G), lo / hi (*, nb, ng)."""
     step = (hi - lo) * torch.tensor(0.025, dtype=torch.float32)
     searchable = torch.isfinite(step)
     best_scale, best_zero = quant_params(lo, hi, bits, False, meta_dtype)
-    best_err = _tile_error(tiles, best_scale, best_zero, bits)
+    best_err = _tile_error(tiles, counted, best_scale, best_zero, bits)
     for j in range(1, CLIP_STEPS):
         cut = torch.tensor(float(j), dtype=torch.float32) * step
         scale, zero = quant_params(lo + cut, hi - cut, bits, False, meta_dtype)
-        err = _tile_error(tiles, scale, zero, bits)
+        err = _tile_error(tiles, counted, scale, zero, bits)
         better = searchable & (err < best_err)
         best_scale = torch.where(better, scale, best_scale)
         best_zero = torch.where(better, zero, best_zero)
@@ -132,6 +134,7 @@ def quantize(
     symmetric: bool = False,
     meta_dtype: torch.dtype = torch.float16,
     clip: bool = False,
+    sink_rows: int = 0,
 ):
     """x (*, N, D) -> (packed (*, N, D*bits/8) uint8, scale, zero (*, N/T, D/G) meta_dtype).
 
@@ -141,6 +144,9 @@ def quantize(
     (2^(bits-1) - 1) rounded up, code = clamp(round(x / scale), -q, q) + 2^(bits-1), zero is empty.
     round is half-to-even; NaN encodes as 0; +-Inf saturate; a group with no finite value gets scale 0.
     clip (asymmetric only): each group's (min, max) is replaced by the best range of clip_params.
+    sink_rows (the cache's use, not an op argument): tokens [0, sink_rows) are attention sinks, kept in
+    full precision elsewhere; they are encoded like the others but do not set the range of a group they
+    share with other tokens (a group made of sinks only takes its range from them).
     """
     if clip and symmetric:
         raise ValueError("rkv.quantize: clip searches asymmetric ranges; it needs symmetric=False")
@@ -148,11 +154,15 @@ def quantize(
     t, g = block_tokens, group_size
     xf = x.float()
     tiles = xf.reshape(*lead, n // t, t, d // g, g)
-    finite = torch.isfinite(tiles)
-    lo = torch.where(finite, tiles, torch.full_like(tiles, math.inf)).amin(dim=(-3, -1))
-    hi = torch.where(finite, tiles, torch.full_like(tiles, -math.inf)).amax(dim=(-3, -1))
+    counted = torch.isfinite(tiles)
+    if sink_rows:
+        row = torch.arange(n, device=x.device).reshape(n // t, t)
+        all_sinks = (row < sink_rows).all(dim=-1, keepdim=True)
+        counted = counted & ((row >= sink_rows) | all_sinks)[:, :, None, None]
+    lo = torch.where(counted, tiles, torch.full_like(tiles, math.inf)).amin(dim=(-3, -1))
+    hi = torch.where(counted, tiles, torch.full_like(tiles, -math.inf)).amax(dim=(-3, -1))
     if clip:
-        scale, zero = clip_params(tiles, lo, hi, bits, meta_dtype)
+        scale, zero = clip_params(tiles, counted, lo, hi, bits, meta_dtype)
     else:
         scale, zero = quant_params(lo, hi, bits, symmetric, meta_dtype)
     codes = encode(xf, _expand_meta(scale, t, g), _expand_meta(zero, t, g), bits, symmetric)
@@ -280,42 +290,108 @@ def hadamard(x: torch.Tensor, signs: Optional[torch.Tensor] = None, inverse: boo
 
 
 # --------------------------------------------------------------------------------------------------
-# The quantized KV cache layout and decode attention over it
+# The quantized KV cache: pages, full-precision side rows, and attention over them
 # --------------------------------------------------------------------------------------------------
 #
-# Per sequence of n tokens and per KV head, token t lives in exactly one place:
-#   t < S                      sink[t]                         (full precision, the first S tokens)
-#   S <= t < S + Q(n)          packed row t - S                (quantized; metadata row (t - S) / T_k)
-#   S + Q(n) <= t < n          window[(t - S) % W]             (full precision ring of the newest tokens)
-# with Q(n) = block * floor(max(0, n - S - recent) / block): only whole blocks are quantized and at
-# least `recent` newest tokens stay in full precision. W >= recent + block - 1 holds every window token.
+# One layer stores (docs/format.md):
+#   pages       k_codes (pages, H, P, D*bits/8) uint8 with k_scale / k_zero (pages, H, P/T, D/G); same for v
+#   side slots  k_sink (slots, H, S, D) and k_window (slots, H, W, D) in full precision; same for v
+# Sequence b owns the pages block_tables[b] (token t: page block_tables[b][t // P], row t % P) and the
+# side slot side_slots[b]. The contiguous layout is one page of P = capacity rows per sequence: page b and
+# slot b (block_tables and side_slots None).
+#
+# Tokens are quantized in blocks of `block` tokens (P is a multiple of block, block a multiple of both
+# quantizer tiles T): block j covers tokens [j*block, (j+1)*block) and is written into its rows the
+# moment its last token arrives, so a full page is final and can be shared. A sequence of n tokens
+# reads token t from
+#   t < S                      sink[t]          (full precision: the first S tokens)
+#   S <= t < Q(n)              its quantized row
+#   max(S, Q(n)) <= t < n      window[t % W]    (full-precision ring of the newest tokens)
+# with Q(n) = block * floor(max(0, n - recent) / block): at least `recent` newest tokens stay in full
+# precision, and W >= recent + block - 1 holds them. Sinks are encoded in their block like any token
+# but do not set the range of a group they share with other tokens (quantize's sink_rows).
 
 
-def quantized_count(n: int, sinks: int, recent: int, block: int) -> int:
-    """Q(n): how many of n tokens sit in the packed buffers."""
-    return block * (max(0, n - sinks - recent) // block)
+def quantized_count(n: int, recent: int, block: int) -> int:
+    """Q(n): of n cached tokens, those before Q(n) are read from their quantized rows (sinks excepted)."""
+    return block * (max(0, n - recent) // block)
 
 
-def gather_tokens(packed, scale, zero, bits, window, sink, n: int, recent: int, block: int) -> torch.Tensor:
-    """All n cached tokens of one sequence in order, as float32 (H, n, D), from one quantized tensor
-    (packed (H, C, D*bits/8), scale/zero (H, C/T, D/G)), its window ring (H, W, D) and sinks (H, S, D)."""
-    s = sink.shape[-2]
-    q = quantized_count(n, s, recent, block)
+def full_precision_count(n: int, sinks: int, recent: int, block: int) -> int:
+    """How many of n cached tokens are read in full precision: the sinks and the tokens past Q(n)."""
+    q = quantized_count(n, recent, block)
+    return n - q + min(sinks, q)
+
+
+def _pages_of(block_tables, b: int) -> torch.Tensor:
+    """Sequence b's page ids: its block table row, or [b] in the contiguous layout."""
+    return torch.tensor([b]) if block_tables is None else block_tables[b].long().cpu()
+
+
+def _slot_of(side_slots, b: int) -> int:
+    return b if side_slots is None else int(side_slots[b])
+
+
+def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Quantized rows (page pages[i], row rows[i]) of every head, dequantized: (H, N, D) float32."""
+    per_meta = codes.shape[2] // scale.shape[2]  # tokens per metadata row (the quantizer tile T)
+    dev = codes.device
+    pages, rows = pages.to(dev), rows.to(dev)
+    c = unpack(codes[pages, :, rows], bits)  # (N, H, D)
+    g = c.shape[-1] // scale.shape[-1]
+    sc = scale[pages, :, rows // per_meta].float().repeat_interleave(g, dim=-1)
+    z = None if zero is None else zero[pages, :, rows // per_meta].float().repeat_interleave(g, dim=-1)
+    return decode(c, sc, z, bits).transpose(0, 1)
+
+
+def gather_tokens(codes, scale, zero, bits, window, sink, pages, n: int, recent: int, block: int) -> torch.Tensor:
+    """One sequence's n cached tokens of one side (keys or values) in order, float32 (H, n, D), from its
+    pages (1-D page ids), its window ring (H, W, D) and its sinks (H, S, D)."""
+    s, p = sink.shape[-2], codes.shape[-2]
+    q = quantized_count(n, recent, block)
     parts = [sink[:, : min(n, s)].float()]
-    if q:
-        t = packed.shape[-2] // scale.shape[-2]  # tokens per metadata row
-        parts.append(dequantize(packed[:, :q], scale[:, : q // t], None if zero is None else zero[:, : q // t], bits))
-    if n > s + q:
-        slots = [(i - s) % window.shape[-2] for i in range(s + q, n)]
-        parts.append(window[:, slots].float())
+    if q > s:
+        t = torch.arange(s, q)
+        parts.append(read_rows(codes, scale, zero, bits, torch.as_tensor(pages)[t // p], t % p))
+    if n > max(s, q):
+        parts.append(window[:, [t % window.shape[-2] for t in range(max(s, q), n)]].float())
     return torch.cat(parts, dim=1)
 
 
-def decode_attention(
+def _cached(cache, block_tables, side_slots, b: int, n: int, k_bits, v_bits, block, recent):
+    """(keys, values) (Hkv, n, D) float32 of sequence b's first n tokens, in the storage space."""
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink = cache
+    pages, slot = _pages_of(block_tables, b), _slot_of(side_slots, b)
+    keys = gather_tokens(k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], pages, n, recent, block)
+    values = gather_tokens(v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], pages, n, recent, block)
+    return keys, values
+
+
+def _attend(qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: torch.Tensor, scale: float):
+    """qf (m, Hq, D) query rows over keys / values (Hkv, N, D); row i sees keys [0, ends[i]). GQA: query
+    head h reads KV head h // (Hq / Hkv). A row that sees no key gets zeros. (m, Hq, D) float32."""
+    m, hq, d = qf.shape
+    hkv = keys.shape[0]
+    qg = qf.reshape(m, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # (Hkv, G, m, D)
+    scores = (qg @ keys.transpose(-1, -2)[:, None]) * scale  # (Hkv, G, m, N)
+    visible = torch.arange(keys.shape[1], device=qf.device)[None, :] < ends.to(qf.device)[:, None]  # (m, N)
+    probs = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1)
+    probs = torch.where(visible.any(-1)[:, None], probs, torch.zeros_like(probs))  # no key: 0, not NaN
+    out = probs @ values[:, None]  # (Hkv, G, m, D)
+    return out.permute(2, 0, 1, 3).reshape(m, hq, d)
+
+
+def _space(q, rope, k_signs):
+    """Queries in fp32, rotated into the keys' Hadamard space when they are stored rotated."""
+    qf = q.float()
+    return hadamard(qf, k_signs) if k_signs is not None else qf
+
+
+def paged_decode_attention(
     q: torch.Tensor,
-    k_packed, k_scale, k_zero, v_packed, v_scale, v_zero,
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     k_window, v_window, k_sink, v_sink,
-    lengths: torch.Tensor,
+    block_tables: Optional[torch.Tensor], side_slots: Optional[torch.Tensor], lengths: torch.Tensor,
     k_bits: int, v_bits: int, block: int, recent: int,
     rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None, rope_interleaved: bool = False,
     k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
@@ -329,28 +405,191 @@ def decode_attention(
     h // (Hq / Hkv). A sequence with no cached token gets a zero output. Computed in float32.
     """
     b_, hq, d = q.shape
-    hkv = k_packed.shape[1]
+    cache = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qf = q.float()
-    if k_signs is not None:
-        qf = hadamard(qf, k_signs)
+    qf = _space(q, rope_cos, k_signs)
     out = torch.zeros(b_, hq, d, dtype=torch.float32, device=q.device)
     for b in range(b_):
         n = int(lengths[b])
-        if n == 0:
-            continue
-        keys = gather_tokens(k_packed[b], k_scale[b], None if k_zero is None else k_zero[b], k_bits,
-                             k_window[b], k_sink[b], n, recent, block)
-        values = gather_tokens(v_packed[b], v_scale[b], None if v_zero is None else v_zero[b], v_bits,
-                               v_window[b], v_sink[b], n, recent, block)
+        keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent)
         if rope_cos is not None:
             keys = rope(keys, rope_cos, rope_sin, torch.arange(n, device=q.device), rope_interleaved)
-        qg = qf[b].reshape(hkv, hq // hkv, d)
-        probs = torch.softmax((qg @ keys.transpose(-1, -2)) * scale, dim=-1)
-        out[b] = (probs @ values).reshape(hq, d)
+        out[b] = _attend(qf[b][None], keys, values, torch.tensor([n]), scale)[0]
     if v_signs is not None:
         out = hadamard(out, v_signs, inverse=True)
     return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, query_start_loc: torch.Tensor,
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+    k_window, v_window, k_sink, v_sink,
+    block_tables: Optional[torch.Tensor], side_slots: Optional[torch.Tensor], lengths: torch.Tensor,
+    k_bits: int, v_bits: int, block: int, recent: int,
+    rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None, rope_interleaved: bool = False,
+    k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Causal attention of a chunk of new tokens per sequence over its cache and the chunk itself.
+
+    Sequence b has n = lengths[b] cached tokens and m = query_start_loc[b+1] - query_start_loc[b] new
+    ones at positions n..n+m-1: rows query_start_loc[b].. of q (T, Hq, D) and of k_new / v_new (T, Hkv,
+    D), the latter in the cache's storage space (pre-RoPE / rotated, as cache_append takes them). New
+    token i attends over the n cached tokens as stored (reads as paged_decode_attention) and over new
+    tokens 0..i in full precision. Rows past query_start_loc[B] (padding) get zeros. (T, Hq, D) in
+    q's dtype.
+    """
+    t_, hq, d = q.shape
+    cache = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qf = _space(q, rope_cos, k_signs)
+    out = torch.zeros(t_, hq, d, dtype=torch.float32, device=q.device)
+    starts = [int(x) for x in query_start_loc]
+    for b in range(len(starts) - 1):
+        n, lo, hi = int(lengths[b]), starts[b], starts[b + 1]
+        keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent)
+        keys = torch.cat([keys, k_new[lo:hi].float().transpose(0, 1)], dim=1)
+        values = torch.cat([values, v_new[lo:hi].float().transpose(0, 1)], dim=1)
+        if rope_cos is not None:
+            keys = rope(keys, rope_cos, rope_sin, torch.arange(n + hi - lo, device=q.device), rope_interleaved)
+        ends = n + 1 + torch.arange(hi - lo)
+        out[lo:hi] = _attend(qf[lo:hi], keys, values, ends, scale)
+    if v_signs is not None:
+        out = hadamard(out, v_signs, inverse=True)
+    return out.to(q.dtype)
+
+
+def paged_append(
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+    k_window, v_window, k_sink, v_sink,
+    page_fill: Optional[torch.Tensor], block_tables: Optional[torch.Tensor], side_slots: Optional[torch.Tensor],
+    lengths: torch.Tensor, query_start_loc: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+    k_bits: int, v_bits: int, block: int, recent: int, k_clip: bool = False, v_clip: bool = False,
+    slot_mapping: Optional[torch.Tensor] = None,
+) -> None:
+    """Append each sequence's new tokens, in place: sequence b's m = query_start_loc[b+1] -
+    query_start_loc[b] tokens, rows query_start_loc[b].. of k_new / v_new (T, Hkv, D) in the storage
+    space, become its tokens n..n+m-1 (n = lengths[b]).
+
+    Writes exactly: every block the append completes, quantized (its older tokens read from the sinks
+    and the window ring, its newer ones from k_new / v_new) into its page rows and metadata rows, with
+    page_fill[page] (quantized rows of each page) set past it; sink rows of new tokens t < S; window
+    slots of new tokens that stay in full precision (t >= max(S, Q(n + m))). Nothing else changes;
+    lengths is not updated. New tokens are used in the window's dtype, so the result does not depend on
+    how the tokens were chunked into appends. Errors, before any write: a sequence outgrowing its
+    table, a page id out of range, a write into rows a page already holds (a full page is immutable),
+    slot_mapping (T,) disagreeing with the tables (entries past query_start_loc[B] are padding).
+    """
+    for side, clip, zero in (("k", k_clip, k_zero), ("v", v_clip, v_zero)):
+        if clip and zero is None:
+            raise ValueError(f"rkv.paged_append: {side}_clip needs asymmetric {'keys' if side == 'k' else 'values'} "
+                             f"({side}_zero)")
+    p, s, w = k_codes.shape[2], k_sink.shape[2], k_window.shape[2]
+    starts = [int(x) for x in query_start_loc]
+    plan = []
+    for b in range(len(starts) - 1):  # every check before the first write
+        n0, lo, hi = int(lengths[b]), starts[b], starts[b + 1]
+        n1 = n0 + hi - lo
+        pages = _pages_of(block_tables, b)
+        if n1 > len(pages) * p:
+            raise ValueError(f"rkv.paged_append: sequence {b} would hold {n1} tokens, beyond its table's "
+                             f"{len(pages)} pages of {p}")
+        for t in range(n0, n1):
+            page = int(pages[t // p])
+            if not 0 <= page < k_codes.shape[0]:
+                raise ValueError(f"rkv.paged_append: page id {page} (sequence {b}) is outside the pool of "
+                                 f"{k_codes.shape[0]} pages")
+            if page_fill is not None and int(page_fill[page]) > t % p:
+                raise ValueError(f"rkv.paged_append: sequence {b} writes row {t % p} of page {page}, which already "
+                                 f"holds {int(page_fill[page])} quantized rows (a full page is immutable)")
+            if slot_mapping is not None and int(slot_mapping[lo + t - n0]) != page * p + t % p:
+                raise ValueError(f"rkv.paged_append: slot_mapping[{lo + t - n0}] = {int(slot_mapping[lo + t - n0])} "
+                                 f"but the block table puts that token at slot {page * p + t % p}")
+        plan.append((b, n0, n1, lo, pages, _slot_of(side_slots, b)))
+    for b, n0, n1, lo, pages, slot in plan:
+        q1 = quantized_count(n1, recent, block)
+        for codes, scale, zero, bits, window, sink, new, clip in (
+            (k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], k_new, k_clip),
+            (v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], v_new, v_clip),
+        ):
+            new = new[lo : lo + n1 - n0].to(window.dtype).transpose(0, 1)  # (H, m, D)
+
+            def token(t):
+                if t >= n0:
+                    return new[:, t - n0]
+                return sink[:, t] if t < s else window[:, t % w]
+
+            for j in range(n0 // block, n1 // block):  # the blocks this append completes
+                per_meta = p // scale.shape[2]  # tokens per metadata row (the quantizer tile)
+                group = codes.shape[-1] * 8 // bits // scale.shape[-1]
+                first = j * block
+                src = torch.stack([token(t) for t in range(first, first + block)], dim=1)  # (H, block, D)
+                c, sc, zr = quantize(src, bits, group, per_meta, zero is None, scale.dtype, clip,
+                                     sink_rows=max(0, min(s - first, block)))
+                page, row = int(pages[first // p]), first % p
+                codes[page, :, row : row + block] = c
+                scale[page, :, row // per_meta : (row + block) // per_meta] = sc
+                if zero is not None:
+                    zero[page, :, row // per_meta : (row + block) // per_meta] = zr
+            for t in range(n0, min(n1, s)):
+                sink[:, t] = new[:, t - n0]
+            for t in range(max(n0, s, q1), n1):
+                window[:, t % w] = new[:, t - n0]
+        if page_fill is not None:
+            for j in range(n0 // block, n1 // block):
+                page_fill[int(pages[j * block // p])] = j * block % p + block
+
+
+def paged_copy(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
+               page_fill: Optional[torch.Tensor], src_pages: torch.Tensor, dst_pages: torch.Tensor,
+               src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata and page_fill) and side slots
+    src_slots[j] -> dst_slots[j] (sinks and window), in place: a fork's open page and side rows."""
+    for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_fill):
+        if t is not None:
+            t[dst_pages.long()] = t[src_pages.long()]
+    for t in (k_window, v_window, k_sink, v_sink):
+        t[dst_slots.long()] = t[src_slots.long()]
+
+
+# The contiguous layout's ops: the paged ones with one page of the whole capacity per sequence.
+
+
+def _contiguous_new(k_new: torch.Tensor):
+    """(B, H, m, D) new tokens -> (B*m, H, D) rows and their query_start_loc."""
+    b_, h, m, d = k_new.shape
+    return k_new.permute(0, 2, 1, 3).reshape(b_ * m, h, d), torch.arange(b_ + 1) * m
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_packed, k_scale, k_zero, v_packed, v_scale, v_zero,
+    k_window, v_window, k_sink, v_sink,
+    lengths: torch.Tensor,
+    k_bits: int, v_bits: int, block: int, recent: int,
+    rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None, rope_interleaved: bool = False,
+    k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """paged_decode_attention over the contiguous layout: k_packed (B, Hkv, C, D*bits/8) etc., sequence
+    b in page b (C rows) and side slot b."""
+    return paged_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
+                                  k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent, rope_cos,
+                                  rope_sin, rope_interleaved, k_signs, v_signs, scale)
+
+
+def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
+                      k_sink, v_sink, lengths, k_bits, v_bits, block, recent, rope_cos=None, rope_sin=None,
+                      rope_interleaved=False, k_signs=None, v_signs=None, scale=None) -> torch.Tensor:
+    """paged_prefill_attention over the contiguous layout: q (B, Hq, m, D), k_new / v_new (B, Hkv, m, D);
+    (B, Hq, m, D)."""
+    kn, qsl = _contiguous_new(k_new)
+    vn, _ = _contiguous_new(v_new)
+    qn, _ = _contiguous_new(q)
+    out = paged_prefill_attention(qn, kn, vn, qsl, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
+                                  v_window, k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent,
+                                  rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale)
+    return out.reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
 
 def cache_append(
@@ -359,48 +598,12 @@ def cache_append(
     lengths: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     k_bits: int, v_bits: int, block: int, recent: int, k_clip: bool = False, v_clip: bool = False,
 ) -> None:
-    """Append k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens, in place.
-
-    Writes exactly: sink rows of new tokens t < S; every block that the append completes, quantized
-    (reading its older tokens from the window ring, its newer ones from k_new / v_new), into its packed
-    rows and metadata rows; window slots of new tokens that stay in full precision. Nothing else changes;
-    lengths is not updated (the caller adds m). New tokens are used in the window's dtype, so the result
-    does not depend on how the tokens were chunked into appends.
-    """
-    for side, clip, zero in (("k", k_clip, k_zero), ("v", v_clip, v_zero)):
-        if clip and zero is None:
-            raise ValueError(f"rkv.cache_append: {side}_clip needs asymmetric {'keys' if side == 'k' else 'values'} "
-                             f"({side}_zero)")
-    s, w = k_sink.shape[-2], k_window.shape[-2]
-    m = k_new.shape[-2]
-    for b in range(k_new.shape[0]):
-        n0 = int(lengths[b])
-        n1 = n0 + m
-        if n1 > s + k_packed.shape[-2] + recent:
-            raise ValueError(f"rkv.cache_append: appending {m} tokens to sequence {b} of {n0} tokens exceeds the "
-                             f"capacity of {s + k_packed.shape[-2] + recent} tokens")
-        q0, q1 = quantized_count(n0, s, recent, block), quantized_count(n1, s, recent, block)
-        for new, packed, scale, zero, bits, window, sink, clip in (
-            (k_new[b], k_packed[b], k_scale[b], k_zero, k_bits, k_window[b], k_sink[b], k_clip),
-            (v_new[b], v_packed[b], v_scale[b], v_zero, v_bits, v_window[b], v_sink[b], v_clip),
-        ):
-            new = new.to(window.dtype)
-            zb = None if zero is None else zero[b]
-
-            def token(t):
-                return window[:, (t - s) % w] if t < n0 else new[:, t - n0]
-
-            for t in range(n0, min(n1, s)):
-                sink[:, t] = new[:, t - n0]
-            per_row = packed.shape[-2] // scale.shape[-2] if scale.shape[-2] else 1
-            for j in range(q0 // block, q1 // block):
-                rows = range(s + j * block, s + (j + 1) * block)
-                src = torch.stack([token(t) for t in rows], dim=1)  # (H, block, D)
-                p, sc, zr = quantize(src, bits, packed.shape[-1] * 8 // bits // scale.shape[-1], per_row,
-                                     zb is None, scale.dtype, clip)
-                packed[:, j * block : (j + 1) * block] = p
-                scale[:, j * block // per_row : (j + 1) * block // per_row] = sc
-                if zb is not None:
-                    zb[:, j * block // per_row : (j + 1) * block // per_row] = zr
-            for t in range(max(n0, s + q1), n1):
-                window[:, (t - s) % w] = new[:, t - n0]
+    """paged_append over the contiguous layout: k_new / v_new (B, Hkv, m, D) after each sequence's
+    lengths[b] tokens."""
+    kn, qsl = _contiguous_new(k_new)
+    vn, _ = _contiguous_new(v_new)
+    try:
+        paged_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink, None,
+                     None, None, lengths, qsl, kn, vn, k_bits, v_bits, block, recent, k_clip, v_clip)
+    except ValueError as e:
+        raise ValueError(str(e).replace("rkv.paged_append", "rkv.cache_append")) from None

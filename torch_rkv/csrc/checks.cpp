@@ -45,7 +45,8 @@ void check_row_packable(const char* op, const char* arg, int64_t dim, int64_t bi
 }
 
 QuantGeometry check_quantize(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t block_tokens,
-                             bool symmetric, at::ScalarType meta_dtype, bool clip) {
+                             bool symmetric, at::ScalarType meta_dtype, bool clip, int64_t sink_rows) {
+  TORCH_CHECK_VALUE(sink_rows >= 0, "rkv.quantize: sink_rows must be >= 0 (got ", sink_rows, ")");
   check_bits("quantize", "bits", bits);
   TORCH_CHECK_VALUE(!(clip && symmetric), "rkv.quantize: clip searches asymmetric ranges; it needs symmetric=False");
   check_float_input("quantize", "x", x);
@@ -66,6 +67,7 @@ QuantGeometry check_quantize(const at::Tensor& x, int64_t bits, int64_t group_si
                     "); quantize whole blocks and keep the rest in full precision");
   g.lead = 1;
   for (int64_t i = 0; i < x.dim() - 2; ++i) g.lead *= x.size(i);
+  g.sink_rows = sink_rows;
   return g;
 }
 
@@ -174,133 +176,147 @@ void check_hadamard(const at::Tensor& x, const std::optional<at::Tensor>& signs)
 
 namespace {
 
-// One quantized tensor of the cache: packed (B, H, C, D*bits/8), scale/zero (B, H, C/T, D/G).
-void check_cache_quantized(const char* op, const char* name, const at::Tensor& ref, const at::Tensor& packed,
+// Dims 1.. of t are contiguous (its pages may be any stride apart: views into one page buffer).
+bool rows_contiguous(const at::Tensor& t) {
+  int64_t expect = 1;
+  for (int64_t i = t.dim() - 1; i >= 1; --i) {
+    if (t.size(i) != 1 && t.stride(i) != expect) return false;
+    expect *= t.size(i);
+  }
+  return true;
+}
+
+// One quantized tensor of the cache: codes (pages, H, P, D*bits/8), scale/zero (pages, H, P/T, D/G).
+void check_cache_quantized(const char* op, const char* side, const at::Tensor& ref, const at::Tensor& codes,
                            const at::Tensor& scale, const std::optional<at::Tensor>& zero, int64_t bits,
-                           int64_t block, DecodeGeometry& g, int64_t& block_tokens, int64_t& group) {
-  const std::string p = std::string(name) + "_packed", sc = std::string(name) + "_scale",
-                    zr = std::string(name) + "_zero";
-  check_bits(op, (std::string(name) + "_bits").c_str(), bits);
-  TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, "rkv.", op, ": ", p, " must be uint8 (got ",
-                   packed.scalar_type(), ")");
+                           const CacheIndex& ix, CacheGeometry& g, int64_t& block_tokens, int64_t& group) {
+  const std::string p = std::string(side) + (ix.paged ? "_codes" : "_packed"), sc = std::string(side) + "_scale",
+                    zr = std::string(side) + "_zero";
+  const char* pages = ix.paged ? "pages" : "batch";
+  check_bits(op, (std::string(side) + "_bits").c_str(), bits);
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "rkv.", op, ": ", p, " must be uint8 (got ", codes.scalar_type(),
+                   ")");
   check_float_input(op, sc.c_str(), scale);
-  check_same_device(op, ref, p.c_str(), packed);
+  check_same_device(op, ref, p.c_str(), codes);
   check_same_device(op, ref, sc.c_str(), scale);
-  TORCH_CHECK_VALUE(packed.dim() == 4 && packed.size(0) == g.batch && packed.size(1) == g.kv_heads &&
-                        packed.size(-1) * 8 == g.dim * bits,
-                    "rkv.", op, ": ", p, " must have shape (batch=", g.batch, ", kv_heads=", g.kv_heads,
-                    ", capacity, ", g.dim * bits / 8, ") for head_dim ", g.dim, " at ", bits, " bits, got ",
-                    packed.sizes());
-  TORCH_CHECK_VALUE(scale.dim() == 4 && scale.size(0) == g.batch && scale.size(1) == g.kv_heads, "rkv.", op, ": ",
-                    sc, " must have shape (", g.batch, ", ", g.kv_heads, ", blocks, groups), got ", scale.sizes());
-  const int64_t cap = packed.size(2), nb = scale.size(2), ng = scale.size(3);
+  const bool tabled = ix.tables() != nullptr;
+  TORCH_CHECK_VALUE(codes.dim() == 4 && (tabled || codes.size(0) == g.batch) && codes.size(1) == g.kv_heads &&
+                        codes.size(-1) * 8 == g.dim * bits,
+                    "rkv.", op, ": ", p, " must have shape (", pages, tabled ? "" : "=", tabled ? "" : std::to_string(g.batch),
+                    ", kv_heads=", g.kv_heads, ", ", ix.paged ? "page_size" : "capacity", ", ", g.dim * bits / 8,
+                    ") for head_dim ", g.dim, " at ", bits, " bits, got ", codes.sizes());
+  TORCH_CHECK_VALUE(scale.dim() == 4 && scale.size(0) == codes.size(0) && scale.size(1) == g.kv_heads, "rkv.", op, ": ",
+                    sc, " must have shape (", codes.size(0), ", ", g.kv_heads, ", blocks, groups), got ", scale.sizes());
+  const int64_t rows = codes.size(2), nb = scale.size(2), ng = scale.size(3);
   TORCH_CHECK_VALUE(ng >= 1 && g.dim % ng == 0, "rkv.", op, ": ", sc, "'s last dim (", ng,
                     " groups) must divide head_dim (", g.dim, ")");
-  TORCH_CHECK_VALUE((nb >= 1 && cap % nb == 0 && block % (cap / nb) == 0) || (nb == 0 && cap == 0), "rkv.", op, ": ",
-                    sc, " has ", nb, " token blocks for ", cap, " packed tokens: its block size must divide block (",
-                    block, ")");
-  block_tokens = nb == 0 ? 1 : cap / nb;
+  TORCH_CHECK_VALUE((nb >= 1 && rows % nb == 0 && g.block % (rows / nb) == 0) || (nb == 0 && rows == 0), "rkv.", op,
+                    ": ", sc, " has ", nb, " token blocks for ", rows, " rows: its block size must divide block (",
+                    g.block, ")");
+  TORCH_CHECK_VALUE(rows_contiguous(codes) && rows_contiguous(scale), "rkv.", op, ": ", p, " and ", sc,
+                    " must be contiguous within each page (their pages may be any stride apart)");
+  block_tokens = nb == 0 ? 1 : rows / nb;
   group = g.dim / ng;
   if (zero.has_value()) {
-    TORCH_CHECK_TYPE(zero->scalar_type() == scale.scalar_type(), "rkv.", op, ": ", zr, " must have ", sc,
-                     "'s dtype");
+    TORCH_CHECK_TYPE(zero->scalar_type() == scale.scalar_type(), "rkv.", op, ": ", zr, " must have ", sc, "'s dtype");
     TORCH_CHECK_VALUE(zero->sizes() == scale.sizes(), "rkv.", op, ": ", zr, " must have ", sc, "'s shape ",
                       scale.sizes(), ", got ", zero->sizes());
+    TORCH_CHECK_VALUE(rows_contiguous(*zero) && zero->stride(0) == scale.stride(0), "rkv.", op, ": ", zr,
+                      " must be laid out as ", sc, " (contiguous within each page, the same page stride)");
     check_same_device(op, ref, zr.c_str(), *zero);
   }
 }
 
-void check_full_precision(const char* op, const char* name, const at::Tensor& ref, const at::Tensor& t,
-                          const at::Tensor& like, const DecodeGeometry& g) {
+// Full-precision side rows (slots, H, rows, D).
+void check_side_rows(const char* op, const char* name, const at::Tensor& ref, const at::Tensor& t,
+                     const at::Tensor& like, const CacheIndex& ix, const CacheGeometry& g) {
   check_float_input(op, name, t);
   check_same_device(op, ref, name, t);
   TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), "rkv.", op, ": ", name, " must have k_window's dtype (",
                    like.scalar_type(), "), got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == g.batch && t.size(1) == g.kv_heads && t.size(3) == g.dim, "rkv.", op,
-                    ": ", name, " must have shape (", g.batch, ", ", g.kv_heads, ", tokens, ", g.dim, "), got ",
-                    t.sizes());
+  const bool slotted = ix.slots() != nullptr;
+  TORCH_CHECK_VALUE(t.dim() == 4 && (slotted || t.size(0) == g.batch) && t.size(1) == g.kv_heads && t.size(3) == g.dim,
+                    "rkv.", op, ": ", name, " must have shape (", slotted ? "slots" : std::to_string(g.batch), ", ",
+                    g.kv_heads, ", tokens, ", g.dim, "), got ", t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "rkv.", op, ": ", name, " must be contiguous");
+}
+
+void check_index_tensor(const char* op, const char* name, const at::Tensor& ref, const at::Tensor& t, int64_t dims,
+                        int64_t batch) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, "rkv.", op, ": ", name, " must be int32 (got ", t.scalar_type(), ")");
+  check_same_device(op, ref, name, t);
+  TORCH_CHECK_VALUE(t.dim() == dims && t.size(0) == batch, "rkv.", op, ": ", name, " must have shape (", batch,
+                    dims == 2 ? ", max_pages" : "", ",) with one row per sequence, got ", t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "rkv.", op, ": ", name, " must be contiguous");
 }
 
 }  // namespace
 
-void check_cache_layout(const char* op, const at::Tensor& ref, const at::Tensor& k_packed, const at::Tensor& k_scale,
-                        const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
-                        const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
-                        const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
-                        const at::Tensor& v_sink, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
-                        int64_t block, int64_t recent, DecodeGeometry& g) {
+void check_cache(const char* op, const at::Tensor& ref, const CacheTensors& c, const CacheIndex& ix,
+                 const at::Tensor& lengths, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
+                 CacheGeometry& g) {
   TORCH_CHECK_VALUE(block >= 1, "rkv.", op, ": block must be >= 1 (got ", block, ")");
   TORCH_CHECK_VALUE(recent >= 0, "rkv.", op, ": recent must be >= 0 (got ", recent, ")");
   TORCH_CHECK_VALUE(g.dim >= 1 && g.kv_heads >= 1, "rkv.", op, ": head_dim (", g.dim, ") and kv_heads (", g.kv_heads,
                     ") must be >= 1");
   g.block = block;
   g.recent = recent;
-  check_cache_quantized(op, "k", ref, k_packed, k_scale, k_zero, k_bits, block, g, g.k_block_tokens, g.k_group);
-  check_cache_quantized(op, "v", ref, v_packed, v_scale, v_zero, v_bits, block, g, g.v_block_tokens, g.v_group);
-  TORCH_CHECK_VALUE(v_packed.size(2) == k_packed.size(2), "rkv.", op, ": v_packed ", v_packed.sizes(),
-                    " must have k_packed's capacity ", k_packed.sizes());
-  TORCH_CHECK_TYPE(v_scale.scalar_type() == k_scale.scalar_type(), "rkv.", op, ": v_scale must have k_scale's dtype (",
-                   k_scale.scalar_type(), "), got ", v_scale.scalar_type());
-  g.capacity = k_packed.size(2);
-  TORCH_CHECK_VALUE(g.capacity % block == 0, "rkv.", op, ": the packed capacity (", g.capacity,
-                    ") must be a multiple of block (", block, ")");
-  g.k_bits = static_cast<int>(k_bits);
-  g.v_bits = static_cast<int>(v_bits);
-  check_full_precision(op, "k_window", ref, k_window, k_window, g);
-  check_full_precision(op, "v_window", ref, v_window, k_window, g);
-  check_full_precision(op, "k_sink", ref, k_sink, k_window, g);
-  check_full_precision(op, "v_sink", ref, v_sink, k_window, g);
-  g.window = k_window.size(2);
-  g.sinks = k_sink.size(2);
-  TORCH_CHECK_VALUE(v_window.size(2) == g.window && v_sink.size(2) == g.sinks, "rkv.", op,
-                    ": v_window / v_sink must hold as many tokens as k_window / k_sink");
-  TORCH_CHECK_VALUE(g.window >= recent + block - 1, "rkv.", op, ": the window ring (", g.window,
-                    " tokens) must hold recent + block - 1 = ", recent + block - 1, " tokens");
   TORCH_CHECK_TYPE(lengths.scalar_type() == at::kLong || lengths.scalar_type() == at::kInt, "rkv.", op,
                    ": lengths must be int32 or int64 (got ", lengths.scalar_type(), ")");
   TORCH_CHECK_VALUE(lengths.dim() == 1 && lengths.size(0) == g.batch, "rkv.", op, ": lengths must have shape (",
                     g.batch, ",), got ", lengths.sizes());
   check_same_device(op, ref, "lengths", lengths);
+  if (const at::Tensor* t = ix.tables()) check_index_tensor(op, "block_tables", ref, *t, 2, g.batch);
+  if (const at::Tensor* t = ix.slots()) check_index_tensor(op, "side_slots", ref, *t, 1, g.batch);
+  check_cache_quantized(op, "k", ref, c.k_codes, c.k_scale, c.k_zero, k_bits, ix, g, g.k_block_tokens, g.k_group);
+  check_cache_quantized(op, "v", ref, c.v_codes, c.v_scale, c.v_zero, v_bits, ix, g, g.v_block_tokens, g.v_group);
+  const char* vc = ix.paged ? "v_codes" : "v_packed";
+  const char* kc = ix.paged ? "k_codes" : "k_packed";
+  TORCH_CHECK_VALUE(c.v_codes.size(0) == c.k_codes.size(0) && c.v_codes.size(2) == c.k_codes.size(2), "rkv.", op, ": ",
+                    vc, " ", c.v_codes.sizes(), " must have ", kc, "'s pages and rows ", c.k_codes.sizes());
+  TORCH_CHECK_TYPE(c.v_scale.scalar_type() == c.k_scale.scalar_type(), "rkv.", op,
+                   ": v_scale must have k_scale's dtype (", c.k_scale.scalar_type(), "), got ", c.v_scale.scalar_type());
+  g.pages = c.k_codes.size(0);
+  g.page_size = c.k_codes.size(2);
+  g.max_pages = ix.tables() ? ix.tables()->size(1) : 1;
+  TORCH_CHECK_VALUE(g.page_size % block == 0, "rkv.", op, ": the ", ix.paged ? "page size" : "packed capacity", " (",
+                    g.page_size, ") must be a multiple of block (", block, ")");
+  g.k_bits = static_cast<int>(k_bits);
+  g.v_bits = static_cast<int>(v_bits);
+  check_side_rows(op, "k_window", ref, c.k_window, c.k_window, ix, g);
+  check_side_rows(op, "v_window", ref, c.v_window, c.k_window, ix, g);
+  check_side_rows(op, "k_sink", ref, c.k_sink, c.k_window, ix, g);
+  check_side_rows(op, "v_sink", ref, c.v_sink, c.k_window, ix, g);
+  g.window = c.k_window.size(2);
+  g.sinks = c.k_sink.size(2);
+  g.slots = c.k_window.size(0);
+  TORCH_CHECK_VALUE(c.v_window.size(2) == g.window && c.v_sink.size(2) == g.sinks && c.k_sink.size(0) == g.slots &&
+                        c.v_window.size(0) == g.slots && c.v_sink.size(0) == g.slots,
+                    "rkv.", op, ": k_window, v_window, k_sink and v_sink must have the same slots, and the windows ",
+                    "(and the sinks) the same rows");
+  TORCH_CHECK_VALUE(g.window >= recent + block - 1, "rkv.", op, ": the window ring (", g.window,
+                    " tokens) must hold recent + block - 1 = ", recent + block - 1, " tokens");
 }
 
-DecodeGeometry check_decode_attention(
-    const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
-    const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed, const at::Tensor& v_scale,
-    const std::optional<at::Tensor>& v_zero, const at::Tensor& k_window, const at::Tensor& v_window,
-    const at::Tensor& k_sink, const at::Tensor& v_sink, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
-    int64_t block, int64_t recent, const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
-    bool rope_interleaved, const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
-    int64_t split_tokens) {
-  const char* op = "decode_attention";
-  check_float_input(op, "q", q);
-  TORCH_CHECK_VALUE(q.dim() == 3, "rkv.decode_attention: q must have shape (batch, q_heads, head_dim), got ",
-                    q.sizes());
-  DecodeGeometry g;
-  g.batch = q.size(0);
-  g.q_heads = q.size(1);
-  g.dim = q.size(2);
-  TORCH_CHECK_VALUE(split_tokens >= 0, "rkv.decode_attention: split_tokens must be >= 0 (got ", split_tokens, ")");
+void check_attention_extras(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& rope_cos,
+                            const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
+                            const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
+                            int64_t split_tokens, CacheGeometry& g) {
+  TORCH_CHECK_VALUE(split_tokens >= 0, "rkv.", op, ": split_tokens must be >= 0 (got ", split_tokens, ")");
   g.split_tokens = split_tokens;
-  TORCH_CHECK_VALUE(k_packed.dim() == 4, "rkv.decode_attention: k_packed must have shape (batch, kv_heads, "
-                    "capacity, bytes), got ", k_packed.sizes());
-  g.kv_heads = k_packed.size(1);
-  TORCH_CHECK_VALUE(g.kv_heads >= 1 && g.q_heads % g.kv_heads == 0, "rkv.decode_attention: q has ", g.q_heads,
-                    " heads, which is not a multiple of the cache's ", g.kv_heads, " kv heads");
-  check_cache_layout(op, q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                     lengths, k_bits, v_bits, block, recent, g);
-  TORCH_CHECK_VALUE(rope_cos.has_value() == rope_sin.has_value(),
-                    "rkv.decode_attention: give both rope_cos and rope_sin (pre-RoPE keys) or neither");
+  TORCH_CHECK_VALUE(rope_cos.has_value() == rope_sin.has_value(), "rkv.", op,
+                    ": give both rope_cos and rope_sin (pre-RoPE keys) or neither");
   if (rope_cos.has_value()) {
     check_float_input(op, "rope_cos", *rope_cos);
     check_same_device(op, q, "rope_cos", *rope_cos);
     check_same_device(op, q, "rope_sin", *rope_sin);
-    TORCH_CHECK_TYPE(rope_sin->scalar_type() == rope_cos->scalar_type(),
-                     "rkv.decode_attention: rope_sin must have rope_cos's dtype");
+    TORCH_CHECK_TYPE(rope_sin->scalar_type() == rope_cos->scalar_type(), "rkv.", op,
+                     ": rope_sin must have rope_cos's dtype");
     TORCH_CHECK_VALUE(rope_cos->dim() == 2 && rope_sin->sizes() == rope_cos->sizes() && rope_cos->size(1) >= 1 &&
                           2 * rope_cos->size(1) <= g.dim,
-                      "rkv.decode_attention: rope_cos / rope_sin must have shape (positions, rot_dim / 2) with ",
+                      "rkv.", op, ": rope_cos / rope_sin must have shape (positions, rot_dim / 2) with ",
                       "rot_dim <= head_dim (", g.dim, "), got ", rope_cos->sizes(), " and ", rope_sin->sizes());
-    TORCH_CHECK_VALUE(!k_signs.has_value(), "rkv.decode_attention: keys cannot be both pre-RoPE (rope_cos) and ",
+    TORCH_CHECK_VALUE(!k_signs.has_value(), "rkv.", op, ": keys cannot be both pre-RoPE (rope_cos) and ",
                       "Hadamard-rotated (k_signs): RoPE does not commute with the rotation");
     g.rope_half = rope_cos->size(1);
     g.rope_positions = rope_cos->size(0);
@@ -311,65 +327,52 @@ DecodeGeometry check_decode_attention(
     if (!s.has_value()) continue;
     check_float_input(op, name, *s);
     check_same_device(op, q, name, *s);
-    TORCH_CHECK_VALUE(s->dim() == 1 && s->size(0) == g.dim, "rkv.decode_attention: ", name, " must have shape (",
-                      g.dim, ",), got ", s->sizes());
-    TORCH_CHECK_VALUE(hadamard_block(g.dim) >= 2, "rkv.decode_attention: ", name, " needs an even head_dim");
+    TORCH_CHECK_VALUE(s->dim() == 1 && s->size(0) == g.dim, "rkv.", op, ": ", name, " must have shape (", g.dim,
+                      ",), got ", s->sizes());
+    TORCH_CHECK_VALUE(hadamard_block(g.dim) >= 2, "rkv.", op, ": ", name, " needs an even head_dim");
   }
-  return g;
 }
 
-DecodeGeometry check_cache_append(const at::Tensor& k_packed, const at::Tensor& k_scale,
-                                  const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
-                                  const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
-                                  const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
-                                  const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
-                                  const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block,
-                                  int64_t recent, bool k_clip, bool v_clip) {
-  const char* op = "cache_append";
-  TORCH_CHECK_VALUE(!(k_clip && !k_zero.has_value()), "rkv.cache_append: k_clip needs asymmetric keys (k_zero)");
-  TORCH_CHECK_VALUE(!(v_clip && !v_zero.has_value()), "rkv.cache_append: v_clip needs asymmetric values (v_zero)");
-  check_float_input(op, "k_new", k_new);
-  TORCH_CHECK_VALUE(k_new.dim() == 4, "rkv.cache_append: k_new must have shape (batch, kv_heads, tokens, head_dim), ",
-                    "got ", k_new.sizes());
-  TORCH_CHECK_VALUE(v_new.sizes() == k_new.sizes(), "rkv.cache_append: v_new must have k_new's shape ",
-                    k_new.sizes(), ", got ", v_new.sizes());
-  DecodeGeometry g;
-  g.batch = k_new.size(0);
-  g.kv_heads = k_new.size(1);
-  g.q_heads = g.kv_heads;
-  g.dim = k_new.size(3);
-  check_cache_layout(op, k_new, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink,
-                     v_sink, lengths, k_bits, v_bits, block, recent, g);
-  TORCH_CHECK_TYPE(k_new.scalar_type() == k_window.scalar_type() && v_new.scalar_type() == k_window.scalar_type(),
-                   "rkv.cache_append: k_new and v_new must have the cache's full-precision dtype (k_window: ",
-                   k_window.scalar_type(), "), got ", k_new.scalar_type(), " and ", v_new.scalar_type());
-  check_same_device(op, k_new, "v_new", v_new);
-  const std::pair<const char*, const at::Tensor*> written[] = {
-      {"k_packed", &k_packed}, {"k_scale", &k_scale}, {"v_packed", &v_packed}, {"v_scale", &v_scale},
-      {"k_window", &k_window}, {"v_window", &v_window}, {"k_sink", &k_sink},   {"v_sink", &v_sink}};
-  for (const auto& [name, t] : written)
-    TORCH_CHECK_VALUE(t->is_contiguous(), "rkv.cache_append: ", name, " must be contiguous (it is written in place)");
-  if (k_zero.has_value()) TORCH_CHECK_VALUE(k_zero->is_contiguous(), "rkv.cache_append: k_zero must be contiguous");
-  if (v_zero.has_value()) TORCH_CHECK_VALUE(v_zero->is_contiguous(), "rkv.cache_append: v_zero must be contiguous");
-  return g;
+void check_query_start_loc(const char* op, const at::Tensor& ref, const at::Tensor& query_start_loc, int64_t batch) {
+  TORCH_CHECK_TYPE(query_start_loc.scalar_type() == at::kLong || query_start_loc.scalar_type() == at::kInt, "rkv.", op,
+                   ": query_start_loc must be int32 or int64 (got ", query_start_loc.scalar_type(), ")");
+  TORCH_CHECK_VALUE(query_start_loc.dim() == 1 && query_start_loc.size(0) == batch + 1, "rkv.", op,
+                    ": query_start_loc must have shape (", batch + 1, ",) (batch + 1 cumulative counts), got ",
+                    query_start_loc.sizes());
+  check_same_device(op, ref, "query_start_loc", query_start_loc);
 }
 
-void check_append_lengths(const DecodeGeometry& g, const at::Tensor& lengths, int64_t tokens) {
-  const int64_t* n = lengths.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < g.batch; ++b)
-    TORCH_CHECK_VALUE(n[b] >= 0 && n[b] + tokens <= g.max_tokens(), "rkv.cache_append: appending ", tokens,
-                      " tokens to sequence ", b, " of ", n[b], " tokens exceeds the cache capacity of ", g.max_tokens(),
-                      " tokens (sinks ", g.sinks, " + packed ", g.capacity, " + recent ", g.recent, ")");
+std::vector<int64_t> token_counts(const at::Tensor& qsl) {
+  const int64_t* s = qsl.const_data_ptr<int64_t>();
+  std::vector<int64_t> m(qsl.size(0) - 1);
+  for (size_t b = 0; b < m.size(); ++b) m[b] = s[b + 1] - s[b];
+  return m;
 }
 
-void check_decode_lengths(const DecodeGeometry& g, const at::Tensor& lengths) {
-  const int64_t* n = lengths.const_data_ptr<int64_t>();
+void check_cache_data(const char* op, const CacheGeometry& g, const PageTable& pt, const int64_t* n, const int64_t* m) {
   for (int64_t b = 0; b < g.batch; ++b) {
-    TORCH_CHECK_VALUE(n[b] >= 0 && n[b] <= g.max_tokens(), "rkv.decode_attention: lengths[", b, "] = ", n[b],
-                      " is outside [0, ", g.max_tokens(), "] (sinks ", g.sinks, " + packed capacity ", g.capacity,
-                      " + recent ", g.recent, ")");
-    TORCH_CHECK_VALUE(g.rope_half == 0 || n[b] <= g.rope_positions, "rkv.decode_attention: lengths[", b, "] = ",
-                      n[b], " needs rope positions up to ", n[b] - 1, " but rope_cos has ", g.rope_positions);
+    const int64_t add = m != nullptr ? m[b] : 0, total = n[b] + add;
+    TORCH_CHECK_VALUE(n[b] >= 0 && add >= 0, "rkv.", op, ": sequence ", b, " has ", n[b], " cached and ", add,
+                      " new tokens (query_start_loc must not decrease)");
+    if (m != nullptr) {
+      TORCH_CHECK_VALUE(total <= g.max_tokens(), "rkv.", op, ": appending ", add, " tokens to sequence ", b, " of ",
+                        n[b], " tokens exceeds its capacity of ", g.max_tokens(), " tokens (", g.max_pages,
+                        g.max_pages == 1 ? " page" : " pages", " of ", g.page_size, ")");
+    } else {
+      TORCH_CHECK_VALUE(total <= g.max_tokens(), "rkv.", op, ": lengths[", b, "] = ", n[b], " is outside [0, ",
+                        g.max_tokens(), "] (", g.max_pages, g.max_pages == 1 ? " page" : " pages", " of ",
+                        g.page_size, " tokens)");
+    }
+    TORCH_CHECK_VALUE(g.rope_half == 0 || total <= g.rope_positions, "rkv.", op, ": sequence ", b, " needs rope ",
+                      "positions up to ", total - 1, " but rope_cos has ", g.rope_positions);
+    const int64_t slot = pt.slot(b);
+    TORCH_CHECK_VALUE(slot >= 0 && slot < g.slots, "rkv.", op, ": side_slots[", b, "] = ", slot,
+                      " is outside the ", g.slots, " side slots");
+    for (int64_t j = 0; j * g.page_size < total; ++j) {
+      const int64_t page = pt.page(b, j * g.page_size);
+      TORCH_CHECK_VALUE(page >= 0 && page < g.pages, "rkv.", op, ": block_tables[", b, "][", j, "] = ", page,
+                        " is outside the pool of ", g.pages, " pages");
+    }
   }
 }
 

@@ -9,7 +9,10 @@
 
 #include <optional>
 
+#include <vector>
+
 #include "rkv/geometry.h"
+#include "rkv/paging.h"
 
 #define RKV_CHECK_VALUE(cond, op, ...) TORCH_CHECK_VALUE(cond, "rkv." op ": ", __VA_ARGS__)
 #define RKV_CHECK_TYPE(cond, op, ...) TORCH_CHECK_TYPE(cond, "rkv." op ": ", __VA_ARGS__)
@@ -23,7 +26,7 @@ void check_same_device(const char* op, const at::Tensor& ref, const char* arg, c
 void check_row_packable(const char* op, const char* arg, int64_t dim, int64_t bits);
 
 QuantGeometry check_quantize(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t block_tokens,
-                             bool symmetric, at::ScalarType meta_dtype, bool clip);
+                             bool symmetric, at::ScalarType meta_dtype, bool clip, int64_t sink_rows = 0);
 QuantGeometry check_dequantize(const at::Tensor& packed, const at::Tensor& scale,
                                const std::optional<at::Tensor>& zero, int64_t bits, at::ScalarType out_dtype);
 void check_pack(const at::Tensor& codes, int64_t bits);
@@ -31,38 +34,54 @@ void check_unpack(const at::Tensor& packed, int64_t bits);
 void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions);
 void check_hadamard(const at::Tensor& x, const std::optional<at::Tensor>& signs);
 
-DecodeGeometry check_decode_attention(
-    const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
-    const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed, const at::Tensor& v_scale,
-    const std::optional<at::Tensor>& v_zero, const at::Tensor& k_window, const at::Tensor& v_window,
-    const at::Tensor& k_sink, const at::Tensor& v_sink, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
-    int64_t block, int64_t recent, const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
-    bool rope_interleaved, const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
-    int64_t split_tokens);
+// The ten tensors of one layer's quantized cache (reference.py, "The quantized KV cache").
+struct CacheTensors {
+  const at::Tensor& k_codes;
+  const at::Tensor& k_scale;
+  const std::optional<at::Tensor>& k_zero;
+  const at::Tensor& v_codes;
+  const at::Tensor& v_scale;
+  const std::optional<at::Tensor>& v_zero;
+  const at::Tensor& k_window;
+  const at::Tensor& v_window;
+  const at::Tensor& k_sink;
+  const at::Tensor& v_sink;
+};
 
-// The cache buffers shared by decode_attention and cache_append (fills the cache fields of g; g.batch,
-// g.kv_heads and g.dim must be set). `ref` is the tensor whose device every buffer must share.
-void check_cache_layout(const char* op, const at::Tensor& ref, const at::Tensor& k_packed, const at::Tensor& k_scale,
-                        const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
-                        const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
-                        const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
-                        const at::Tensor& v_sink, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
-                        int64_t block, int64_t recent, DecodeGeometry& g);
+// How an op addresses the cache: the paged ops pass block tables and side slots (each may be absent:
+// sequence b owns page b / slot b) and name their codes k_codes / v_codes; the contiguous ops pass
+// neither and name them k_packed / v_packed.
+struct CacheIndex {
+  const std::optional<at::Tensor>* block_tables = nullptr;
+  const std::optional<at::Tensor>* side_slots = nullptr;
+  bool paged = false;
+  const at::Tensor* tables() const { return block_tables && block_tables->has_value() ? &**block_tables : nullptr; }
+  const at::Tensor* slots() const { return side_slots && side_slots->has_value() ? &**side_slots : nullptr; }
+};
 
-DecodeGeometry check_cache_append(const at::Tensor& k_packed, const at::Tensor& k_scale,
-                                  const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
-                                  const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
-                                  const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
-                                  const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
-                                  const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block,
-                                  int64_t recent, bool k_clip, bool v_clip);
+// Checks the cache tensors, the index and lengths (B,) of one op call and fills the cache fields of g
+// (g.batch, g.kv_heads and g.dim must be set). `ref` is the tensor whose device every one must share.
+void check_cache(const char* op, const at::Tensor& ref, const CacheTensors& c, const CacheIndex& ix,
+                 const at::Tensor& lengths, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
+                 CacheGeometry& g);
 
-// Every sequence can take `tokens` more (CPU lengths only; the CUDA kernel asserts).
-void check_append_lengths(const DecodeGeometry& g, const at::Tensor& lengths_long_cpu, int64_t tokens);
+// The query-side arguments of the attention ops (q's shape is the op's to check): rope tables, signs,
+// split_tokens. Fills the rope fields of g.
+void check_attention_extras(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& rope_cos,
+                            const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
+                            const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
+                            int64_t split_tokens, CacheGeometry& g);
 
-// Host-side check of lengths against the capacity and the rope table (CPU tensors only: reading a
-// CUDA tensor here would synchronize; the CUDA kernel asserts instead).
-void check_decode_lengths(const DecodeGeometry& g, const at::Tensor& lengths_long_cpu);
+// query_start_loc (B+1,) of `rows` new rows (int32 or int64), and the tensors that hold those rows.
+void check_query_start_loc(const char* op, const at::Tensor& ref, const at::Tensor& query_start_loc, int64_t batch);
+
+// Host-side checks of the data (CPU tensors; on CUDA the kernels assert instead): for every sequence b
+// with n[b] cached and m[b] new tokens (m == nullptr: none), n + m within its table, every page id it
+// addresses and its slot in range, and the rope table long enough.
+void check_cache_data(const char* op, const CacheGeometry& g, const PageTable& pt, const int64_t* n, const int64_t* m);
+
+// The lengths (B,) as int64 and the new-token counts of query_start_loc (B+1,), host-side.
+std::vector<int64_t> token_counts(const at::Tensor& query_start_loc_long_cpu);
 
 // Rope positions broadcast to x.shape[:-1], flattened to one int64 per row of x.
 at::Tensor rope_row_positions(const at::Tensor& x, const at::Tensor& positions);

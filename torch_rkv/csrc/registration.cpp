@@ -87,9 +87,11 @@ TORCH_LIBRARY(rkv, m) {
   // x (*, N, D) float -> packed codes (*, N, D*bits/8) uint8, scale and zero (*, N/block_tokens,
   // D/group_size) of meta_dtype. zero is empty (numel 0) when symmetric. clip: each group's range is
   // the least-squared-error one of 11 shrinkages of [min, max] (asymmetric only; include/rkv/quant.h).
+  // sink_rows: tokens [0, sink_rows) (a cache's attention sinks) are encoded but do not set the range
+  // of a group they share with other tokens.
   m.def(
       "quantize(Tensor x, int bits, SymInt group_size, SymInt block_tokens, bool symmetric, "
-      "ScalarType meta_dtype, bool clip=False) -> (Tensor packed, Tensor scale, Tensor zero)");
+      "ScalarType meta_dtype, bool clip=False, SymInt sink_rows=0) -> (Tensor packed, Tensor scale, Tensor zero)");
   // Inverse of quantize; group size and block tokens are read off scale's shape. zero=None: symmetric.
   m.def("dequantize(Tensor packed, Tensor scale, Tensor? zero, int bits, ScalarType out_dtype) -> Tensor");
   // codes (*, D) uint8 < 2^bits -> (*, D*bits/8) uint8 in the docs/format.md bit layout.
@@ -101,22 +103,62 @@ TORCH_LIBRARY(rkv, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor positions, bool interleaved, bool inverse) -> Tensor");
   // Orthonormal Walsh-Hadamard transform of x (*, D) along D, optionally with +-1 signs (D,).
   m.def("hadamard(Tensor x, Tensor? signs, bool inverse) -> Tensor");
-  // One decode step: attention of q (B, Hq, D) over each sequence's lengths[b] cached tokens, stored as
-  // sinks (B, Hkv, S, D), packed rows (B, Hkv, C, D*bits/8) with scale/zero (B, Hkv, C/T, D/G), and a
-  // full-precision window ring (B, Hkv, W, D); see reference.decode_attention. rope_cos/rope_sin:
-  // keys are stored pre-RoPE; k_signs / v_signs: keys / values are stored Hadamard-rotated.
+  // One decode step: attention of q (B, Hq, D) over each sequence's lengths[b] cached tokens in the
+  // contiguous layout: sinks (B, Hkv, S, D), packed rows (B, Hkv, C, D*bits/8) with scale/zero
+  // (B, Hkv, C/T, D/G), and a full-precision window ring (B, Hkv, W, D); see reference.decode_attention.
+  // rope_cos/rope_sin: keys are stored pre-RoPE; k_signs / v_signs: keys / values are stored
+  // Hadamard-rotated.
   m.def(
       "decode_attention(Tensor q, Tensor k_packed, Tensor k_scale, Tensor? k_zero, Tensor v_packed, "
       "Tensor v_scale, Tensor? v_zero, Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, "
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
       "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens) -> Tensor");
-  // Appends k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens, in place: completed
-  // blocks are quantized into the packed rows and metadata, other new tokens go to the sinks or the
-  // window ring (reference.cache_append). Writes only the buffers marked (x!); lengths is read only.
-  // k_clip / v_clip: completed blocks are quantized with quantize's clip search.
+  // Appends k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens of the contiguous
+  // layout, in place: completed blocks are quantized into the packed rows and metadata, other new tokens
+  // go to the sinks or the window ring (reference.cache_append). Writes only the buffers marked (x!);
+  // lengths is read only. k_clip / v_clip: completed blocks are quantized with quantize's clip search.
   m.def(
       "cache_append(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_packed, "
       "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
       "Tensor(j!) v_sink, Tensor lengths, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, "
       "SymInt recent, bool k_clip=False, bool v_clip=False) -> ()");
+  // The paged layout (reference.py, "The quantized KV cache"): codes (pages, Hkv, P, D*bits/8) and
+  // scale/zero (pages, Hkv, P/T, D/G), contiguous within a page and any stride apart (views into one
+  // page buffer), side slots (slots, Hkv, W|S, D); sequence b reads page block_tables[b][t / P] (int32
+  // (B, max_pages)) and slot side_slots[b] (int32 (B,)); None: page b / slot b.
+  //
+  // Appends each sequence's new tokens, rows query_start_loc[b].. of k_new / v_new (T, Hkv, D), after
+  // its lengths[b] tokens (reference.paged_append). page_fill (pages,) int32: quantized rows per page,
+  // advanced as blocks complete, and a write into rows a page already holds is an error (None: no
+  // guard). slot_mapping (T,): the engine's slot of each new token, checked against the tables.
+  m.def(
+      "paged_append(Tensor(a!) k_codes, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_codes, "
+      "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
+      "Tensor(j!) v_sink, Tensor(k!)? page_fill, Tensor? block_tables, Tensor? side_slots, Tensor lengths, "
+      "Tensor query_start_loc, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, SymInt recent, "
+      "bool k_clip=False, bool v_clip=False, Tensor? slot_mapping=None) -> ()");
+  // decode_attention over the paged layout: q (B, Hq, D), one query per sequence.
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, "
+      "Tensor v_scale, Tensor? v_zero, Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, "
+      "Tensor? block_tables, Tensor? side_slots, Tensor lengths, int k_bits, int v_bits, SymInt block, "
+      "SymInt recent, Tensor? rope_cos, Tensor? rope_sin, bool rope_interleaved, Tensor? k_signs, "
+      "Tensor? v_signs, float scale, SymInt split_tokens) -> Tensor");
+  // A chunk of new tokens per sequence, q (T, Hq, D) with query_start_loc (B+1) and their keys / values
+  // k_new / v_new (T, Hkv, D) in the storage space: causal attention over the lengths[b] cached tokens
+  // as stored and the chunk itself in full precision (reference.paged_prefill_attention). Runs before
+  // the chunk's paged_append. max_query_len: the longest chunk (sizes the CUDA grid without a sync).
+  m.def(
+      "paged_prefill_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor query_start_loc, SymInt max_query_len, "
+      "Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, Tensor v_scale, Tensor? v_zero, "
+      "Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, Tensor? block_tables, Tensor? side_slots, "
+      "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
+      "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens) -> Tensor");
+  // Copies pages src_pages[i] -> dst_pages[i] (codes, metadata, page_fill) and side slots src_slots[j] ->
+  // dst_slots[j] (sinks, window) in place: a fork's open page and side rows (reference.paged_copy).
+  m.def(
+      "paged_copy(Tensor(a!) k_codes, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_codes, "
+      "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
+      "Tensor(j!) v_sink, Tensor(k!)? page_fill, Tensor src_pages, Tensor dst_pages, Tensor src_slots, "
+      "Tensor dst_slots) -> ()");
 }

@@ -34,3 +34,19 @@ def decoded(model, ids: torch.Tensor, make_cache: Callable[[int], object]) -> fl
         logits = model(ids[:, i : i + 1], cache=cache, use_cache=True).logits[0, -1].float()
         nll += F.cross_entropy(logits[None], ids[0, i + 1 : i + 2]).item()
     return nll_to_ppl(nll / (ids.shape[1] - 1))
+
+
+@torch.no_grad()
+def chunked(model, ids: torch.Tensor, make_cache: Callable[[int], object], chunk: int) -> float:
+    """Perplexity of ids (1, N) fed `chunk` tokens at a time through cache = make_cache(N): the first chunk
+    is a prefill, every later one attends over the cache as stored and over itself in full precision
+    (chunked prefill, the way a server ingests a long prompt)."""
+    cache = make_cache(ids.shape[1])
+    nll, count = 0.0, 0
+    for start in range(0, ids.shape[1], chunk):
+        part = ids[:, start : start + chunk]
+        logits = model(part, cache=cache, use_cache=True).logits[0].float()
+        targets = ids[0, start + 1 : start + 1 + part.shape[1]]
+        nll += F.cross_entropy(logits[: targets.shape[0]], targets, reduction="sum").item()
+        count += targets.shape[0]
+    return nll_to_ppl(nll / count)

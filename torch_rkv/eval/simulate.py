@@ -81,11 +81,12 @@ class Simulation:
 
     # ------------------------------------------------------------------------------------------
     def quantized_region(self, n: int) -> tuple[int, int]:
-        """[start, end) of the token range stored quantized for the longest query of n tokens."""
+        """[0, end): the tokens whose blocks are quantized for the longest query of n tokens (the sinks
+        among them are read in full precision, see quantized_pairs)."""
         s = self.scheme
         if self.view == "all":
             return 0, n
-        return s.sinks, s.sinks + quantized_count(n, s.sinks, s.recent, s.block)
+        return 0, quantized_count(n, s.recent, s.block)
 
     def fake_quantize(self, x: torch.Tensor, side: str) -> torch.Tensor:
         """x (B, H, n, D) in the model's space -> the same tokens after the cache's store/load round
@@ -119,8 +120,10 @@ class Simulation:
         s = self.scheme
         bits = getattr(s, f"{side}_bits")
         group = getattr(s, f"{side}_group_size") or x.shape[-1]
+        # the cache's sinks are encoded in block 0 but do not set its ranges (view "all": no sinks)
+        sinks = s.sinks if self.view == "cache" else 0
         q = quantize(x, bits, group, getattr(s, f"{side}_block_tokens"), getattr(s, f"{side}_symmetric"), s.meta_dtype,
-                     getattr(s, f"{side}_clip"))
+                     getattr(s, f"{side}_clip"), sinks)
         return dequantize(Quantized(q.packed, q.scale, q.zero, bits), torch.float32)
 
     def quantized_pairs(self, q_pos: torch.Tensor, n: int) -> torch.Tensor:
@@ -130,8 +133,8 @@ class Simulation:
         if self.view == "all":
             return torch.ones(len(q_pos), n, dtype=torch.bool, device=q_pos.device)
         visible = q_pos + 1  # the cache holds tokens 0..pos when the query at pos runs
-        over = (visible - s.sinks - s.recent).clamp(min=0)
-        q_end = s.sinks + s.block * torch.div(over, s.block, rounding_mode="floor")
+        over = (visible - s.recent).clamp(min=0)
+        q_end = s.block * torch.div(over, s.block, rounding_mode="floor")
         return (t[None, :] >= s.sinks) & (t[None, :] < q_end[:, None])
 
     # ------------------------------------------------------------------------------------------
@@ -151,7 +154,7 @@ class Simulation:
             # queries that see the same quantized range form groups (one per block of queries): one
             # SDPA call per group over keys spliced from both copies; too many groups: keys laid out
             # twice, [quantized | full precision], with a mask choosing one copy per pair
-            # every row starts its quantized range at the sinks, so equal counts mean equal rows
+            # every row's quantized range starts at the sinks, so equal counts mean equal rows
             _, counts = torch.unique_consecutive(pairs.sum(dim=1), return_counts=True)
             if len(counts) <= 64:
                 out = torch.empty_like(q)

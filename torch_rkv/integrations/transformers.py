@@ -6,7 +6,8 @@
 
 Prefill runs the model's ordinary (SDPA) attention on the fresh keys and values while they are written
 into the quantized cache; every decode step (one new token) runs rkv::decode_attention on the quantized
-cache. Pre-RoPE storage needs no model change: keys arrive post-RoPE, the cache undoes the rotation
+cache, and every later chunk of several tokens (a second turn, chunked prefill, speculative
+verification) rkv::paged_prefill_attention: the cache as stored, the chunk itself in full precision. Pre-RoPE storage needs no model change: keys arrive post-RoPE, the cache undoes the rotation
 with a table built from the model's own rotary module (so its RoPE scaling variant matches) and the
 kernel re-applies it. Llama-architecture models (rotate-half RoPE, GQA); transformers 5.x (tested with
 5.24). Not supported, each an error on every device (a device-side check, no host sync per step):
@@ -37,17 +38,25 @@ _UNSUPPORTED_ROPE = ("dynamic", "longrope")
 
 
 def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The "rkv" attention: the fused kernel for a decode step the cache marked, SDPA otherwise."""
+    """The "rkv" attention: the fused kernels for a step the cache marked (a decode token, or a chunk
+    after the prefill), SDPA otherwise (the prefill itself, on its fresh keys and values)."""
     layer = getattr(key, "_rkv_layer", None)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if attention_mask is not None:  # checked on the mask's device: no host sync per decode step
+    chunk, layer.chunk, layer.pending = layer.chunk, None, False
+    m = query.shape[2]
+    if attention_mask is not None:  # checked on the mask's device: no host sync per step
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        torch._assert_async(allowed.all(), "torch_rkv: the fused decode path attends to every cached token; "
-                            "padded batches (an attention mask with masked positions) are not supported")
+        n = allowed.shape[-1]  # cached + new tokens
+        causal = torch.arange(n, device=allowed.device)[None, :] <= n - m + torch.arange(m, device=allowed.device)[:, None]
+        torch._assert_async((allowed[..., -m:, :] == causal).all(), "torch_rkv: the fused attention attends "
+                            "causally to every cached token; padded batches (an attention mask with masked "
+                            "positions) are not supported")
+    if chunk is not None:  # several new tokens over the cache: rkv::paged_prefill_attention, then the append
+        out = layer.cache.prefill(layer.index, query, *chunk, scale=scaling)  # (B, Hq, m, D)
+        return out.transpose(1, 2).to(query.dtype), None
     out = layer.cache.attend(layer.index, query[:, :, 0], scale=scaling)  # (B, Hq, D)
-    layer.pending = False
     return out[:, None].to(query.dtype), None  # (B, 1, Hq, D)
 
 
@@ -85,7 +94,8 @@ class RKVLayer(CacheLayerMixin):
         super().__init__()
         self.cache = cache
         self.index = index
-        self.pending = False  # a decode token was written and awaits the fused attention
+        self.pending = False  # a step awaits the fused attention
+        self.chunk = None  # the keys / values of a chunk it appends after attending
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # buffers are preallocated
@@ -104,11 +114,16 @@ class RKVLayer(CacheLayerMixin):
             self.pending = True
             return key, value_states
         n_before = self.cache.seq_length(self.index)  # a host read per chunk of several tokens, never per step
-        self.cache.append(self.index, key_states, value_states)
         if n_before == 0:  # prefill: ordinary attention on the fresh keys and values
+            self.cache.append(self.index, key_states, value_states)
             return key_states, value_states
-        k, v = self.cache.dequantized(self.index)  # several new tokens after a prefill: attend over all
-        return k.to(key_states.dtype), v.to(value_states.dtype)
+        # a later chunk (a second turn, chunked prefill, speculative verification): the attention reads the
+        # cache as stored and the chunk in full precision, then appends the chunk
+        key = key_states.view_as(key_states)
+        key._rkv_layer = self
+        self.chunk = (key_states, value_states)
+        self.pending = True
+        return key, value_states
 
     def _check_positions(self, kwargs, m: int) -> None:
         """The kernel rotates cached keys to their slot; the model's positions must be those slots.
@@ -133,6 +148,7 @@ class RKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.pending = False
+        self.chunk = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("torch_rkv: beam search is not supported by RKVCache")

@@ -51,7 +51,8 @@ def row_packable(op: str, arg: str, dim, b: int) -> None:
 
 
 def quantize(x: torch.Tensor, b: int, group_size, block_tokens, md: torch.dtype, symmetric: bool = False,
-             clip: bool = False) -> None:
+             clip: bool = False, sink_rows=0) -> None:
+    value(sink_rows >= 0, "quantize", f"sink_rows must be >= 0 (got {sink_rows})")
     bits("quantize", "bits", b)
     value(not (clip and symmetric), "quantize", "clip searches asymmetric ranges; it needs symmetric=False")
     float_input("quantize", "x", x)
@@ -144,35 +145,70 @@ def hadamard(x: torch.Tensor, signs) -> None:
         value(signs.dim() == 1 and signs.shape[0] == d, op, f"signs must have shape ({d},), got {list(signs.shape)}")
 
 
-def decode_attention(q, k_packed, v_packed, k_window, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin,
-                     k_signs) -> None:
-    """The shape rules a traced call can check; csrc/checks.cpp checks the rest when the kernel runs."""
-    op = "decode_attention"
-    float_input(op, "q", q)
-    value(q.dim() == 3, op, f"q must have shape (batch, q_heads, head_dim), got {list(q.shape)}")
+def cache(op: str, batch, kv_heads, dim, k_codes, v_codes, k_window, lengths, k_bits, v_bits, block, recent,
+          block_tables=None, side_slots=None, paged: bool = False) -> None:
+    """The cache rules a traced call can check (csrc/checks.cpp, check_cache); the kernels check the rest."""
     bits(op, "k_bits", k_bits)
     bits(op, "v_bits", v_bits)
     value(block >= 1, op, f"block must be >= 1 (got {block})")
     value(recent >= 0, op, f"recent must be >= 0 (got {recent})")
-    value(k_packed.dim() == 4, op, f"k_packed must have shape (batch, kv_heads, capacity, bytes), got {list(k_packed.shape)}")
-    hkv = k_packed.shape[1]
-    value(hkv >= 1 and q.shape[1] % hkv == 0, op,
-          f"q has {q.shape[1]} heads, which is not a multiple of the cache's {hkv} kv heads")
-    for name, t, b in (("k_packed", k_packed, k_bits), ("v_packed", v_packed, v_bits)):
+    dtype(lengths.dtype in (torch.int32, torch.int64), op, f"lengths must be int32 or int64 (got {lengths.dtype})")
+    value(lengths.dim() == 1 and lengths.shape[0] == batch, op,
+          f"lengths must have shape ({batch},), got {list(lengths.shape)}")
+    for name, t in (("block_tables", block_tables), ("side_slots", side_slots)):
+        if t is not None:
+            dtype(t.dtype == torch.int32, op, f"{name} must be int32 (got {t.dtype})")
+            value(t.dim() == (2 if name == "block_tables" else 1) and t.shape[0] == batch, op,
+                  f"{name} must have shape ({batch}{', max_pages' if name == 'block_tables' else ''},) with one row "
+                  f"per sequence, got {list(t.shape)}")
+    tabled = block_tables is not None
+    prefix = "k_codes" if paged else "k_packed"
+    for name, t, b in ((prefix, k_codes, k_bits), (prefix.replace("k_", "v_"), v_codes, v_bits)):
         dtype(t.dtype == torch.uint8, op, f"{name} must be uint8 (got {t.dtype})")
-        value(t.dim() == 4 and t.shape[0] == q.shape[0] and t.shape[-1] * 8 == q.shape[-1] * b, op,
-              f"{name} must have shape (batch={q.shape[0]}, kv_heads, capacity, {q.shape[-1] * b // 8}) for "
-              f"head_dim {q.shape[-1]} at {b} bits, got {list(t.shape)}")
+        first = "pages" if tabled else ("pages" if paged else "batch") + f"={batch}"
+        value(t.dim() == 4 and (tabled or t.shape[0] == batch) and t.shape[1] == kv_heads and t.shape[-1] * 8 == dim * b,
+              op, f"{name} must have shape ({first}, kv_heads={kv_heads}, {'page_size' if paged else 'capacity'}, "
+              f"{dim * b // 8}) for head_dim {dim} at {b} bits, got {list(t.shape)}")
     value(k_window.dim() == 4 and k_window.shape[2] >= recent + block - 1, op,
           f"the window ring ({k_window.shape[2] if k_window.dim() == 4 else '?'} tokens) must hold "
           f"recent + block - 1 = {recent + block - 1} tokens")
-    dtype(lengths.dtype in (torch.int32, torch.int64), op, f"lengths must be int32 or int64 (got {lengths.dtype})")
-    value(lengths.dim() == 1 and lengths.shape[0] == q.shape[0], op,
-          f"lengths must have shape ({q.shape[0]},), got {list(lengths.shape)}")
-    value((rope_cos is None) == (rope_sin is None), op,
-          "give both rope_cos and rope_sin (pre-RoPE keys) or neither")
+
+
+def attention_extras(op: str, rope_cos, rope_sin, k_signs) -> None:
+    value((rope_cos is None) == (rope_sin is None), op, "give both rope_cos and rope_sin (pre-RoPE keys) or neither")
     value(rope_cos is None or k_signs is None, op,
           "keys cannot be both pre-RoPE (rope_cos) and Hadamard-rotated (k_signs): RoPE does not commute with the rotation")
+
+
+def kv_heads_of(op: str, k_codes, paged: bool) -> int:
+    value(k_codes.dim() == 4, op, f"{'k_codes' if paged else 'k_packed'} must have shape "
+          f"({'pages' if paged else 'batch'}, kv_heads, {'page_size' if paged else 'capacity'}, bytes), got "
+          f"{list(k_codes.shape)}")
+    return k_codes.shape[1]
+
+
+def decode_attention(q, k_packed, v_packed, k_window, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin,
+                     k_signs, block_tables=None, side_slots=None, op: str = "decode_attention") -> None:
+    """The shape rules a traced call can check; csrc/checks.cpp checks the rest when the kernel runs."""
+    paged = op != "decode_attention"
+    float_input(op, "q", q)
+    value(q.dim() == 3, op, f"q must have shape (batch, q_heads, head_dim), got {list(q.shape)}")
+    hkv = kv_heads_of(op, k_packed, paged)
+    value(hkv >= 1 and q.shape[1] % hkv == 0, op,
+          f"q has {q.shape[1]} heads, which is not a multiple of the cache's {hkv} kv heads")
+    cache(op, q.shape[0], hkv, q.shape[-1], k_packed, v_packed, k_window, lengths, k_bits, v_bits, block, recent,
+          block_tables, side_slots, paged)
+    attention_extras(op, rope_cos, rope_sin, k_signs)
+
+
+def new_tokens(op: str, k_new, v_new, k_window, dims: int) -> None:
+    float_input(op, "k_new", k_new)
+    shape = "(batch, kv_heads, tokens, head_dim)" if dims == 4 else "(tokens, kv_heads, head_dim)"
+    value(k_new.dim() == dims, op, f"k_new must have shape {shape}, got {list(k_new.shape)}")
+    value(v_new.shape == k_new.shape, op, f"v_new must have k_new's shape {list(k_new.shape)}, got {list(v_new.shape)}")
+    dtype(k_new.dtype == k_window.dtype and v_new.dtype == k_window.dtype, op,
+          f"k_new and v_new must have the cache's full-precision dtype (k_window: {k_window.dtype}), got "
+          f"{k_new.dtype} and {v_new.dtype}")
 
 
 def cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent,
@@ -180,21 +216,48 @@ def cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_
     op = "cache_append"
     value(not (k_clip and k_zero is None), op, "k_clip needs asymmetric keys (k_zero)")
     value(not (v_clip and v_zero is None), op, "v_clip needs asymmetric values (v_zero)")
-    float_input(op, "k_new", k_new)
-    value(k_new.dim() == 4, op, f"k_new must have shape (batch, kv_heads, tokens, head_dim), got {list(k_new.shape)}")
-    value(v_new.shape == k_new.shape, op, f"v_new must have k_new's shape {list(k_new.shape)}, got {list(v_new.shape)}")
-    bits(op, "k_bits", k_bits)
-    bits(op, "v_bits", v_bits)
-    value(block >= 1, op, f"block must be >= 1 (got {block})")
-    value(recent >= 0, op, f"recent must be >= 0 (got {recent})")
+    new_tokens(op, k_new, v_new, k_window, 4)
     b, h, _, d = k_new.shape
-    for name, t, nb in (("k_packed", k_packed, k_bits), ("v_packed", v_packed, v_bits)):
-        dtype(t.dtype == torch.uint8, op, f"{name} must be uint8 (got {t.dtype})")
-        value(t.dim() == 4 and t.shape[0] == b and t.shape[1] == h and t.shape[-1] * 8 == d * nb, op,
-              f"{name} must have shape (batch={b}, kv_heads={h}, capacity, {d * nb // 8}) for head_dim {d} at "
-              f"{nb} bits, got {list(t.shape)}")
-    dtype(k_new.dtype == k_window.dtype and v_new.dtype == k_window.dtype, op,
-          f"k_new and v_new must have the cache's full-precision dtype (k_window: {k_window.dtype}), got "
-          f"{k_new.dtype} and {v_new.dtype}")
-    dtype(lengths.dtype in (torch.int32, torch.int64), op, f"lengths must be int32 or int64 (got {lengths.dtype})")
-    value(lengths.dim() == 1 and lengths.shape[0] == b, op, f"lengths must have shape ({b},), got {list(lengths.shape)}")
+    cache(op, b, h, d, k_packed, v_packed, k_window, lengths, k_bits, v_bits, block, recent)
+
+
+def query_start_loc(op: str, qsl, batch) -> None:
+    dtype(qsl.dtype in (torch.int32, torch.int64), op, f"query_start_loc must be int32 or int64 (got {qsl.dtype})")
+    value(qsl.dim() == 1 and qsl.shape[0] == batch + 1, op,
+          f"query_start_loc must have shape ({batch + 1},) (batch + 1 cumulative counts), got {list(qsl.shape)}")
+
+
+def paged_append(k_codes, v_codes, k_window, page_fill, block_tables, side_slots, lengths, qsl, k_new, v_new, k_bits,
+                 v_bits, block, recent, k_zero=None, v_zero=None, k_clip=False, v_clip=False, slot_mapping=None):
+    op = "paged_append"
+    value(not (k_clip and k_zero is None), op, "k_clip needs asymmetric keys (k_zero)")
+    value(not (v_clip and v_zero is None), op, "v_clip needs asymmetric values (v_zero)")
+    new_tokens(op, k_new, v_new, k_window, 3)
+    batch = lengths.shape[0] if lengths.dim() == 1 else 0
+    query_start_loc(op, qsl, batch)
+    cache(op, batch, k_new.shape[1], k_new.shape[2], k_codes, v_codes, k_window, lengths, k_bits, v_bits, block,
+          recent, block_tables, side_slots, paged=True)
+    if page_fill is not None:
+        dtype(page_fill.dtype == torch.int32, op, f"page_fill must be int32 (got {page_fill.dtype})")
+    if slot_mapping is not None:
+        dtype(slot_mapping.dtype in (torch.int32, torch.int64), op,
+              f"slot_mapping must be int32 or int64 (got {slot_mapping.dtype})")
+
+
+def paged_prefill_attention(q, k_new, v_new, qsl, max_query_len, k_codes, v_codes, k_window, block_tables,
+                            side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, k_signs) -> None:
+    op = "paged_prefill_attention"
+    float_input(op, "q", q)
+    value(q.dim() == 3, op, f"q must have shape (tokens, q_heads, head_dim), got {list(q.shape)}")
+    value(max_query_len >= 0, op, f"max_query_len must be >= 0 (got {max_query_len})")
+    hkv = kv_heads_of(op, k_codes, True)
+    value(hkv >= 1 and q.shape[1] % hkv == 0, op,
+          f"q has {q.shape[1]} heads, which is not a multiple of the cache's {hkv} kv heads")
+    new_tokens(op, k_new, v_new, k_window, 3)
+    value(k_new.shape[0] == q.shape[0] and k_new.shape[1] == hkv and k_new.shape[2] == q.shape[2], op,
+          f"k_new must have shape ({q.shape[0]}, {hkv}, {q.shape[2]}) (tokens, heads, head_dim), got {list(k_new.shape)}")
+    batch = qsl.shape[0] - 1 if qsl.dim() == 1 else 0
+    query_start_loc(op, qsl, batch)
+    cache(op, batch, hkv, q.shape[-1], k_codes, v_codes, k_window, lengths, k_bits, v_bits, block, recent,
+          block_tables, side_slots, paged=True)
+    attention_extras(op, rope_cos, rope_sin, k_signs)

@@ -68,5 +68,5 @@ def _inference_only(op: str):
     torch.library.register_autograd(f"rkv::{op}", backward, setup_context=setup)
 
 
-for _op in ("quantize", "dequantize", "decode_attention"):
+for _op in ("quantize", "dequantize", "decode_attention", "paged_decode_attention", "paged_prefill_attention"):
     _inference_only(_op)

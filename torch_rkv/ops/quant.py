@@ -58,6 +58,7 @@ def quantize(
     symmetric: bool = False,
     meta_dtype: torch.dtype = torch.float16,
     clip: bool = False,
+    sink_rows: int = 0,
 ) -> Quantized:
     """Quantize ``x`` of shape (*, N, D) (float32/float16/bfloat16) to ``bits`` in {2, 3, 4, 8}.
 
@@ -69,9 +70,13 @@ def quantize(
     clip=True (asymmetric only) picks each group's range among 11 shrinkages of [min, max] (0 to 25% of
     the span cut off each side) by least squared error: values beyond the chosen range saturate, the
     rest get a finer grid. It pays at 2 bits (see docs/guide.md).
+
+    sink_rows: tokens [0, sink_rows) are attention sinks that a cache keeps in full precision: they are
+    encoded but do not set the range of a group they share with other tokens.
     """
     gs = x.shape[-1] if group_size is None else group_size
-    packed, scale, zero = torch.ops.rkv.quantize.default(x, bits, gs, block_tokens, symmetric, meta_dtype, clip)
+    packed, scale, zero = torch.ops.rkv.quantize.default(x, bits, gs, block_tokens, symmetric, meta_dtype, clip,
+                                                         sink_rows)
     return Quantized(packed, scale, None if symmetric else zero, bits)
 
 
@@ -81,8 +86,8 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 @torch.library.register_fake("rkv::quantize")
-def _quantize_fake(x, bits, group_size, block_tokens, symmetric, meta_dtype, clip=False):
-    _validate.quantize(x, bits, group_size, block_tokens, meta_dtype, symmetric, clip)
+def _quantize_fake(x, bits, group_size, block_tokens, symmetric, meta_dtype, clip=False, sink_rows=0):
+    _validate.quantize(x, bits, group_size, block_tokens, meta_dtype, symmetric, clip, sink_rows)
     *lead, n, d = x.shape
     packed = x.new_empty((*lead, n, d * bits // 8), dtype=torch.uint8)
     meta = (*lead, n // block_tokens, d // group_size)

@@ -1,17 +1,20 @@
-// CPU op rkv::decode_attention: one query token per sequence against the quantized cache.
+// CPU ops rkv::decode_attention, rkv::paged_decode_attention and rkv::paged_prefill_attention: query
+// tokens against the quantized cache (contiguous or paged; prefill also over the chunk's own tokens).
 //
-// This file is the op around the kernel (attention_kernel.h, compiled per instruction set and chosen by
-// capability.h): checks, the query transform, the split policy, threads and scratch, and the merge. A
-// second pass merges the splits of each query head in split order, so the result does not depend on
-// the thread count.
+// This file is the ops around the one kernel (attention_kernel.h, compiled per instruction set and
+// chosen by capability.h): the call (cache_call.h: checks, addressing, the query transform), the split
+// policy, threads and scratch, and the merge. A second pass merges the splits of each query row in split
+// order, so the result does not depend on the thread count.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
+#include "../cache_call.h"
 #include "../checks.h"
 #include "../op_common.h"
 #include "capability.h"
@@ -29,28 +32,32 @@ FloatKind float_kind(at::ScalarType t) {
   }
 }
 
-// Tokens per split when the caller leaves it to the kernel: the power of two in [512, 2048] nearest
-// above what makes kTargetItems work items (sequence, kv head, split). Longer splits cost fewer partial
-// results to zero and merge, and restart fewer prefetch streams; the items still outnumber the cores,
-// and power-of-two splits of power-of-two contexts share out evenly. A function of the shapes only,
-// never of the thread count, so results stay bit-identical across thread counts.
-int64_t default_split_tokens(int64_t rows, int64_t max_n) {
+// Tokens per split when the caller leaves it to the kernel. Work items without splits (sequence, query
+// block, kv head) that already number kTargetItems take all the keys in one split: no partial results,
+// no merge (a prefill chunk). Otherwise the power of two in [512, 2048] nearest above what makes
+// kTargetItems items: longer splits cost fewer partial results to zero and merge, and restart fewer
+// prefetch streams; the items still outnumber the cores, and power-of-two splits of power-of-two
+// contexts share out evenly. A function of the shapes and lengths only, never of the thread count, so
+// results stay bit-identical across thread counts.
+int64_t default_split_tokens(int64_t items, int64_t max_n) {
   constexpr int64_t kTargetItems = 32, kMin = 512, kMax = 2048;
-  const int64_t want = (rows * max_n + kTargetItems - 1) / kTargetItems;
+  if (items >= kTargetItems) return std::max<int64_t>(1, max_n);
+  const int64_t want = (items * max_n + kTargetItems - 1) / kTargetItems;
   int64_t split = kMin;
   while (split < want && split < kMax) split *= 2;
   return split;
 }
 
-// out (B, Hq, D) = merge of the splits of every query head, in split order.
-void merge_splits(const DecodeArgs& a, float* out) {
-  const DecodeGeometry& g = a.g;
-  const int64_t D = g.dim, rows = g.batch * g.q_heads;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+// out (query tokens, Hq, D) = merge of the splits of every query row, in split order; rows from `rows`
+// on (padding past query_start_loc[B]) are zeros.
+void merge_splits(const AttentionArgs& a, int64_t rows, int64_t total_rows, float* out) {
+  const int64_t D = a.g.dim;
+  at::parallel_for(0, total_rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      SoftmaxPartial total{-INFINITY, 0.0f};
       float* o = out + r * D;
       std::fill(o, o + D, 0.0f);
+      if (r >= rows) continue;
+      SoftmaxPartial total{-INFINITY, 0.0f};
       for (int64_t s = 0; s < a.splits; ++s) {
         const float* ml = a.part_ml + (r * a.splits + s) * 2;
         const float* acc = a.part_acc + (r * a.splits + s) * D;
@@ -68,6 +75,82 @@ void merge_splits(const DecodeArgs& a, float* out) {
   });
 }
 
+// Runs the kernel over every work item and merges: the output (query tokens, Hq, D) in fp32, still in
+// the values' Hadamard space.
+at::Tensor run_attention(AttentionCall& call) {
+  CacheGeometry& g = call.cache.g;
+  const int64_t* len = call.cache.lengths.const_data_ptr<int64_t>();
+  const bool prefill = call.q_start.defined();
+  const int64_t* q_start = prefill ? call.q_start.const_data_ptr<int64_t>() : nullptr;
+  std::vector<int64_t> counts;
+  if (prefill) {
+    counts = token_counts(call.q_start);
+    TORCH_CHECK_VALUE(g.batch == 0 || (q_start[0] >= 0 && q_start[g.batch] <= call.q.size(0)),
+                      "rkv.paged_prefill_attention: query_start_loc must lie in [0, ", call.q.size(0), "] (the rows of q)");
+    for (int64_t b = 0; b < g.batch; ++b)
+      TORCH_CHECK_VALUE(counts[b] <= call.max_query_len, "rkv.paged_prefill_attention: sequence ", b, " has ",
+                        counts[b], " new tokens, more than max_query_len (", call.max_query_len, ")");
+  }
+  check_cache_data(prefill ? "paged_prefill_attention" : (call.cache.tables.defined() || call.cache.slots.defined()
+                                                              ? "paged_decode_attention" : "decode_attention"),
+                   g, call.cache.pt, len, prefill ? counts.data() : nullptr);
+  int64_t max_total = 0, max_m = prefill ? 0 : 1;
+  for (int64_t b = 0; b < g.batch; ++b) {
+    max_total = std::max(max_total, len[b] + (prefill ? counts[b] : 0));
+    if (prefill) max_m = std::max(max_m, counts[b]);
+  }
+  AttentionArgs a;
+  a.q_block = prefill ? std::max<int64_t>(1, kPrefillRows / g.group_size()) : 1;
+  a.q_blocks = std::max<int64_t>(1, (max_m + a.q_block - 1) / a.q_block);
+  if (g.split_tokens == 0) g.split_tokens = default_split_tokens(g.batch * g.kv_heads * a.q_blocks, max_total);
+  g.split_tokens = std::max<int64_t>(1, std::min(g.split_tokens, std::max<int64_t>(1, max_total)));
+  a.g = g;
+  a.pt = call.cache.pt;
+  a.fp = float_kind(call.cache.fp);
+  a.meta = float_kind(call.cache.meta);
+  a.k = call.cache.k;
+  a.v = call.cache.v;
+  a.q = call.q.const_data_ptr<float>();
+  a.lengths = len;
+  a.q_start = q_start;
+  a.k_fresh = prefill ? call.k_fresh.const_data_ptr() : nullptr;
+  a.v_fresh = prefill ? call.v_fresh.const_data_ptr() : nullptr;
+  a.cos = call.cos.defined() ? call.cos.const_data_ptr<float>() : nullptr;
+  a.sin = call.sin.defined() ? call.sin.const_data_ptr<float>() : nullptr;
+  a.splits = std::max<int64_t>(1, (max_total + g.split_tokens - 1) / g.split_tokens);
+  const int64_t query_tokens = call.q.size(0), rows = prefill ? (g.batch ? q_start[g.batch] : 0) : g.batch;
+  at::Tensor out = at::empty({query_tokens, g.q_heads, g.dim}, call.q.options());
+  // one split: the items write the outputs (no partial results); rows past the real ones are padding
+  at::Tensor part_ml, part_acc;
+  if (a.splits == 1) {
+    a.out = out.mutable_data_ptr<float>();
+    out.narrow(0, rows, query_tokens - rows).zero_();
+  } else {
+    part_ml = at::empty({query_tokens, g.q_heads, a.splits, 2}, call.q.options());
+    part_acc = at::empty({query_tokens, g.q_heads, a.splits, g.dim}, call.q.options());
+    a.part_ml = part_ml.mutable_data_ptr<float>();
+    a.part_acc = part_acc.mutable_data_ptr<float>();
+  }
+
+  const AttentionItems kernel =
+      capability() == Capability::Avx2 ? attention_items_avx2(g.dim) : attention_items_default(g.dim);
+  const int64_t items = g.batch * a.q_blocks * a.splits * g.kv_heads;
+  const int64_t scratch_floats = ScratchLayout(a).total;
+  // Items differ in size (ragged lengths, causal query blocks): each thread takes the next kv heads of a
+  // split from a shared counter until none is left, instead of a fixed share. Which thread runs an item
+  // never changes its result.
+  std::atomic<int64_t> next{0};
+  const int64_t grain = g.kv_heads;
+  at::parallel_for(0, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (items + grain - 1) / grain)), 1,
+                   [&](int64_t, int64_t) {
+                     std::vector<float> scratch(scratch_floats, 0.0f);
+                     for (int64_t it = next.fetch_add(grain); it < items; it = next.fetch_add(grain))
+                       kernel(a, it, std::min(items, it + grain), scratch.data());
+                   });
+  if (a.splits > 1) merge_splits(a, rows * g.q_heads, query_tokens * g.q_heads, out.mutable_data_ptr<float>());
+  return out;
+}
+
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
                                 const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
                                 const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
@@ -77,60 +160,55 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_packed,
                                 const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
                                 const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
                                 double scale, int64_t split_tokens) {
-  DecodeGeometry g = check_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
-                                            v_window, k_sink, v_sink, lengths, k_bits, v_bits, block, recent,
-                                            rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, split_tokens);
-  const at::Tensor len = lengths.to(at::kLong).contiguous();
-  check_decode_lengths(g, len);
-  // queries in fp32, pre-scaled, and rotated into the keys' Hadamard space
-  const at::Tensor qf = decode_query(q, scale, k_signs);
-  const at::Tensor cos = rope_cos.has_value() ? rope_cos->to(at::kFloat).contiguous() : at::Tensor();
-  const at::Tensor sin = rope_sin.has_value() ? rope_sin->to(at::kFloat).contiguous() : at::Tensor();
+  const CacheTensors c{k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
+  AttentionCall call = decode_call("decode_attention", q, c, CacheIndex{}, lengths, k_bits, v_bits, block, recent,
+                                   rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens);
+  return decode_output(run_attention(call), v_signs, q.scalar_type());
+}
 
-  const int64_t max_n = g.batch ? *std::max_element(len.const_data_ptr<int64_t>(), len.const_data_ptr<int64_t>() + g.batch) : 0;
-  if (split_tokens == 0) g.split_tokens = default_split_tokens(g.batch * g.kv_heads, max_n);
-  DecodeArgs a;
-  a.g = g;
-  a.fp = float_kind(k_window.scalar_type());
-  a.meta = float_kind(k_scale.scalar_type());
-  a.splits = std::max<int64_t>(1, (max_n + g.split_tokens - 1) / g.split_tokens);
-  at::Tensor part_ml = at::empty({g.batch, g.q_heads, a.splits, 2}, qf.options());
-  at::Tensor part_acc = at::empty({g.batch, g.q_heads, a.splits, g.dim}, qf.options());
-  a.q = qf.const_data_ptr<float>();
-  a.lengths = len.const_data_ptr<int64_t>();
-  a.cos = cos.defined() ? cos.const_data_ptr<float>() : nullptr;
-  a.sin = sin.defined() ? sin.const_data_ptr<float>() : nullptr;
-  a.part_ml = part_ml.mutable_data_ptr<float>();
-  a.part_acc = part_acc.mutable_data_ptr<float>();
+at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                      const std::optional<at::Tensor>& k_zero, const at::Tensor& v_codes,
+                                      const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
+                                      const at::Tensor& k_window, const at::Tensor& v_window,
+                                      const at::Tensor& k_sink, const at::Tensor& v_sink,
+                                      const std::optional<at::Tensor>& block_tables,
+                                      const std::optional<at::Tensor>& side_slots, const at::Tensor& lengths,
+                                      int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
+                                      const std::optional<at::Tensor>& rope_cos,
+                                      const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
+                                      const std::optional<at::Tensor>& k_signs,
+                                      const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens) {
+  const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
+  const CacheIndex ix{&block_tables, &side_slots, true};
+  AttentionCall call = decode_call("paged_decode_attention", q, c, ix, lengths, k_bits, v_bits, block, recent,
+                                   rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens);
+  return decode_output(run_attention(call), v_signs, q.scalar_type());
+}
 
-  // contiguous buffers that stay alive until the kernel is done
-  const auto c = [](const at::Tensor& t) { return t.contiguous(); };
-  const at::Tensor kp = c(k_packed), ks = c(k_scale), vp = c(v_packed), vs = c(v_scale);
-  const at::Tensor kz = k_zero.has_value() ? c(*k_zero) : at::Tensor();
-  const at::Tensor vz = v_zero.has_value() ? c(*v_zero) : at::Tensor();
-  const at::Tensor kw = c(k_window), vw = c(v_window), kk = c(k_sink), vk = c(v_sink);
-  const auto side = [](const at::Tensor& p, const at::Tensor& s, const at::Tensor& z, const at::Tensor& w,
-                       const at::Tensor& sk) {
-    return CachedSide{p.const_data_ptr<uint8_t>(), s.const_data_ptr(), z.defined() ? z.const_data_ptr() : nullptr,
-                      w.const_data_ptr(), sk.const_data_ptr()};
-  };
-  a.k = side(kp, ks, kz, kw, kk);
-  a.v = side(vp, vs, vz, vw, vk);
-
-  const DecodeItems kernel = capability() == Capability::Avx2 ? decode_items_avx2(g.dim) : decode_items_default(g.dim);
-  const int64_t items = g.batch * g.kv_heads * a.splits;
-  const int64_t scratch_floats = ScratchLayout(g).total;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(scratch_floats, 0.0f);
-    kernel(a, begin, end, scratch.data());
-  });
-  at::Tensor out = at::empty({g.batch, g.q_heads, g.dim}, qf.options());
-  merge_splits(a, out.mutable_data_ptr<float>());
-  return decode_output(out, v_signs, q.scalar_type());
+at::Tensor paged_prefill_attention_cpu(
+    const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& query_start_loc,
+    int64_t max_query_len, const at::Tensor& k_codes, const at::Tensor& k_scale,
+    const std::optional<at::Tensor>& k_zero, const at::Tensor& v_codes, const at::Tensor& v_scale,
+    const std::optional<at::Tensor>& v_zero, const at::Tensor& k_window, const at::Tensor& v_window,
+    const at::Tensor& k_sink, const at::Tensor& v_sink, const std::optional<at::Tensor>& block_tables,
+    const std::optional<at::Tensor>& side_slots, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
+    int64_t block, int64_t recent, const std::optional<at::Tensor>& rope_cos,
+    const std::optional<at::Tensor>& rope_sin, bool rope_interleaved, const std::optional<at::Tensor>& k_signs,
+    const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens) {
+  const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
+  const CacheIndex ix{&block_tables, &side_slots, true};
+  AttentionCall call = prefill_call(q, k_new, v_new, query_start_loc, max_query_len, c, ix, lengths, k_bits, v_bits,
+                                    block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale,
+                                    split_tokens);
+  return decode_output(run_attention(call), v_signs, q.scalar_type());
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(rkv, CPU, m) { m.impl("decode_attention", &decode_attention_cpu); }
+TORCH_LIBRARY_IMPL(rkv, CPU, m) {
+  m.impl("decode_attention", &decode_attention_cpu);
+  m.impl("paged_decode_attention", &paged_decode_attention_cpu);
+  m.impl("paged_prefill_attention", &paged_prefill_attention_cpu);
+}
 
 }  // namespace rkv::cpu

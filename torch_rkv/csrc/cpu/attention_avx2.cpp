@@ -6,20 +6,20 @@ namespace rkv::cpu {
 #if RKV_AVX2_KERNELS
 RKV_AVX2_BEGIN
 namespace avx2 {
-DecodeItems decode_items_narrow(int64_t dim) { return select_decode_items<64, 128>(dim); }
-DecodeItems decode_items_wide(int64_t dim);  // attention_avx2_wide.cpp
+AttentionItems attention_items_narrow(int64_t dim) { return select_attention_items<64, 128>(dim); }
+AttentionItems attention_items_wide(int64_t dim);  // attention_avx2_wide.cpp
 }  // namespace avx2
 RKV_AVX2_END
 
 // Baseline code: capability.cpp asks on every CPU.
 bool avx2_kernels_built() { return true; }
-DecodeItems decode_items_avx2(int64_t dim) {
-  const DecodeItems narrow = avx2::decode_items_narrow(dim);
-  return narrow != nullptr ? narrow : avx2::decode_items_wide(dim);
+AttentionItems attention_items_avx2(int64_t dim) {
+  const AttentionItems narrow = avx2::attention_items_narrow(dim);
+  return narrow != nullptr ? narrow : avx2::attention_items_wide(dim);
 }
 #else
 bool avx2_kernels_built() { return false; }
-DecodeItems decode_items_avx2(int64_t) { return nullptr; }
+AttentionItems attention_items_avx2(int64_t) { return nullptr; }
 #endif
 
 }  // namespace rkv::cpu

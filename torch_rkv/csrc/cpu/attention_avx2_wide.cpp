@@ -4,7 +4,7 @@
 #if RKV_AVX2_KERNELS
 RKV_AVX2_BEGIN
 namespace rkv::cpu::avx2 {
-DecodeItems decode_items_wide(int64_t dim) { return select_decode_items<256, 0>(dim); }
+AttentionItems attention_items_wide(int64_t dim) { return select_attention_items<256, 0>(dim); }
 }  // namespace rkv::cpu::avx2
 RKV_AVX2_END
 #endif

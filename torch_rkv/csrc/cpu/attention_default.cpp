@@ -5,6 +5,6 @@
 
 namespace rkv::cpu {
 
-DecodeItems decode_items_default(int64_t dim) { return select_decode_items<64, 128, 256, 0>(dim); }
+AttentionItems attention_items_default(int64_t dim) { return select_attention_items<64, 128, 256, 0>(dim); }
 
 }  // namespace rkv::cpu

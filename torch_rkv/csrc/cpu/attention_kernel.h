@@ -1,10 +1,12 @@
-// The CPU decode-attention kernel (rkv::decode_attention), written once and compiled once per
-// instruction set: cpu/attention_default.cpp (portable) and cpu/attention_avx2*.cpp (AVX2 + FMA + F16C,
-// where attention_tiles.h's register-blocked tiles take over). cpu/attention.cpp runs it.
+// The CPU attention kernel (rkv::decode_attention, paged_decode_attention, paged_prefill_attention),
+// written once and compiled once per instruction set: cpu/attention_default.cpp (portable) and
+// cpu/attention_avx2*.cpp (AVX2 + FMA + F16C, where attention_tiles.h's register-blocked tiles take over).
+// cpu/attention.cpp runs it.
 //
-// Work items are (sequence, kv head, split of split_tokens tokens): each dequantizes its keys once for
-// all the query heads of its GQA group, applies RoPE to pre-RoPE keys, and keeps a partial softmax
-// (max, sum, un-normalized output) that the op merges afterwards.
+// Work items are (sequence, block of query tokens, split of split_tokens keys, kv head): each
+// dequantizes its keys once for all its query rows (the query heads of the GQA group, times the query
+// tokens of a prefill block), applies RoPE to pre-RoPE keys, and keeps a partial softmax (max, sum,
+// un-normalized output) per row that the op merges afterwards.
 #pragma once
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 #include "capability.h"
 #include "decode_kernel.h"
 #include "rkv/attention.h"
+#include "rkv/paging.h"
 #include "rkv/rope.h"
 
 namespace rkv::cpu {
@@ -29,58 +32,78 @@ RKV_INLINE void read_floats(const void* src, FloatKind k, int64_t offset, float*
   }
 }
 
-// Float rows of one cached tensor (keys or values) of one (sequence, kv head).
+// Float rows of one cached tensor (keys or values) of one (sequence, kv head): its quantized rows in
+// the pages of its block table, its full-precision sinks and window in its side slot, and (prefill) the
+// chunk's own new rows.
 template <int DC>
 struct RowReader {
-  const uint8_t* packed;  // (capacity, row_bytes) of this (sequence, head)
-  const void* scale;      // the whole metadata buffer; this head's rows start at element meta0
-  const void* zero;       // same, or nullptr (symmetric)
-  const void* window;     // the whole window buffer; this head's rows start at element window0
-  const void* sink;       // likewise, sink0
-  int64_t meta0, window0, sink0;
+  const CacheGeometry* g;
+  const PageTable* pt;
+  const SideView* side;
+  const void* fresh;  // the new rows (T, Hkv, D) of this side, or nullptr (decode)
+  int64_t b, h, slot, fresh0;  // fresh0: element offset of this (sequence, head)'s first new row
   FloatKind fp, meta;
-  int64_t dim, block_tokens, group, sinks, window_len, q_count;
+  int64_t dim, block_tokens, group, sinks, q_count, cached, row_bytes;
   int bits;
   float* sc;       // scratch: the metadata row of the current block, scales (dim / group floats)
   float* zc;       // and zeros: code * sc + zc decodes a code (symmetric: zc = -2^(bits-1) sc)
   uint8_t* codes;  // scratch: one row of codes
   int64_t meta_lo = 0, meta_hi = 0;  // tokens [meta_lo, meta_hi) share the metadata row in sc / zc
+  int64_t page_lo = 0, page_hi = 0;  // tokens [page_lo, page_hi) live in the page below
+  const uint8_t* page_codes = nullptr;  // codes of this head's row 0 in that page
+  int64_t page_meta = 0;                // element offset of its metadata row 0
 
-  // whether tokens [t, t + n) are all packed rows (no sink or window row among them)
-  bool all_packed(int64_t t, int64_t n) const { return t >= sinks && t + n <= sinks + q_count; }
+  // whether tokens [t, t + n) are all quantized rows (no sink, window or new row among them)
+  bool all_packed(int64_t t, int64_t n) const { return t >= sinks && t + n <= q_count; }
+  // The page that holds token t: a block-table read per page, a compare per row.
+  RKV_INLINE void seek(int64_t t) {
+    if (t >= page_lo && t < page_hi) return;
+    const int64_t page = pt->page(b, t);
+    page_lo = t - t % g->page_size;
+    page_hi = page_lo + g->page_size;
+    page_codes = side->codes + side->codes_offset(*g, page, h, 0);
+    page_meta = side->meta_offset(*g, page, h, 0);
+  }
   // The zeros that make code * s + z decode symmetric codes too (stored with a bias of 2^(bits-1)).
   RKV_INLINE void symmetric_zeros(const float* s, float* z, int64_t n) const {
     const float bias = -static_cast<float>(sym_bias(bits));
     for (int64_t i = 0; i < n; ++i) z[i] = bias * s[i];
   }
-  // Metadata rows [r, r + n) (row r: block r) in float, (n, groups) row-major.
-  RKV_INLINE void meta_rows(int64_t r, int64_t n, float* s, float* z) const {
+  // n metadata rows (n x groups floats) from element `offset`.
+  RKV_INLINE void meta_rows(int64_t offset, int64_t n, float* s, float* z) const {
     const int64_t ng = dim / group;
-    read_floats(scale, meta, meta0 + r * ng, s, n * ng);
-    if (zero != nullptr) {
-      read_floats(zero, meta, meta0 + r * ng, z, n * ng);
+    read_floats(side->scale, meta, offset, s, n * ng);
+    if (side->zero != nullptr) {
+      read_floats(side->zero, meta, offset, z, n * ng);
     } else {
       symmetric_zeros(s, z, n * ng);
     }
   }
-  // Scales and zeros of packed rows [t, t + n), for one row per block.
-  RKV_INLINE void row_params(int64_t t, int64_t n, float* s, float* z) const { meta_rows(t - sinks, n, s, z); }
-  const uint8_t* packed_row(int64_t t) const { return packed + (t - sinks) * (dim * bits / 8); }
-  // Ask for packed rows [t, t + n) ahead of use: each split starts a fresh stream, which the hardware
-  // prefetcher picks up only after a few misses.
-  RKV_INLINE void prefetch(int64_t t, int64_t n) const {
-    const int64_t lo = std::max(t, sinks), hi = std::min(t + n, sinks + q_count);
+  // Scales and zeros of quantized rows [t, t + n) of one page, for one row per block.
+  RKV_INLINE void row_params(int64_t t, int64_t n, float* s, float* z) {
+    seek(t);
+    meta_rows(page_meta + (t - page_lo) * (dim / group), n, s, z);
+  }
+  RKV_INLINE const uint8_t* packed_row(int64_t t) {
+    seek(t);
+    return page_codes + (t - page_lo) * row_bytes;
+  }
+  // Ask for quantized rows [t, t + n) of one page ahead of use: each split starts a fresh stream, which
+  // the hardware prefetcher picks up only after a few misses.
+  RKV_INLINE void prefetch(int64_t t, int64_t n) {
+    const int64_t lo = std::max(t, sinks), hi = std::min(t + n, q_count);
     if (lo >= hi) return;
     const char* p = reinterpret_cast<const char*>(packed_row(lo));
-    const int64_t bytes = (hi - lo) * (dim * bits / 8);
+    const int64_t bytes = (std::min(hi, page_hi) - lo) * row_bytes;
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
   }
-  // Metadata of packed token t's block in sc / zc.
+  // Metadata of quantized token t's block in sc / zc.
   RKV_INLINE void load_meta(int64_t t) {
     if (t >= meta_lo && t < meta_hi) return;  // a compare per row, the division once per block
-    const int64_t m = (t - sinks) / block_tokens;
-    meta_rows(m, 1, sc, zc);
-    meta_lo = sinks + m * block_tokens;
+    seek(t);
+    const int64_t m = (t - page_lo) / block_tokens;
+    meta_rows(page_meta + m * (dim / group), 1, sc, zc);
+    meta_lo = page_lo + m * block_tokens;
     meta_hi = meta_lo + block_tokens;
   }
 
@@ -101,7 +124,7 @@ struct RowReader {
   // whether decode_row_chunks takes these rows (head_dim a multiple of 8 is the caller's condition)
   bool register_decode() const { return group == 1 || group % 8 == 0; }
 
-  // Rows [t, t + n) into out (n x D), dequantized, where they are all packed and the register path
+  // Rows [t, t + n) into out (n x D), dequantized, where they are all quantized and the register path
   // applies; false (nothing written) otherwise.
   RKV_INLINE bool load_tile(int64_t t, int64_t n, float* out) {
 #if RKV_TILES_AVX2
@@ -120,7 +143,7 @@ struct RowReader {
   }
 
   // Rows [t, t + n) dequantized and rotated (rotate-half RoPE of the first 2 * half channels; cs / sn:
-  // the cos / sin rows of position t, half apart) in one pass, where they are all packed per-channel
+  // the cos / sin rows of position t, half apart) in one pass, where they are all quantized per-channel
   // keys and half is a multiple of 8; false (nothing written) otherwise. Within one rounding of load
   // + rope_row (it fuses a product into each sum).
   RKV_INLINE bool load_rope_tile(int64_t t, int64_t n, float* out, const float* cs, const float* sn, int64_t half) {
@@ -147,12 +170,15 @@ struct RowReader {
 
   RKV_INLINE void load(int64_t t, float* out) {
     const int64_t dim = DC > 0 ? DC : this->dim;
-    switch (token_place(t, sinks, q_count)) {
+    switch (token_place(t, sinks, q_count, cached)) {
       case Place::Sink:
-        read_floats(sink, fp, sink0 + t * dim, out, dim);
+        read_floats(side->sink, fp, sink_offset(*g, slot, h, t), out, dim);
         return;
       case Place::Window:
-        read_floats(window, fp, window0 + window_slot(t, sinks, window_len) * dim, out, dim);
+        read_floats(side->window, fp, window_offset(*g, slot, h, t), out, dim);
+        return;
+      case Place::Fresh:
+        read_floats(fresh, fp, fresh0 + (t - cached) * g->kv_heads * dim, out, dim);
         return;
       case Place::Packed: {
         load_meta(t);
@@ -165,7 +191,7 @@ struct RowReader {
           }
         }
 #endif
-        decode_row(row, sc, zc, dim, group, bits, zero == nullptr, codes, out);
+        decode_row(row, sc, zc, dim, group, bits, side->zero == nullptr, codes, out);
         return;
       }
     }
@@ -222,23 +248,22 @@ RKV_INLINE void fold_probs(const float* __restrict p, int64_t p_stride, int64_t 
 }
 
 template <int DC>
-void decode_items(const DecodeArgs& a, int64_t begin, int64_t end, float* scratch) {
-  const DecodeGeometry& g = a.g;
+void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* scratch) {
+  const CacheGeometry& g = a.g;
   const int64_t D = DC > 0 ? DC : g.dim, G = g.group_size(), ST = g.split_tokens, H = g.kv_heads;
-  const ScratchLayout lay(g);
+  const ScratchLayout lay(a);
   float* const tile = scratch + lay.tile;
   float* const scores = scratch + lay.scores;
+  float* const acc = scratch + lay.acc;
+  float* const ml = scratch + lay.ml;
   uint8_t* const codes = reinterpret_cast<uint8_t*>(scratch + lay.codes);
-  const auto reader = [&](bool keys, int64_t b, int64_t h, int64_t q_count) {
-    const CachedSide& side = keys ? a.k : a.v;
-    const int64_t bh = b * H + h, bits = keys ? g.k_bits : g.v_bits, group = keys ? g.k_group : g.v_group;
-    const int64_t block_tokens = keys ? g.k_block_tokens : g.v_block_tokens, ng = D / group;
+  const auto reader = [&](bool keys, int64_t b, int64_t h, int64_t n, int64_t q_count) {
+    const SideView& side = keys ? a.k : a.v;
     float* meta = scratch + (keys ? lay.k_meta : lay.v_meta);
-    return RowReader<DC>{side.packed + bh * g.capacity * (D * bits / 8),
-                         side.scale, side.zero, side.window, side.sink,
-                         bh * (g.capacity / block_tokens) * ng, bh * g.window * D, bh * g.sinks * D,
-                         a.fp, a.meta, D, block_tokens, group, g.sinks, g.window, q_count, static_cast<int>(bits),
-                         meta, meta + ng, codes};
+    const int64_t fresh0 = a.q_start != nullptr ? (a.q_start[b] * H + h) * D : 0;
+    return RowReader<DC>{&g, &a.pt, &side, keys ? a.k_fresh : a.v_fresh, b, h, a.pt.slot(b), fresh0, a.fp, a.meta,
+                         D, side.block_tokens, side.group, g.sinks, q_count, n, side.row_bytes(g), side.bits,
+                         meta, meta + D / side.group, codes};
   };
 
 #if RKV_TILES_AVX2
@@ -248,8 +273,10 @@ void decode_items(const DecodeArgs& a, int64_t begin, int64_t end, float* scratc
 #endif
   // values quantized per token (one row per block; one group per row, or groups of a multiple of 32
   // channels, which every register pass of accumulate_codes stays inside) take the folded path on
-  // whole tiles of packed rows
-  const bool fold_values = kFoldable && g.v_block_tokens == 1 && (g.v_group == D || g.v_group % 32 == 0);
+  // whole tiles of quantized rows, for the few rows of a decode step; the many rows of a prefill block
+  // dequantize each tile once instead (the fold decodes the codes again for every 4 rows)
+  const bool fold_values = kFoldable && g.v_block_tokens == 1 && (g.v_group == D || g.v_group % 32 == 0) &&
+                           a.rows() <= 8;
   const int64_t VG = D / g.v_group;  // value groups per row
   float* const zsum = scratch + lay.zsum;
 #if RKV_TILES_AVX2
@@ -260,85 +287,133 @@ void decode_items(const DecodeArgs& a, int64_t begin, int64_t end, float* scratc
   std::fill(tile, tile + kTileTokens * D, 0.0f);  // rows past a partial tile stay readable zeros
   for (int64_t it = begin; it < end; ++it) {
     // kv heads vary fastest: the items of one split run together and share its cos / sin rows in cache
-    const int64_t h = it % H, bs = it / H, split = bs % a.splits, b = bs / a.splits;
-    const int64_t n = a.lengths[b], t0 = split * ST, t1 = std::min(n, t0 + ST);
-    const int64_t hq0 = b * g.q_heads + h * G;  // first query head of this kv head
-    float* ml = a.part_ml + (hq0 * a.splits + split) * 2;
-    float* acc = a.part_acc + (hq0 * a.splits + split) * D;
-    const int64_t ml_stride = a.splits * 2, acc_stride = a.splits * D;
-    for (int64_t gq = 0; gq < G; ++gq) std::fill(acc + gq * acc_stride, acc + gq * acc_stride + D, 0.0f);
-    if (t0 >= t1) {  // nothing cached in this split: an empty partial
-      for (int64_t gq = 0; gq < G; ++gq) {
-        ml[gq * ml_stride] = -INFINITY;
-        ml[gq * ml_stride + 1] = 0.0f;
-      }
-      continue;
+    int64_t rest = it / H;
+    const int64_t h = it % H, split = rest % a.splits;
+    rest /= a.splits;
+    const int64_t qb = rest % a.q_blocks, b = rest / a.q_blocks;
+    const int64_t n = a.lengths[b];
+    // query tokens [i0, i1) of this sequence; token i is query row q_row0 + i of the queries
+    const int64_t m = a.q_start != nullptr ? a.q_start[b + 1] - a.q_start[b] : 1;
+    const int64_t i0 = qb * a.q_block, i1 = std::min(m, i0 + a.q_block);
+    if (i0 >= i1) continue;  // a shorter chunk than the longest: no query rows in this item
+    const int64_t q_row0 = a.q_start != nullptr ? a.q_start[b] : b, rows = (i1 - i0) * G;
+    // row r = (token i0 + r / G, query head r % G of this kv head) sees keys [0, end_of(r))
+    const auto end_of = [&](int64_t r) { return a.q_start != nullptr ? n + i0 + r / G + 1 : n; };
+    const int64_t t0 = split * ST, t1 = std::min(end_of(rows - 1), t0 + ST);
+    const auto out_row = [&](int64_t r) {  // query row r's row in the (query tokens, Hq) outputs
+      return (q_row0 + i0 + r / G) * g.q_heads + h * G + r % G;
+    };
+    float* const qg = scratch + lay.queries;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* src = a.q + out_row(r) * D;
+      std::copy(src, src + D, qg + r * D);
     }
-    const int64_t q_count = quantized_count(n, g.sinks, g.recent, g.block), len = t1 - t0;
-    // 1. scores = q . k for every query head of the group, a tile of keys at a time
-    auto keys = reader(true, b, h, q_count);
-    const float* qg = a.q + hq0 * D;
-    for (int64_t tt = t0; tt < t1; tt += kTileTokens) {
-      keys.prefetch(tt + 2 * kTileTokens, kTileTokens);
-      const int64_t nt = std::min(kTileTokens, t1 - tt);
-      if (!a.cos) {
-        if (!keys.load_tile(tt, nt, tile))
-          for (int64_t i = 0; i < nt; ++i) keys.load(tt + i, tile + i * D);
-      } else {
-        const float* cs = a.cos + tt * g.rope_half;
-        const float* sn = a.sin + tt * g.rope_half;
-        if (g.interleaved || !keys.load_rope_tile(tt, nt, tile, cs, sn, g.rope_half)) {
-          for (int64_t i = 0; i < nt; ++i) {
-            float* row = tile + i * D;
-            keys.load(tt + i, row);
-            rope_row(row, cs + i * g.rope_half, sn + i * g.rope_half, g.rope_half, g.interleaved);
+    for (int64_t r = 0; r < rows; ++r) {
+      ml[2 * r] = -INFINITY;
+      ml[2 * r + 1] = 0.0f;
+    }
+    std::fill(acc, acc + rows * D, 0.0f);
+    std::fill(zsum, zsum + rows * VG, 0.0f);
+    const int64_t q_count = quantized_count(n, g.recent, g.block);
+    auto keys = reader(true, b, h, n, q_count);
+    auto values = reader(false, b, h, n, q_count);
+    // the split's keys a chunk at a time, with an online softmax across chunks (flash attention): the
+    // scores of one chunk live in scratch, whatever the split's length
+    for (int64_t c0 = t0; c0 < t1; c0 += kChunkTokens) {
+      const int64_t c1 = std::min(t1, c0 + kChunkTokens), len = c1 - c0;
+      // tiles never cross a page: the rows of a tile are adjacent in memory
+      const auto tile_len = [&](int64_t tt) { return std::min({kTileTokens, c1 - tt, g.page_size - tt % g.page_size}); };
+      // 1. scores = q . k for every query row, a tile of keys at a time
+      for (int64_t tt = c0; tt < c1;) {
+        const int64_t nt = tile_len(tt);
+        keys.prefetch(tt + 2 * kTileTokens, kTileTokens);
+        if (!a.cos) {
+          if (!keys.load_tile(tt, nt, tile))
+            for (int64_t i = 0; i < nt; ++i) keys.load(tt + i, tile + i * D);
+        } else {
+          const float* cs = a.cos + tt * g.rope_half;
+          const float* sn = a.sin + tt * g.rope_half;
+          if (g.interleaved || !keys.load_rope_tile(tt, nt, tile, cs, sn, g.rope_half)) {
+            for (int64_t i = 0; i < nt; ++i) {
+              float* row = tile + i * D;
+              keys.load(tt + i, row);
+              rope_row(row, cs + i * g.rope_half, sn + i * g.rope_half, g.rope_half, g.interleaved);
+            }
           }
         }
+        tile_scores<DC>(tile, nt, D, qg, rows, scores + (tt - c0), kChunkTokens);
+        tt += nt;
       }
-      tile_scores<DC>(tile, nt, D, qg, G, scores + (tt - t0), ST);
-    }
-    // 2. partial softmax per query head
-    for (int64_t gq = 0; gq < G; ++gq) {
-      float* s = scores + gq * ST;
-      float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-      for (int64_t i = 0; i < len; ++i) m = s[i] > m ? s[i] : m;
-      ml[gq * ml_stride] = m;
-      ml[gq * ml_stride + 1] = exp_sum_row(s, len, m);
-    }
-    // 3. un-normalized output sum_t p_t v_t, a tile of values at a time
-    auto values = reader(false, b, h, q_count);
-    std::fill(zsum, zsum + G * VG, 0.0f);
-    for (int64_t tt = t0; tt < t1; tt += kTileTokens) {
-      values.prefetch(tt + 2 * kTileTokens, kTileTokens);
-      const int64_t nt = std::min(kTileTokens, t1 - tt);
-#if RKV_TILES_AVX2
-      if constexpr (kFoldable) {
-        if (fold_values && values.all_packed(tt, nt)) {
-          values.row_params(tt, nt, sv, zv);
-          fold_probs(scores + (tt - t0), ST, G, VG, nt, sv, zv, pp, zsum);
-          accumulate_codes<DC>(values.packed_row(tt), D * values.bits / 8, values.bits, nt,
-                               FoldedProbs{pp, VG * kTileTokens, g.v_group / 8, kTileTokens}, G, acc, acc_stride);
+      // 2. per query row, over the keys it sees (the others weigh exactly 0): the new running max, the
+      // earlier sums and outputs rescaled to it, and this chunk's probabilities
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores + r * kChunkTokens;
+        const int64_t own = std::max<int64_t>(0, std::min(len, end_of(r) - c0));
+        float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+        for (int64_t i = 0; i < own; ++i) mx = s[i] > mx ? s[i] : mx;
+        const float m_old = ml[2 * r], m_new = mx > m_old ? mx : m_old;
+        if (own == 0 || m_new == -INFINITY) {  // nothing seen yet (or only -inf scores: infinite keys weigh 0)
+          std::fill(s, s + len, 0.0f);
           continue;
         }
+        if (m_new != m_old && m_old != -INFINITY) {
+          const float corr = softmax_exp(m_old - m_new);
+          ml[2 * r + 1] *= corr;
+          for (int64_t c = 0; c < D; ++c) acc[r * D + c] *= corr;
+          for (int64_t j = 0; j < VG; ++j) zsum[r * VG + j] *= corr;
+        }
+        ml[2 * r] = m_new;
+        ml[2 * r + 1] += exp_sum_row(s, own, m_new);
+        std::fill(s + own, s + len, 0.0f);
       }
+      // 3. un-normalized output += sum_t p_t v_t, a tile of values at a time
+      for (int64_t tt = c0; tt < c1;) {
+        const int64_t nt = tile_len(tt);
+        values.prefetch(tt + 2 * kTileTokens, kTileTokens);
+#if RKV_TILES_AVX2
+        if constexpr (kFoldable) {
+          if (fold_values && values.all_packed(tt, nt)) {
+            values.row_params(tt, nt, sv, zv);
+            fold_probs(scores + (tt - c0), kChunkTokens, rows, VG, nt, sv, zv, pp, zsum);
+            accumulate_codes<DC>(values.packed_row(tt), values.row_bytes, values.bits, nt,
+                                 FoldedProbs{pp, VG * kTileTokens, g.v_group / 8, kTileTokens}, rows, acc, D);
+            tt += nt;
+            continue;
+          }
+        }
 #endif
-      if (!values.load_tile(tt, nt, tile))
-        for (int64_t i = 0; i < nt; ++i) values.load(tt + i, tile + i * D);
-      tile_accumulate<DC>(tile, nt, D, scores + (tt - t0), G, ST, acc, acc_stride);
+        if (!values.load_tile(tt, nt, tile))
+          for (int64_t i = 0; i < nt; ++i) values.load(tt + i, tile + i * D);
+        tile_accumulate<DC>(tile, nt, D, scores + (tt - c0), rows, kChunkTokens, acc, D);
+        tt += nt;
+      }
     }
-    if (fold_values)
-      for (int64_t gq = 0; gq < G; ++gq)
-        for (int64_t c = 0; c < D; ++c) acc[gq * acc_stride + c] += zsum[gq * VG + c / g.v_group];
+    // the split's result: a partial (max, sum, output) per row to merge, or, with one split, the output
+    for (int64_t r = 0; r < rows; ++r) {
+      float* ar = acc + r * D;
+      if (fold_values)
+        for (int64_t c = 0; c < D; ++c) ar[c] += zsum[r * VG + c / g.v_group];
+      if (a.out != nullptr) {
+        const float inv = ml[2 * r + 1] > 0.0f ? 1.0f / ml[2 * r + 1] : 0.0f;  // no cached token: zeros
+        float* o = a.out + out_row(r) * D;
+        for (int64_t c = 0; c < D; ++c) o[c] = ar[c] * inv;
+      } else {
+        const int64_t at = out_row(r) * a.splits + split;
+        a.part_ml[at * 2] = ml[2 * r];
+        a.part_ml[at * 2 + 1] = ml[2 * r + 1];
+        std::copy(ar, ar + D, a.part_acc + at * D);
+      }
+    }
   }
 }
 
 // The kernel for head_dim `dim` among the head dims `Dims` (compile-time constants: fully unrolled row
 // loops; 0 is the generic kernel for any other head dim), or nullptr.
 template <int... Dims>
-DecodeItems select_decode_items(int64_t dim) {
-  DecodeItems out = nullptr;
-  ((out = out == nullptr && (Dims == dim || Dims == 0) ? &decode_items<Dims> : out), ...);
+AttentionItems select_attention_items(int64_t dim) {
+  AttentionItems out = nullptr;
+  ((out = out == nullptr && (Dims == dim || Dims == 0) ? &attention_items<Dims> : out), ...);
   return out;
 }
 

@@ -39,55 +39,100 @@ RKV_INLINE __m256 transpose_sum8(const __m256* a) {
   return _mm256_add_ps(lo, hi);
 }
 
-// Tile rows beyond ntok must be readable (the caller zero-pads the tile to a multiple of 8 rows).
+// Scores of one query row over the tile, 8 tokens' dot products reduced together.
 template <int D>
-RKV_INLINE void scores_tile(const float* __restrict k, int64_t ntok, const float* __restrict q, int64_t groups,
-                            float* __restrict s, int64_t s_stride) {
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* qg = q + g * D;
-    for (int64_t t0 = 0; t0 < ntok; t0 += 8) {
-      __m256 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-      for (int c = 0; c < D; c += 8) {
-        const __m256 qv = _mm256_loadu_ps(qg + c);
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (t0 + i) * D + c), acc[i]);
-      }
-      const __m256 sums = transpose_sum8(acc);
-      if (ntok - t0 >= 8) {
-        _mm256_storeu_ps(s + g * s_stride + t0, sums);
-      } else {  // the tile's last, partial group of rows
-        alignas(32) float out[8];
-        _mm256_store_ps(out, sums);
-        for (int64_t i = 0; i < ntok - t0; ++i) s[g * s_stride + t0 + i] = out[i];
-      }
+RKV_INLINE void scores_row(const float* __restrict k, int64_t ntok, const float* __restrict qg, float* __restrict s) {
+  for (int64_t t0 = 0; t0 < ntok; t0 += 8) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int c = 0; c < D; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(qg + c);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (t0 + i) * D + c), acc[i]);
+    }
+    const __m256 sums = transpose_sum8(acc);
+    if (ntok - t0 >= 8) {
+      _mm256_storeu_ps(s + t0, sums);
+    } else {  // the tile's last, partial group of rows
+      alignas(32) float out[8];
+      _mm256_store_ps(out, sums);
+      for (int64_t i = 0; i < ntok - t0; ++i) s[t0 + i] = out[i];
     }
   }
 }
 
-// NG query heads at once (NG <= 4 accumulators per 8 channels, kept in registers over the tile).
-template <int D, int NG>
+// Tile rows beyond ntok must be readable (the caller zero-pads the tile to a multiple of 8 rows). Query
+// rows go in pairs over 4 tokens at a time: each key load feeds two FMAs (6 loads per 8 FMAs, where
+// one row over 8 tokens needs 9), which is what the many rows of a prefill block and a GQA group gain.
+template <int D>
+RKV_INLINE void scores_tile(const float* __restrict k, int64_t ntok, const float* __restrict q, int64_t groups,
+                            float* __restrict s, int64_t s_stride) {
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    const float* q0 = q + g * D;
+    const float* q1 = q0 + D;
+    float* s0 = s + g * s_stride;
+    float* s1 = s0 + s_stride;
+    for (int64_t t0 = 0; t0 < ntok; t0 += 4) {
+      __m256 acc[8];  // acc[i]: row 0 with token t0 + i; acc[4 + i]: row 1
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int c = 0; c < D; c += 8) {
+        const __m256 a0 = _mm256_loadu_ps(q0 + c), a1 = _mm256_loadu_ps(q1 + c);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 kv = _mm256_loadu_ps(k + (t0 + i) * D + c);
+          acc[i] = _mm256_fmadd_ps(a0, kv, acc[i]);
+          acc[4 + i] = _mm256_fmadd_ps(a1, kv, acc[4 + i]);
+        }
+      }
+      const __m256 sums = transpose_sum8(acc);  // lanes 0-3: row 0, lanes 4-7: row 1
+      if (ntok - t0 >= 4) {
+        _mm_storeu_ps(s0 + t0, _mm256_castps256_ps128(sums));
+        _mm_storeu_ps(s1 + t0, _mm256_extractf128_ps(sums, 1));
+      } else {
+        alignas(32) float out[8];
+        _mm256_store_ps(out, sums);
+        for (int64_t i = 0; i < ntok - t0; ++i) {
+          s0[t0 + i] = out[i];
+          s1[t0 + i] = out[4 + i];
+        }
+      }
+    }
+  }
+  if (g < groups) scores_row<D>(k, ntok, q + g * D, s + g * s_stride);
+}
+
+// NG query heads at once, CB chunks of 8 channels per pass (NG x CB accumulators kept in registers over
+// the tile; each value load feeds NG FMAs and each probability broadcast CB of them).
+template <int D, int NG, int CB>
 RKV_INLINE void accumulate_tile_heads(const float* __restrict v, int64_t ntok, const float* __restrict p,
                                       int64_t p_stride, float* __restrict acc, int64_t acc_stride) {
-  for (int c = 0; c < D; c += 8) {
-    __m256 a[NG];
-    for (int j = 0; j < NG; ++j) a[j] = _mm256_loadu_ps(acc + j * acc_stride + c);
+  for (int c = 0; c < D; c += 8 * CB) {
+    __m256 a[NG][CB];
+    for (int j = 0; j < NG; ++j)
+      for (int cc = 0; cc < CB; ++cc) a[j][cc] = _mm256_loadu_ps(acc + j * acc_stride + c + 8 * cc);
     for (int64_t t = 0; t < ntok; ++t) {
-      const __m256 vv = _mm256_loadu_ps(v + t * D + c);
-      for (int j = 0; j < NG; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * p_stride + t), vv, a[j]);
+      __m256 vv[CB];
+      for (int cc = 0; cc < CB; ++cc) vv[cc] = _mm256_loadu_ps(v + t * D + c + 8 * cc);
+      for (int j = 0; j < NG; ++j) {
+        const __m256 pj = _mm256_broadcast_ss(p + j * p_stride + t);
+        for (int cc = 0; cc < CB; ++cc) a[j][cc] = _mm256_fmadd_ps(pj, vv[cc], a[j][cc]);
+      }
     }
-    for (int j = 0; j < NG; ++j) _mm256_storeu_ps(acc + j * acc_stride + c, a[j]);
+    for (int j = 0; j < NG; ++j)
+      for (int cc = 0; cc < CB; ++cc) _mm256_storeu_ps(acc + j * acc_stride + c + 8 * cc, a[j][cc]);
   }
 }
 
 template <int D>
 RKV_INLINE void accumulate_tile(const float* __restrict v, int64_t ntok, const float* __restrict p, int64_t groups,
                                 int64_t p_stride, float* __restrict acc, int64_t acc_stride) {
+  constexpr int kCB = D % 16 == 0 ? 2 : 1;
   int64_t g = 0;
-  for (; g + 4 <= groups; g += 4) accumulate_tile_heads<D, 4>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride);
+  for (; g + 4 <= groups; g += 4)
+    accumulate_tile_heads<D, 4, kCB>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride);
   switch (groups - g) {
-    case 3: accumulate_tile_heads<D, 3>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride); break;
-    case 2: accumulate_tile_heads<D, 2>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride); break;
-    case 1: accumulate_tile_heads<D, 1>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride); break;
+    case 3: accumulate_tile_heads<D, 3, kCB>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride); break;
+    case 2: accumulate_tile_heads<D, 2, kCB>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride); break;
+    case 1: accumulate_tile_heads<D, 1, kCB>(v, ntok, p + g * p_stride, p_stride, acc + g * acc_stride, acc_stride); break;
     default: break;
   }
 }

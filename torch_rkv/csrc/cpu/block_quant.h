@@ -81,12 +81,14 @@ struct BlockScratch {
 };
 
 // src_row(t) -> const scalar_t* (dim values of token t of the block); dst_row(t) -> uint8_t* (its
-// packed row). Writes groups = dim / group_size scales (and zeros unless symmetric).
+// packed row). Writes groups = dim / group_size scales (and zeros unless symmetric). The first
+// sink_rows rows (a cache's attention sinks, kept in full precision elsewhere) are encoded but do not
+// set the ranges, unless every row is one (reference.quantize's sink_rows).
 template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
 void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, int64_t dim, int64_t group_size,
                         int bits, bool symmetric, bool clip, meta_t* scale_out, meta_t* zero_out,
-                        BlockScratch& s) {
-  const int64_t groups = dim / group_size;
+                        BlockScratch& s, int64_t sink_rows = 0) {
+  const int64_t groups = dim / group_size, counted0 = sink_rows < block_tokens ? sink_rows : 0;
   float* xs = s.x.data();
   for (int64_t t = 0; t < block_tokens; ++t) to_float(src_row(t), xs + t * dim, dim);
   float* lo = s.lo.data();
@@ -96,7 +98,7 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
     hi[gi] = -INFINITY;
   }
   // 1. min / max of the finite values of each tile.
-  for (int64_t t = 0; t < block_tokens; ++t) {
+  for (int64_t t = counted0; t < block_tokens; ++t) {
     const float* x = xs + t * dim;
     if (group_size == 1) {
 #pragma omp simd
@@ -126,7 +128,7 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
   for (int64_t gi = 0; gi < groups; ++gi) {
     const auto group_error = [&](QParams p) {  // the tile's elements in (token, channel) order
       double e = 0.0;
-      for (int64_t t = 0; t < block_tokens; ++t) {
+      for (int64_t t = counted0; t < block_tokens; ++t) {
         const float* xg = xs + t * dim + gi * group_size;
         for (int64_t c = 0; c < group_size; ++c) e += clip_error(xg[c], p, bits);
       }

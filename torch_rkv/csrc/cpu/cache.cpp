@@ -1,52 +1,91 @@
-// CPU kernel of rkv::cache_append: write new tokens into a quantized cache in place.
+// CPU kernel of rkv::cache_append (the contiguous layout) and rkv::paged_append (pages): write new
+// tokens into a quantized cache in place.
 //
-// Per (sequence, kv head), for keys and values alike (reference.cache_append):
-//   1. every block the append completes is quantized, its older tokens read from the window ring and
-//      its newer ones from the new tokens, with the block quantizer of rkv::quantize (bit-identical);
+// Per (sequence, kv head), for keys and values alike (reference.paged_append):
+//   1. every block the append completes is quantized, its older tokens read from the sinks and the
+//      window ring and its newer ones from the new tokens, with the block quantizer of rkv::quantize
+//      (bit-identical), into its page rows;
 //   2. new tokens t < S go to the sinks, new tokens that stay in full precision to the window ring.
 // Step 1 reads ring slots that step 2 may overwrite, so it runs first. All checks (shapes, dtypes,
-// capacity of every sequence) happen before the first write: a rejected call changes nothing.
+// capacity, page ids, the immutability of quantized rows) happen before the first write: a rejected
+// call changes nothing.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cstring>
 
-#include "../append_side.h"
-#include "../checks.h"
+#include "../cache_call.h"
 #include "../dispatch.h"
 #include "block_quant.h"
 #include "rkv/attention.h"
+#include "rkv/paging.h"
 
 namespace rkv::cpu {
 namespace {
 
 template <typename fp_t, typename meta_t>
-void append_one(const DecodeGeometry& g, const AppendSide<fp_t, meta_t>& a, int64_t bh, int64_t n0, int64_t m,
-                BlockScratch& scratch) {
-  const int64_t d = g.dim, S = g.sinks, W = g.window, n1 = n0 + m, rb = d * a.bits / 8, ng = d / a.group;
-  const int64_t q0 = quantized_count(n0, S, g.recent, g.block), q1 = quantized_count(n1, S, g.recent, g.block);
-  const fp_t* fresh = a.fresh + bh * m * d;
-  fp_t* window = a.window + bh * W * d;
+void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& side, const fp_t* fresh,
+                const FreshRows& rows, bool clip, int64_t b, int64_t h, int64_t n0, int64_t m, BlockScratch& scratch) {
+  const int64_t d = g.dim, S = g.sinks, P = g.page_size, T = side.block_tokens, n1 = n0 + m, slot = pt.slot(b);
+  const int64_t q1 = quantized_count(n1, g.recent, g.block);
+  fp_t* window = static_cast<fp_t*>(side.window);
+  fp_t* sink = static_cast<fp_t*>(side.sink);
+  meta_t* scale = static_cast<meta_t*>(side.scale);
+  meta_t* zero = static_cast<meta_t*>(side.zero);
   const auto token = [&](int64_t t) -> const fp_t* {
-    return t < n0 ? window + window_slot(t, S, W) * d : fresh + (t - n0) * d;
+    if (t >= n0) return fresh + rows.offset(b, h, t - n0);
+    return t < S ? sink + sink_offset(g, slot, h, t) : window + window_offset(g, slot, h, t);
   };
-  // 1. completed blocks, one quantizer tile (block_tokens rows) at a time
-  for (int64_t s = q0; s < q1; s += a.block_tokens) {
-    const int64_t first = S + s;  // token of the tile's first row
-    quantize_block_row<fp_t, meta_t>(
-        [&](int64_t i) { return token(first + i); },
-        [&](int64_t i) { return a.packed + (bh * g.capacity + s + i) * rb; }, a.block_tokens, d, a.group, a.bits,
-        a.zero == nullptr, a.clip, a.scale + (bh * (g.capacity / a.block_tokens) + s / a.block_tokens) * ng,
-        a.zero ? a.zero + (bh * (g.capacity / a.block_tokens) + s / a.block_tokens) * ng : nullptr, scratch);
+  // 1. completed blocks, one quantizer tile (T rows) at a time
+  for (int64_t first = n0 / g.block * g.block; first + g.block <= n1; first += g.block) {
+    for (int64_t s = first; s < first + g.block; s += T) {
+      const int64_t page = pt.page(b, s), row = s % P, meta = side.meta_offset(g, page, h, row);
+      quantize_block_row<fp_t, meta_t>(
+          [&](int64_t i) { return token(s + i); },
+          [&](int64_t i) { return side.codes + side.codes_offset(g, page, h, row + i); }, T, d, side.group,
+          side.bits, zero == nullptr, clip, scale + meta, zero ? zero + meta : nullptr, scratch,
+          std::max<int64_t>(0, std::min(S - s, T)));
+    }
   }
   // 2. sinks and window
   for (int64_t t = n0; t < n1; ++t) {
     if (t < S) {
-      std::memcpy(a.sink + (bh * S + t) * d, fresh + (t - n0) * d, d * sizeof(fp_t));
-    } else if (t >= S + q1) {
-      std::memcpy(window + window_slot(t, S, W) * d, fresh + (t - n0) * d, d * sizeof(fp_t));
+      std::memcpy(sink + sink_offset(g, slot, h, t), token(t), d * sizeof(fp_t));
+    } else if (t >= q1) {
+      std::memcpy(window + window_offset(g, slot, h, t), token(t), d * sizeof(fp_t));
     }
+  }
+}
+
+void run_append(const char* op, const AppendCall& a) {
+  check_append_data(op, a);
+  const CacheGeometry& g = a.cache.g;
+  const PageTable& pt = a.cache.pt;
+  const int64_t* n = a.cache.lengths.const_data_ptr<int64_t>();
+  const int64_t* qs = a.q_start.defined() ? a.q_start.const_data_ptr<int64_t>() : nullptr;
+  const auto count = [&](int64_t b) { return qs != nullptr ? qs[b + 1] - qs[b] : a.tokens; };
+  if (g.batch == 0) return;
+  RKV_DISPATCH_FLOAT(a.cache.fp, "rkv.append", fp_t, [&] {
+    RKV_DISPATCH_FLOAT(a.cache.meta, "rkv.append", meta_t, [&] {
+      const fp_t* kn = a.k_new.const_data_ptr<fp_t>();
+      const fp_t* vn = a.v_new.const_data_ptr<fp_t>();
+      at::parallel_for(0, g.batch * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
+        BlockScratch k_scratch(g.k_block_tokens, g.dim / g.k_group, g.dim);
+        BlockScratch v_scratch(g.v_block_tokens, g.dim / g.v_group, g.dim);
+        for (int64_t bh = begin; bh < end; ++bh) {
+          const int64_t b = bh / g.kv_heads, h = bh % g.kv_heads, m = count(b);
+          if (m == 0) continue;
+          append_one<fp_t, meta_t>(g, pt, a.cache.k, kn, a.rows, a.k_clip, b, h, n[b], m, k_scratch);
+          append_one<fp_t, meta_t>(g, pt, a.cache.v, vn, a.rows, a.v_clip, b, h, n[b], m, v_scratch);
+        }
+      });
+    });
+  });
+  if (a.page_fill != nullptr) {  // the quantized rows of every page a completed block landed in
+    for (int64_t b = 0; b < g.batch; ++b)
+      for (int64_t first = n[b] / g.block * g.block; first + g.block <= n[b] + count(b); first += g.block)
+        a.page_fill[pt.page(b, first)] = static_cast<int32_t>(first % g.page_size + g.block);
   }
 }
 
@@ -56,35 +95,30 @@ void cache_append_cpu(const at::Tensor& k_packed, const at::Tensor& k_scale, con
                       const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
                       const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
                       bool k_clip, bool v_clip) {
-  const DecodeGeometry g = check_cache_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
-                                              k_sink, v_sink, lengths, k_new, v_new, k_bits, v_bits, block, recent,
-                                              k_clip, v_clip);
-  const at::Tensor len = lengths.to(at::kLong).contiguous();
-  const int64_t m = k_new.size(2);
-  check_append_lengths(g, len, m);
-  if (m == 0 || g.batch == 0) return;
-  const at::Tensor kn = k_new.contiguous(), vn = v_new.contiguous();
-  RKV_DISPATCH_FLOAT(k_window.scalar_type(), "rkv.cache_append", fp_t, [&] {
-    RKV_DISPATCH_FLOAT(k_scale.scalar_type(), "rkv.cache_append", meta_t, [&] {
-      const auto ks = append_side<fp_t, meta_t>(k_packed, k_scale, k_zero, k_window, k_sink, kn, g.k_block_tokens,
-                                                g.k_group, k_bits, k_clip);
-      const auto vs = append_side<fp_t, meta_t>(v_packed, v_scale, v_zero, v_window, v_sink, vn, g.v_block_tokens,
-                                                g.v_group, v_bits, v_clip);
-      const int64_t* n = len.const_data_ptr<int64_t>();
-      at::parallel_for(0, g.batch * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
-        BlockScratch k_scratch(g.k_block_tokens, g.dim / g.k_group, g.dim);
-        BlockScratch v_scratch(g.v_block_tokens, g.dim / g.v_group, g.dim);
-        for (int64_t bh = begin; bh < end; ++bh) {
-          append_one(g, ks, bh, n[bh / g.kv_heads], m, k_scratch);
-          append_one(g, vs, bh, n[bh / g.kv_heads], m, v_scratch);
-        }
-      });
-    });
-  });
+  const CacheTensors c{k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
+  run_append("cache_append",
+             contiguous_append_call(c, lengths, k_new, v_new, k_bits, v_bits, block, recent, k_clip, v_clip));
+}
+
+void paged_append_cpu(const at::Tensor& k_codes, const at::Tensor& k_scale, const std::optional<at::Tensor>& k_zero,
+                      const at::Tensor& v_codes, const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
+                      const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
+                      const at::Tensor& v_sink, const std::optional<at::Tensor>& page_fill,
+                      const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& side_slots,
+                      const at::Tensor& lengths, const at::Tensor& query_start_loc, const at::Tensor& k_new,
+                      const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
+                      bool k_clip, bool v_clip, const std::optional<at::Tensor>& slot_mapping) {
+  const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
+  const CacheIndex ix{&block_tables, &side_slots, true};
+  run_append("paged_append", paged_append_call(c, page_fill, ix, lengths, query_start_loc, k_new, v_new, k_bits,
+                                               v_bits, block, recent, k_clip, v_clip, slot_mapping));
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(rkv, CPU, m) { m.impl("cache_append", &cache_append_cpu); }
+TORCH_LIBRARY_IMPL(rkv, CPU, m) {
+  m.impl("cache_append", &cache_append_cpu);
+  m.impl("paged_append", &paged_append_cpu);
+}
 
 }  // namespace rkv::cpu

@@ -1,51 +1,62 @@
-// The interface between rkv::decode_attention's CPU op (cpu/attention.cpp: checks, split policy,
-// threads, merge) and its kernel, which is compiled once per instruction set (cpu/attention_<set>.cpp,
-// cpu/capability.h). Plain pointers and integers only: the kernel translation units include no ATen
-// header, so nothing compiled there for one instruction set is shared with code that runs elsewhere.
+// The interface between the CPU attention ops (cpu/attention.cpp: checks, split policy, threads, merge)
+// and their kernel, which is compiled once per instruction set (cpu/attention_<set>.cpp, cpu/capability.h).
+// Plain pointers and integers only: the kernel translation units include no ATen header, so nothing
+// compiled there for one instruction set is shared with code that runs elsewhere.
+//
+// One kernel serves rkv::decode_attention, rkv::paged_decode_attention and rkv::paged_prefill_attention:
+// a work item is (sequence, block of query tokens, split of the keys, kv head), its query rows are the
+// query heads of that kv head for each query token, and each row sees keys up to its own end (decode:
+// every cached token; prefill: causal, over the cache and the chunk's own tokens before it).
 #pragma once
 
 #include <cstdint>
 
 #include "rkv/geometry.h"
+#include "rkv/paging.h"
 
 namespace rkv::cpu {
 
-constexpr int64_t kTileTokens = 32;  // rows per tile: a key and a value tile of D=128 fit in L1
+constexpr int64_t kTileTokens = 32;   // rows per tile: a key and a value tile of D=128 fit in L1
+constexpr int64_t kChunkTokens = 512; // keys whose scores are held at once (an online softmax joins chunks)
+constexpr int64_t kPrefillRows = 32;  // query rows (tokens x query heads of a kv head) per prefill work item
 
-// The storage dtype of a buffer the kernel reads: the window and sinks (one kind) and the metadata
-// (another). A run-time switch per row or metadata block, not a template parameter: the conversion is
-// a few instructions per row, and every dtype pair would otherwise be one more copy of the kernel.
+// The storage dtype of a buffer the kernel reads: the window, sinks and new tokens (one kind) and the
+// metadata (another). A run-time switch per row or metadata block, not a template parameter: the
+// conversion is a few instructions per row, and every dtype pair would otherwise be one more copy of
+// the kernel.
 enum class FloatKind : uint8_t { F32, F16, BF16 };
 
 RKV_HD int64_t float_kind_size(FloatKind k) { return k == FloatKind::F32 ? 4 : 2; }
 
-// One cached tensor (keys or values) of every sequence and kv head, contiguous.
-struct CachedSide {
-  const uint8_t* packed;  // (B*Hkv, C, D*bits/8)
-  const void* scale;      // (B*Hkv, C/T, D/G), FloatKind meta
-  const void* zero;       // same, or nullptr (symmetric)
-  const void* window;     // (B*Hkv, W, D), FloatKind fp
-  const void* sink;       // (B*Hkv, S, D), FloatKind fp
-};
-
-struct DecodeArgs {
-  DecodeGeometry g;      // split_tokens already chosen (> 0)
+struct AttentionArgs {
+  CacheGeometry g;       // split_tokens already chosen (> 0)
+  PageTable pt;
   FloatKind fp, meta;
-  CachedSide k, v;
-  const float* q;        // (B, Hq, D): scaled (and rotated) queries
-  const int64_t* lengths;
+  SideView k, v;
+  const float* q;        // scaled (and rotated) queries: (B, Hq, D) for decode, (T, Hq, D) for prefill
+  const int64_t* lengths;  // cached tokens per sequence
+  // prefill: query_start_loc (B+1) and the chunk's own keys / values (T, Hkv, D, fp kind, storage space);
+  // decode: q_start == nullptr (one query per sequence, row b, seeing its cached tokens)
+  const int64_t* q_start = nullptr;
+  const void* k_fresh = nullptr;
+  const void* v_fresh = nullptr;
+  int64_t q_block = 1;   // query tokens per work item
+  int64_t q_blocks = 1;  // work items along the queries of a sequence
   const float* cos;      // (P, half) or nullptr (keys stored post-RoPE)
   const float* sin;
-  float* part_ml;        // (B, Hq, splits, 2): max, sum
-  float* part_acc;       // (B, Hq, splits, D)
+  float* part_ml;        // (query tokens, Hq, splits, 2): max, sum
+  float* part_acc;       // (query tokens, Hq, splits, D)
+  float* out = nullptr;  // (query tokens, Hq, D): with one split, the items write the outputs themselves
   int64_t splits;
+  int64_t rows() const { return g.group_size() * q_block; }  // query rows per work item
 };
 
-// One thread's scratch, carved from one float buffer of scratch_floats() floats.
+// One thread's scratch, carved from one float buffer of `total` floats.
 struct ScratchLayout {
-  int64_t tile, scores, folded, zsum, scales, zeros, k_meta, v_meta, codes, total;
-  explicit ScratchLayout(const DecodeGeometry& g) {
-    const int64_t D = g.dim, G = g.group_size(), VG = D / g.v_group;
+  int64_t tile, queries, scores, acc, ml, folded, zsum, scales, zeros, k_meta, v_meta, codes, total;
+  explicit ScratchLayout(const AttentionArgs& a) {
+    const CacheGeometry& g = a.g;
+    const int64_t D = g.dim, R = a.rows(), VG = D / g.v_group;
     const int64_t kng = D / g.k_group, vng = D / g.v_group;
     int64_t at = 0;
     const auto take = [&at](int64_t n) {
@@ -54,9 +65,12 @@ struct ScratchLayout {
       return start;
     };
     tile = take(kTileTokens * D);        // dequantized rows, zero-padded to a multiple of 8 rows
-    scores = take(G * g.split_tokens);   // scores, then probabilities, of every query head
-    folded = take(G * VG * kTileTokens); // folded values: p * scale per (head, group, row)
-    zsum = take(G * VG);                 // and p * zero summed per (head, group)
+    queries = take(R * D);               // the item's query rows, gathered
+    scores = take(R * kChunkTokens);     // scores, then probabilities, of every query row over a chunk
+    acc = take(R * D);                   // un-normalized outputs
+    ml = take(2 * R);                    // running max and sum of every row
+    folded = take(R * VG * kTileTokens); // folded values: p * scale per (row, group, token)
+    zsum = take(R * VG);                 // and p * zero summed per (row, group)
     scales = take(kTileTokens * VG);     // the tile's value scales and zeros
     zeros = take(kTileTokens * VG);
     k_meta = take(2 * kng);              // a reader's current metadata row: scales, then zeros
@@ -66,14 +80,15 @@ struct ScratchLayout {
   }
 };
 
-// Runs work items [begin, end) of (sequence, split, kv head), writing their partial softmax results.
-using DecodeItems = void (*)(const DecodeArgs& a, int64_t begin, int64_t end, float* scratch);
+// Runs work items [begin, end) of (sequence, query block, split, kv head), writing their partial
+// softmax results.
+using AttentionItems = void (*)(const AttentionArgs& a, int64_t begin, int64_t end, float* scratch);
 
-// The kernel for head_dim `dim` of each instruction set. decode_items_avx2 runs AVX2 code: call it only
-// where capability() chose Avx2. avx2_kernels_built: whether this build has them (GCC's target pragmas
-// on x86-64), safe on any CPU.
-DecodeItems decode_items_default(int64_t dim);
-DecodeItems decode_items_avx2(int64_t dim);
+// The kernel for head_dim `dim` of each instruction set. attention_items_avx2 runs AVX2 code: call it
+// only where capability() chose Avx2. avx2_kernels_built: whether this build has them (GCC's target
+// pragmas on x86-64), safe on any CPU.
+AttentionItems attention_items_default(int64_t dim);
+AttentionItems attention_items_avx2(int64_t dim);
 bool avx2_kernels_built();
 
 }  // namespace rkv::cpu

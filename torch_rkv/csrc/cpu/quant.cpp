@@ -13,8 +13,8 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t bits, int64_t group_size,
                                                            int64_t block_tokens, bool symmetric,
-                                                           at::ScalarType meta_dtype, bool clip) {
-  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype, clip);
+                                                           at::ScalarType meta_dtype, bool clip, int64_t sink_rows) {
+  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype, clip, sink_rows);
   const at::Tensor x = x_in.contiguous();
   const QuantizeOutputs out = empty_quantize_outputs(x, g, symmetric, meta_dtype);
   const at::Tensor &packed = out.packed, &scale = out.scale, &zero = out.zero;
@@ -34,7 +34,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
           const int64_t row0 = br * T;  // first token row of this block, over all lead dims
           quantize_block_row<scalar_t, meta_t>(
               [&](int64_t t) { return xp + (row0 + t) * g.dim; }, [&](int64_t t) { return pp + (row0 + t) * rb; },
-              T, g.dim, g.group_size, g.bits, symmetric, clip, sp + br * ng, zp ? zp + br * ng : nullptr, scratch);
+              T, g.dim, g.group_size, g.bits, symmetric, clip, sp + br * ng, zp ? zp + br * ng : nullptr, scratch,
+              g.sink_rows_of(br));
         }
       });
     });

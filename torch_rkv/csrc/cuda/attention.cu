@@ -1,16 +1,22 @@
-// CUDA kernel of rkv::decode_attention (flash-decoding over the quantized cache).
+// CUDA kernel of rkv::decode_attention, rkv::paged_decode_attention and rkv::paged_prefill_attention
+// (flash-decoding over the quantized cache, contiguous or paged).
 //
-// Grid (split, kv head x head chunk, sequence); 4 warps per block. Each warp walks every 4th token of
-// the block's split; its 32 lanes each own up to 4 channel pairs ("slots") of head_dim <= 256, chosen
-// so that a lane holds both members of its RoPE pairs. Per token a lane reads its codes once from the
-// packed row, dequantizes and rotates them in registers (include/rkv/*.h, the CPU kernel's arithmetic),
-// the warp reduces the dot products for up to 8 query heads of the GQA group, and keeps an online
-// softmax and the output in registers. The warps of a block are merged in shared memory, the splits of
-// a sequence by a second kernel in split order.
+// Grid (split, kv head x row chunk, sequence); 4 warps per block. A block owns up to 8 query rows of
+// one sequence (decode: the query heads of a GQA group; prefill: query tokens x heads, each row causal
+// with its own end). Each warp walks every 4th token of the block's split; its 32 lanes each own up to
+// 4 channel pairs ("slots") of head_dim <= 256, chosen so that a lane holds both members of its RoPE
+// pairs. Per token a lane reads its codes once from the page row (include/rkv/paging.h), dequantizes and
+// rotates them in registers (include/rkv/*.h, the CPU kernel's arithmetic), the warp reduces the dot
+// products for its rows, and keeps an online softmax and the output in registers. The warps of a block
+// are merged in shared memory, the splits of a row by a second kernel in split order.
+#include <ATen/ops/zeros.h>
+
+#include "../cache_call.h"
 #include "../op_common.h"
 #include "common.cuh"
 #include "rkv/attention.h"
 #include "rkv/pack.h"
+#include "rkv/paging.h"
 #include "rkv/quant.h"
 #include "rkv/rope.h"
 
@@ -36,60 +42,77 @@ __device__ __forceinline__ void slot_channels(int64_t p, int64_t half, bool inte
   }
 }
 
-// One cached tensor (keys or values) for all sequences and heads.
+// One cached tensor (keys or values) of the call, typed; addressing through the shared SideView.
 template <typename fp_t, typename meta_t>
 struct Side {
-  const uint8_t* packed;  // (B*Hkv, C, D*bits/8)
-  const meta_t* scale;    // (B*Hkv, C/T, D/G)
-  const meta_t* zero;     // same or nullptr
-  const fp_t* window;     // (B*Hkv, W, D)
-  const fp_t* sink;       // (B*Hkv, S, D)
-  int64_t block_tokens, group;
-  int bits;
+  SideView view;
+  const fp_t* fresh;  // prefill: the chunk's rows (T, Hkv, D), or nullptr
 
-  __device__ float2 load(const DecodeGeometry& g, int64_t bh, int64_t t, int64_t q_count, int64_t a, int64_t b) const {
-    const int64_t d = g.dim;
-    switch (token_place(t, g.sinks, q_count)) {
-      case Place::Sink: {
-        const fp_t* row = sink + (bh * g.sinks + t) * d;
-        return make_float2(static_cast<float>(row[a]), static_cast<float>(row[b]));
-      }
-      case Place::Window: {
-        const fp_t* row = window + (bh * g.window + window_slot(t, g.sinks, g.window)) * d;
-        return make_float2(static_cast<float>(row[a]), static_cast<float>(row[b]));
-      }
+  // Channels a and c of token t of (sequence b, kv head h), whose side slot is `slot`; the sequence has
+  // n cached tokens (q_count of them quantized) and its chunk starts at row q_row0 of `fresh`.
+  __device__ float2 load(const CacheGeometry& g, const PageTable& pt, int64_t b, int64_t h, int64_t slot,
+                         int64_t t, int64_t q_count, int64_t n, int64_t q_row0, int64_t a, int64_t c) const {
+    const fp_t* row;
+    switch (token_place(t, g.sinks, q_count, n)) {
+      case Place::Sink: row = static_cast<const fp_t*>(view.sink) + sink_offset(g, slot, h, t); break;
+      case Place::Window: row = static_cast<const fp_t*>(view.window) + window_offset(g, slot, h, t); break;
+      case Place::Fresh: row = fresh + ((q_row0 + t - n) * g.kv_heads + h) * g.dim; break;
       default: {
-        const int64_t s = t - g.sinks, rb = d * bits / 8, ng = d / group;
-        const uint8_t* row = packed + (bh * g.capacity + s) * rb;
-        const int64_t meta = (bh * (g.capacity / block_tokens) + s / block_tokens) * ng;
+        const int64_t page = pt.page(b, t), r = t % g.page_size;
+        CUDA_KERNEL_ASSERT_MSG(page >= 0 && page < g.pages, "rkv: a block table names a page outside the pool");
+        const uint8_t* codes = view.codes + view.codes_offset(g, page, h, r);
+        const int64_t meta = view.meta_offset(g, page, h, r);
+        const meta_t* scale = static_cast<const meta_t*>(view.scale) + meta;
+        const meta_t* zero = view.zero ? static_cast<const meta_t*>(view.zero) + meta : nullptr;
         const bool sym = zero == nullptr;
-        const QParams pa{static_cast<float>(scale[meta + a / group]), sym ? 0.0f : static_cast<float>(zero[meta + a / group])};
-        const QParams pb{static_cast<float>(scale[meta + b / group]), sym ? 0.0f : static_cast<float>(zero[meta + b / group])};
-        return make_float2(decode(unpack_code(row, a, bits), pa, bits, sym), decode(unpack_code(row, b, bits), pb, bits, sym));
+        const QParams pa{static_cast<float>(scale[a / view.group]), sym ? 0.0f : static_cast<float>(zero[a / view.group])};
+        const QParams pc{static_cast<float>(scale[c / view.group]), sym ? 0.0f : static_cast<float>(zero[c / view.group])};
+        return make_float2(decode(unpack_code(codes, a, view.bits), pa, view.bits, sym),
+                           decode(unpack_code(codes, c, view.bits), pc, view.bits, sym));
       }
     }
+    return make_float2(static_cast<float>(row[a]), static_cast<float>(row[c]));
   }
+};
+
+// The rows of one thread block: up to kMaxHeads query rows (query token i, query head g of the kv head)
+// of one sequence, each seeing keys [0, end).
+struct QueryRows {
+  const int64_t* q_start;  // (B+1) prefill, or nullptr (decode: one query per sequence, row b)
+  int64_t row_chunks;      // thread blocks along the rows of one (sequence, kv head)
 };
 
 template <typename fp_t, typename meta_t>
 __global__ void __launch_bounds__(kWarps * 32)
-    decode_split_kernel(DecodeGeometry g, const float* __restrict__ q, const int64_t* __restrict__ lengths,
-                        Side<fp_t, meta_t> keys, Side<fp_t, meta_t> values, const float* __restrict__ cos,
-                        const float* __restrict__ sin, int64_t splits, float* __restrict__ part_ml,
-                        float* __restrict__ part_acc) {
-  const int64_t split = blockIdx.x, b = blockIdx.z;
-  const int64_t chunks = (g.group_size() + kMaxHeads - 1) / kMaxHeads;
-  const int64_t h = blockIdx.y / chunks, head0 = (blockIdx.y % chunks) * kMaxHeads;
-  const int64_t left = g.group_size() - head0;
+    attention_split_kernel(CacheGeometry g, PageTable pt, const float* __restrict__ q,
+                           const int64_t* __restrict__ lengths, QueryRows qr, Side<fp_t, meta_t> keys,
+                           Side<fp_t, meta_t> values, const float* __restrict__ cos, const float* __restrict__ sin,
+                           int64_t splits, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+  const int64_t split = blockIdx.x, b = blockIdx.z, G = g.group_size();
+  const int64_t h = blockIdx.y / qr.row_chunks, row0 = (blockIdx.y % qr.row_chunks) * kMaxHeads;
+  const bool prefill = qr.q_start != nullptr;
+  const int64_t m = prefill ? qr.q_start[b + 1] - qr.q_start[b] : 1, q_row0 = prefill ? qr.q_start[b] : b;
+  const int64_t left = G * m - row0;
+  if (left <= 0) return;  // a shorter chunk than the longest: no rows here (uniform across the block)
   const int nh = static_cast<int>(left < kMaxHeads ? left : kMaxHeads);
-  const int64_t bh = b * g.kv_heads + h, hq0 = b * g.q_heads + h * g.group_size() + head0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t d = g.dim, n = lengths[b];
-  CUDA_KERNEL_ASSERT_MSG(n >= 0 && n <= g.max_tokens(), "rkv.decode_attention: lengths beyond the cache capacity");
-  CUDA_KERNEL_ASSERT_MSG(g.rope_half == 0 || n <= g.rope_positions,
-                         "rkv.decode_attention: lengths beyond the rope_cos / rope_sin table");
-  const int64_t t0 = split * g.split_tokens, t1 = n < t0 + g.split_tokens ? n : t0 + g.split_tokens;
-  const int64_t q_count = quantized_count(n, g.sinks, g.recent, g.block);
+  const int64_t d = g.dim, n = lengths[b], slot = pt.slot(b);
+  CUDA_KERNEL_ASSERT_MSG(n >= 0 && n + (prefill ? m : 0) <= g.max_tokens(),
+                         "rkv: lengths beyond the tokens a sequence's pages address");
+  CUDA_KERNEL_ASSERT_MSG(g.rope_half == 0 || n + (prefill ? m : 0) <= g.rope_positions,
+                         "rkv: lengths beyond the rope_cos / rope_sin table");
+  CUDA_KERNEL_ASSERT_MSG(slot >= 0 && slot < g.slots, "rkv: side_slots names a slot outside the pool");
+  // query row j: token i = (row0 + j) / G, head (row0 + j) % G; it sees keys [0, end[j])
+  int64_t qrow[kMaxHeads], end[kMaxHeads], t_end = 0;
+#pragma unroll
+  for (int j = 0; j < kMaxHeads; ++j) {
+    const int64_t r = row0 + (j < nh ? j : 0), i = r / G;
+    qrow[j] = (q_row0 + i) * g.q_heads + h * G + r % G;
+    end[j] = prefill ? n + i + 1 : n;
+    t_end = j < nh && end[j] > t_end ? end[j] : t_end;
+  }
+  const int64_t t0 = split * g.split_tokens, t1 = t_end < t0 + g.split_tokens ? t_end : t0 + g.split_tokens;
+  const int64_t q_count = quantized_count(n, g.recent, g.block);
   const int64_t slots = d / 2;
 
   // this lane's channels and query values
@@ -103,15 +126,15 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int j = 0; j < kMaxHeads; ++j) {
       const bool on = p < slots && j < nh;
-      qa[j][i] = on ? q[(hq0 + j) * d + ca[i]] : 0.0f;
-      qb[j][i] = on ? q[(hq0 + j) * d + cb[i]] : 0.0f;
+      qa[j][i] = on ? q[qrow[j] * d + ca[i]] : 0.0f;
+      qb[j][i] = on ? q[qrow[j] * d + cb[i]] : 0.0f;
     }
   }
 
-  float m[kMaxHeads], l[kMaxHeads], acc_a[kMaxHeads][kMaxSlots], acc_b[kMaxHeads][kMaxSlots];
+  float mx[kMaxHeads], l[kMaxHeads], acc_a[kMaxHeads][kMaxSlots], acc_b[kMaxHeads][kMaxSlots];
 #pragma unroll
   for (int j = 0; j < kMaxHeads; ++j) {
-    m[j] = -INFINITY;
+    mx[j] = -INFINITY;
     l[j] = 0.0f;
 #pragma unroll
     for (int i = 0; i < kMaxSlots; ++i) acc_a[j][i] = acc_b[j][i] = 0.0f;
@@ -124,7 +147,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int64_t p = lane + 32 * i;
       ka[i] = kb[i] = 0.0f;
       if (p >= slots) continue;
-      const float2 k2 = keys.load(g, bh, t, q_count, ca[i], cb[i]);
+      const float2 k2 = keys.load(g, pt, b, h, slot, t, q_count, n, q_row0, ca[i], cb[i]);
       ka[i] = k2.x;
       kb[i] = k2.y;
       if (cos != nullptr && p < g.rope_half) rope_apply(ka[i], kb[i], cos[t * g.rope_half + p], sin[t * g.rope_half + p]);
@@ -133,7 +156,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int j = 0; j < kMaxHeads; ++j) {
       score[j] = 0.0f;
-      if (j >= nh) continue;  // warp-uniform
+      if (j >= nh || t >= end[j]) continue;  // warp-uniform
       float partial = 0.0f;
 #pragma unroll
       for (int i = 0; i < kMaxSlots; ++i) partial = fma_f(qa[j][i], ka[i], fma_f(qb[j][i], kb[i], partial));
@@ -144,19 +167,19 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int i = 0; i < kMaxSlots; ++i) {
       va[i] = vb[i] = 0.0f;
       if (lane + 32 * i >= slots) continue;
-      const float2 v2 = values.load(g, bh, t, q_count, ca[i], cb[i]);
+      const float2 v2 = values.load(g, pt, b, h, slot, t, q_count, n, q_row0, ca[i], cb[i]);
       va[i] = v2.x;
       vb[i] = v2.y;
     }
 #pragma unroll
     for (int j = 0; j < kMaxHeads; ++j) {
-      if (j >= nh) continue;
-      const float m_new = fmaxf(m[j], score[j]);
+      if (j >= nh || t >= end[j]) continue;
+      const float m_new = fmaxf(mx[j], score[j]);
       // -inf guards: the first token (m = -inf) and a -inf score (an infinite key) weigh 0, not NaN
-      const float corr = m[j] == -INFINITY ? 0.0f : softmax_exp(m[j] - m_new);
+      const float corr = mx[j] == -INFINITY ? 0.0f : softmax_exp(mx[j] - m_new);
       const float p = m_new == -INFINITY ? 0.0f : softmax_exp(score[j] - m_new);
       l[j] = fma_f(l[j], corr, p);
-      m[j] = m_new;
+      mx[j] = m_new;
 #pragma unroll
       for (int i = 0; i < kMaxSlots; ++i) {
         acc_a[j][i] = fma_f(acc_a[j][i], corr, p * va[i]);
@@ -165,13 +188,13 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
 
-  // merge the warps of this block: shared (m, l) per warp and head, then the outputs channel by channel
+  // merge the warps of this block: shared (m, l) per warp and row, then the outputs channel by channel
   __shared__ float s_ml[kWarps][kMaxHeads][2];
   extern __shared__ float s_acc[];  // [kWarps][kMaxHeads][d]
   if (lane == 0) {
 #pragma unroll
     for (int j = 0; j < kMaxHeads; ++j) {
-      s_ml[warp][j][0] = m[j];
+      s_ml[warp][j][0] = mx[j];
       s_ml[warp][j][1] = l[j];
     }
   }
@@ -198,16 +221,16 @@ __global__ void __launch_bounds__(kWarps * 32)
       out = out * fa + s_acc[(w * kMaxHeads + j) * d + c] * fb;
       total = merged;
     }
-    const int64_t slot = (hq0 + j) * splits + split;
-    part_acc[slot * d + c] = out;
+    const int64_t at = qrow[j] * splits + split;
+    part_acc[at * d + c] = out;
     if (c == 0) {
-      part_ml[slot * 2] = total.m;
-      part_ml[slot * 2 + 1] = total.l;
+      part_ml[at * 2] = total.m;
+      part_ml[at * 2 + 1] = total.l;
     }
   }
 }
 
-// out (B*Hq, D): the splits of each query head merged in split order.
+// out (rows, D): the splits of each query row merged in split order.
 __global__ void merge_splits_kernel(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                                     int64_t rows, int64_t splits, int64_t d, float* __restrict__ out) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -228,13 +251,64 @@ __global__ void merge_splits_kernel(const float* __restrict__ part_ml, const flo
   }
 }
 
-template <typename fp_t, typename meta_t>
-Side<fp_t, meta_t> side(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-                        const at::Tensor& window, const at::Tensor& sink, int64_t block_tokens, int64_t group,
-                        int bits) {
-  return Side<fp_t, meta_t>{packed.const_data_ptr<uint8_t>(), scale.const_data_ptr<meta_t>(),
-                            zero.defined() ? zero.const_data_ptr<meta_t>() : nullptr, window.const_data_ptr<fp_t>(),
-                            sink.const_data_ptr<fp_t>(), block_tokens, group, bits};
+// Runs the split kernel over every (split, kv head x row chunk, sequence) and merges: the output
+// (query tokens, Hq, D) in fp32, still in the values' Hadamard space. Rows no sequence owns (prefill
+// padding past query_start_loc[B]) keep zero partials and merge to zeros.
+at::Tensor run_attention(AttentionCall& call) {
+  CacheGeometry& g = call.cache.g;
+  TORCH_CHECK_VALUE(g.dim <= 2 * 32 * kMaxSlots && g.dim % 2 == 0,
+                    "rkv: head_dim must be even and <= 256 on CUDA (got ", g.dim, ")");
+  TORCH_CHECK_VALUE(g.batch <= 65535, "rkv: at most 65535 sequences per call on CUDA (got ", g.batch, ")");
+  const bool prefill = call.q_start.defined();
+  const int64_t max_q = prefill ? call.max_query_len : 1;
+  const int64_t row_chunks = std::max<int64_t>(1, (g.group_size() * max_q + kMaxHeads - 1) / kMaxHeads);
+  // splits cover the tokens the tables address (not the data-dependent lengths): no host synchronization
+  const int64_t max_tokens = g.max_tokens();
+  if (g.split_tokens == 0) {
+    // enough splits to fill the GPU a few times over, never more: the partial results (and the merge)
+    // grow with the number of splits
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, call.q.device().index()));
+    const int64_t blocks = std::max<int64_t>(1, g.batch * g.kv_heads * row_chunks);
+    const int64_t wanted = std::max<int64_t>(1, (8 * sms + blocks - 1) / blocks);
+    const int64_t by_default = (max_tokens + kDefaultSplit - 1) / kDefaultSplit;
+    const int64_t splits = std::max<int64_t>(1, std::min(wanted, by_default));
+    g.split_tokens = std::max<int64_t>(kDefaultSplit, (max_tokens + splits - 1) / splits);
+  }
+  const int64_t splits = std::max<int64_t>(1, (max_tokens + g.split_tokens - 1) / g.split_tokens);
+  TORCH_CHECK_VALUE(g.kv_heads * row_chunks <= 65535, "rkv: kv_heads x query rows / ", kMaxHeads, " (",
+                    g.kv_heads * row_chunks, ") must be <= 65535 on CUDA; split the chunk");
+  const int64_t query_tokens = call.q.size(0);
+  at::Tensor part_ml = at::zeros({query_tokens, g.q_heads, splits, 2}, call.q.options());
+  at::Tensor part_acc = at::zeros({query_tokens, g.q_heads, splits, g.dim}, call.q.options());
+  at::Tensor out = at::empty({query_tokens, g.q_heads, g.dim}, call.q.options());
+  if (query_tokens == 0 || g.q_heads == 0) return out;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (g.batch > 0) {
+    const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(g.kv_heads * row_chunks),
+                    static_cast<unsigned>(g.batch));
+    const size_t smem = static_cast<size_t>(kWarps) * kMaxHeads * g.dim * sizeof(float);  // <= 32 KiB
+    const QueryRows qr{prefill ? call.q_start.const_data_ptr<int64_t>() : nullptr, row_chunks};
+    RKV_DISPATCH_FLOAT(call.cache.fp, "rkv.attention", fp_t, [&] {
+      RKV_DISPATCH_FLOAT(call.cache.meta, "rkv.attention", meta_t, [&] {
+        const fp_t* kf = prefill ? call.k_fresh.const_data_ptr<fp_t>() : nullptr;
+        const fp_t* vf = prefill ? call.v_fresh.const_data_ptr<fp_t>() : nullptr;
+        attention_split_kernel<fp_t, meta_t><<<grid, kWarps * 32, smem, stream>>>(
+            g, call.cache.pt, call.q.const_data_ptr<float>(), call.cache.lengths.const_data_ptr<int64_t>(), qr,
+            Side<fp_t, meta_t>{call.cache.k, kf}, Side<fp_t, meta_t>{call.cache.v, vf},
+            call.cos.defined() ? call.cos.const_data_ptr<float>() : nullptr,
+            call.sin.defined() ? call.sin.const_data_ptr<float>() : nullptr, splits,
+            part_ml.mutable_data_ptr<float>(), part_acc.mutable_data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+  }
+  const int64_t rows = query_tokens * g.q_heads;
+  merge_splits_kernel<<<grid_for(rows, 1), 128, 0, stream>>>(part_ml.const_data_ptr<float>(),
+                                                             part_acc.const_data_ptr<float>(), rows, splits, g.dim,
+                                                             out.mutable_data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
 }
 
 at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
@@ -246,68 +320,58 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_packed
                                  const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
                                  const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
                                  double scale, int64_t split_tokens) {
-  DecodeGeometry g = check_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
-                                            k_sink, v_sink, lengths, k_bits, v_bits, block, recent, rope_cos,
-                                            rope_sin, rope_interleaved, k_signs, v_signs, split_tokens);
-  TORCH_CHECK_VALUE(g.dim <= 2 * 32 * kMaxSlots && g.dim % 2 == 0,
-                    "rkv.decode_attention: head_dim must be even and <= 256 on CUDA (got ", g.dim, ")");
-  TORCH_CHECK_VALUE(g.batch <= 65535, "rkv.decode_attention: at most 65535 sequences per call on CUDA (got ",
-                    g.batch, ")");
-  if (split_tokens == 0) {
-    // enough splits to fill the GPU a few times over, never more: the partial results (and the merge)
-    // grow with the number of splits, which follows the capacity, not the lengths
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index()));
-    const int64_t chunks = (g.group_size() + kMaxHeads - 1) / kMaxHeads;
-    const int64_t wanted = std::max<int64_t>(1, (8 * sms + g.batch * g.kv_heads * chunks - 1) /
-                                                    std::max<int64_t>(1, g.batch * g.kv_heads * chunks));
-    const int64_t by_default = (g.max_tokens() + kDefaultSplit - 1) / kDefaultSplit;
-    const int64_t splits = std::max<int64_t>(1, std::min(wanted, by_default));
-    g.split_tokens = std::max<int64_t>(kDefaultSplit, (g.max_tokens() + splits - 1) / splits);
-  }
   const c10::cuda::CUDAGuard guard(q.device());
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor len = lengths.to(at::kLong).contiguous();
-  const at::Tensor qf = decode_query(q, scale, k_signs);
-  const at::Tensor cos = rope_cos.has_value() ? rope_cos->to(at::kFloat).contiguous() : at::Tensor();
-  const at::Tensor sin = rope_sin.has_value() ? rope_sin->to(at::kFloat).contiguous() : at::Tensor();
-  // splits cover the capacity (not the data-dependent lengths): no host synchronization
-  const int64_t splits = std::max<int64_t>(1, (g.max_tokens() + g.split_tokens - 1) / g.split_tokens);
-  at::Tensor part_ml = at::empty({g.batch, g.q_heads, splits, 2}, qf.options());
-  at::Tensor part_acc = at::empty({g.batch, g.q_heads, splits, g.dim}, qf.options());
-  at::Tensor out = at::empty({g.batch, g.q_heads, g.dim}, qf.options());
-  if (g.batch > 0 && g.q_heads > 0) {
-    const auto c = [](const at::Tensor& t) { return t.contiguous(); };
-    const at::Tensor kz = k_zero.has_value() ? c(*k_zero) : at::Tensor();
-    const at::Tensor vz = v_zero.has_value() ? c(*v_zero) : at::Tensor();
-    const at::Tensor kp = c(k_packed), ks = c(k_scale), vp = c(v_packed), vs = c(v_scale);
-    const at::Tensor kw = c(k_window), vw = c(v_window), kk = c(k_sink), vk = c(v_sink);
-    const int64_t chunks = (g.group_size() + kMaxHeads - 1) / kMaxHeads;
-    const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(g.kv_heads * chunks),
-                    static_cast<unsigned>(g.batch));
-    const size_t smem = static_cast<size_t>(kWarps) * kMaxHeads * g.dim * sizeof(float);  // <= 32 KiB
-    RKV_DISPATCH_FLOAT(k_window.scalar_type(), "rkv.decode_attention", fp_t, [&] {
-      RKV_DISPATCH_FLOAT(k_scale.scalar_type(), "rkv.decode_attention", meta_t, [&] {
-        decode_split_kernel<fp_t, meta_t><<<grid, kWarps * 32, smem, stream>>>(
-            g, qf.const_data_ptr<float>(), len.const_data_ptr<int64_t>(),
-            side<fp_t, meta_t>(kp, ks, kz, kw, kk, g.k_block_tokens, g.k_group, g.k_bits),
-            side<fp_t, meta_t>(vp, vs, vz, vw, vk, g.v_block_tokens, g.v_group, g.v_bits),
-            cos.defined() ? cos.const_data_ptr<float>() : nullptr, sin.defined() ? sin.const_data_ptr<float>() : nullptr,
-            splits, part_ml.mutable_data_ptr<float>(), part_acc.mutable_data_ptr<float>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
-    });
-    const int64_t rows = g.batch * g.q_heads;
-    merge_splits_kernel<<<grid_for(rows, 1), 128, 0, stream>>>(part_ml.const_data_ptr<float>(),
-                                                               part_acc.const_data_ptr<float>(), rows, splits, g.dim,
-                                                               out.mutable_data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  return decode_output(out, v_signs, q.scalar_type());
+  const CacheTensors c{k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
+  AttentionCall call = decode_call("decode_attention", q, c, CacheIndex{}, lengths, k_bits, v_bits, block, recent,
+                                   rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens);
+  return decode_output(run_attention(call), v_signs, q.scalar_type());
+}
+
+at::Tensor paged_decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                       const std::optional<at::Tensor>& k_zero, const at::Tensor& v_codes,
+                                       const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
+                                       const at::Tensor& k_window, const at::Tensor& v_window,
+                                       const at::Tensor& k_sink, const at::Tensor& v_sink,
+                                       const std::optional<at::Tensor>& block_tables,
+                                       const std::optional<at::Tensor>& side_slots, const at::Tensor& lengths,
+                                       int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
+                                       const std::optional<at::Tensor>& rope_cos,
+                                       const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
+                                       const std::optional<at::Tensor>& k_signs,
+                                       const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
+  const CacheIndex ix{&block_tables, &side_slots, true};
+  AttentionCall call = decode_call("paged_decode_attention", q, c, ix, lengths, k_bits, v_bits, block, recent,
+                                   rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens);
+  return decode_output(run_attention(call), v_signs, q.scalar_type());
+}
+
+at::Tensor paged_prefill_attention_cuda(
+    const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& query_start_loc,
+    int64_t max_query_len, const at::Tensor& k_codes, const at::Tensor& k_scale,
+    const std::optional<at::Tensor>& k_zero, const at::Tensor& v_codes, const at::Tensor& v_scale,
+    const std::optional<at::Tensor>& v_zero, const at::Tensor& k_window, const at::Tensor& v_window,
+    const at::Tensor& k_sink, const at::Tensor& v_sink, const std::optional<at::Tensor>& block_tables,
+    const std::optional<at::Tensor>& side_slots, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
+    int64_t block, int64_t recent, const std::optional<at::Tensor>& rope_cos,
+    const std::optional<at::Tensor>& rope_sin, bool rope_interleaved, const std::optional<at::Tensor>& k_signs,
+    const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
+  const CacheIndex ix{&block_tables, &side_slots, true};
+  AttentionCall call = prefill_call(q, k_new, v_new, query_start_loc, max_query_len, c, ix, lengths, k_bits, v_bits,
+                                    block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale,
+                                    split_tokens);
+  return decode_output(run_attention(call), v_signs, q.scalar_type());
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(rkv, CUDA, m) { m.impl("decode_attention", &decode_attention_cuda); }
+TORCH_LIBRARY_IMPL(rkv, CUDA, m) {
+  m.impl("decode_attention", &decode_attention_cuda);
+  m.impl("paged_decode_attention", &paged_decode_attention_cuda);
+  m.impl("paged_prefill_attention", &paged_prefill_attention_cuda);
+}
 
 }  // namespace rkv::cuda

@@ -27,7 +27,7 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restr
     quantize_block_row<scalar_t, meta_t>(TokenRows<scalar_t>{x + row0 * g.dim, g.dim},
                                          PackedRows{packed + row0 * g.row_bytes(), g.row_bytes()}, g.block_tokens,
                                          g.dim, g.group_size, g.bits, symmetric, clip, scale + br * ng,
-                                         symmetric ? nullptr : zero + br * ng);
+                                         symmetric ? nullptr : zero + br * ng, g.sink_rows_of(br));
   }
 }
 
@@ -47,8 +47,8 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const meta
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t bits, int64_t group_size,
                                                             int64_t block_tokens, bool symmetric,
-                                                            at::ScalarType meta_dtype, bool clip) {
-  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype, clip);
+                                                            at::ScalarType meta_dtype, bool clip, int64_t sink_rows) {
+  const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype, clip, sink_rows);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   const QuantizeOutputs out = empty_quantize_outputs(x, g, symmetric, meta_dtype);

@@ -1,11 +1,12 @@
-// Decode-attention math shared by the CPU and CUDA kernels: where a cached token lives, the
-// exponential, and the exact merge of partial softmax results (flash-decoding).
+// Attention math shared by the CPU and CUDA kernels: where a cached token lives, the exponential, and
+// the exact merge of partial softmax results (flash-decoding).
 //
-// Cache layout per sequence (n tokens) and KV head, as reference.gather_tokens:
-//   t < S                    sink row t                     (full precision)
-//   S <= t < S + Q(n)        packed row t - S               (quantized)
-//   S + Q(n) <= t < n        window row (t - S) % W         (full-precision ring)
-// Q(n) = block * floor(max(0, n - S - recent) / block).
+// Per sequence of n cached tokens, as reference.py ("The quantized KV cache"):
+//   t < S                    sink row t                 (full precision)
+//   S <= t < Q(n)            quantized row              (page tables[b][t / P], row t % P)
+//   max(S, Q(n)) <= t < n    window row t % W           (full-precision ring)
+//   t >= n                   a new token of the chunk   (prefill attention only)
+// Q(n) = block * floor(max(0, n - recent) / block).
 #pragma once
 
 #include <cmath>
@@ -14,17 +15,18 @@
 
 namespace rkv {
 
-RKV_HD int64_t quantized_count(int64_t n, int64_t sinks, int64_t recent, int64_t block) {
-  const int64_t over = n - sinks - recent;
+RKV_HD int64_t quantized_count(int64_t n, int64_t recent, int64_t block) {
+  const int64_t over = n - recent;
   return over > 0 ? block * (over / block) : 0;
 }
 
-RKV_HD int64_t window_slot(int64_t t, int64_t sinks, int64_t window) { return (t - sinks) % window; }
+RKV_HD int64_t window_slot(int64_t t, int64_t window) { return t % window; }
 
-// Where token t of a sequence with q_count quantized tokens is stored.
-enum class Place { Sink, Packed, Window };
-RKV_HD Place token_place(int64_t t, int64_t sinks, int64_t q_count) {
-  return t < sinks ? Place::Sink : (t < sinks + q_count ? Place::Packed : Place::Window);
+// Where token t of a sequence with `cached` tokens (q_count of them in quantized blocks) is read.
+enum class Place { Sink, Packed, Window, Fresh };
+RKV_HD Place token_place(int64_t t, int64_t sinks, int64_t q_count, int64_t cached) {
+  if (t >= cached) return Place::Fresh;
+  return t < sinks ? Place::Sink : (t < q_count ? Place::Packed : Place::Window);
 }
 
 // exp(x) for the softmax, x <= 0. CUDA: the library expf. CPU: a branch-free polynomial (relative

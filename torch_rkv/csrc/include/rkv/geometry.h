@@ -17,15 +17,27 @@ struct QuantGeometry {
   int64_t block_tokens = 1;
   int64_t group_size = 1;
   int bits = 8;
+  int64_t sink_rows = 0;  // leading tokens of each lead slice that do not set group ranges
   RKV_HD int64_t row_bytes() const { return dim * bits / 8; }
   RKV_HD int64_t blocks() const { return tokens / block_tokens; }
   RKV_HD int64_t groups() const { return dim / group_size; }
+  // sink rows among the tokens of block row br (over all lead dims)
+  RKV_HD int64_t sink_rows_of(int64_t br) const {
+    const int64_t first = (br % blocks()) * block_tokens, left = sink_rows - first;
+    return left <= 0 ? 0 : (left < block_tokens ? left : block_tokens);
+  }
 };
 
-// Decode attention over the quantized cache layout (reference.decode_attention).
-struct DecodeGeometry {
+// A quantized cache as the attention and append kernels see it (reference.py, "The quantized KV
+// cache"): a pool of pages of page_size rows per kv head, addressed through block tables, and side
+// slots of full-precision rows (sinks and the window ring). The contiguous layout is one page of the
+// whole capacity per sequence (max_pages 1, page b and slot b).
+struct CacheGeometry {
   int64_t batch = 0, q_heads = 0, kv_heads = 0, dim = 0;
-  int64_t capacity = 0;            // packed token rows per sequence and head
+  int64_t page_size = 0;   // rows per page (P)
+  int64_t pages = 0;       // pages in the pool
+  int64_t max_pages = 1;   // pages per sequence: the block tables' width (1 without tables)
+  int64_t slots = 0;       // side slots in the pool
   int64_t k_block_tokens = 1, v_block_tokens = 1, k_group = 1, v_group = 1;
   int64_t sinks = 0, window = 0, recent = 0, block = 1;
   int k_bits = 8, v_bits = 8;
@@ -33,7 +45,7 @@ struct DecodeGeometry {
   bool interleaved = false;
   int64_t split_tokens = 0;  // 0: each backend chooses (CPU by the shapes, CUDA by the SM count)
   RKV_HD int64_t group_size() const { return q_heads / kv_heads; }
-  RKV_HD int64_t max_tokens() const { return sinks + capacity + recent; }
+  RKV_HD int64_t max_tokens() const { return max_pages * page_size; }  // tokens a sequence can address
 };
 
 }  // namespace rkv

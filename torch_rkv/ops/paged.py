@@ -1,0 +1,137 @@
+"""The paged quantized KV cache's ops: append, decode and prefill attention, and page copies.
+
+A layer's cache is a pool of pages (codes and metadata of P tokens of every kv head: k_codes (pages,
+Hkv, P, D*bits/8), k_scale / k_zero (pages, Hkv, P/T, D/G), views into one page buffer, see
+torch_rkv.layout.PageLayout) and of side slots (k_window (slots, Hkv, W, D), k_sink (slots, Hkv, S, D)),
+keys and values alike. Sequence b reads page block_tables[b][t // P] and slot side_slots[b] (int32,
+vLLM's block_table_tensor convention); None means page b / slot b (the contiguous layout). Full pages
+are final and may be shared by several tables. Semantics: torch_rkv.reference (paged_append,
+paged_decode_attention, paged_prefill_attention, paged_copy).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import _validate
+
+
+def paged_append(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
+                 page_fill: Optional[torch.Tensor], block_tables: Optional[torch.Tensor],
+                 side_slots: Optional[torch.Tensor], lengths: torch.Tensor, query_start_loc: torch.Tensor,
+                 k_new: torch.Tensor, v_new: torch.Tensor, k_bits: int, v_bits: int, block: int, recent: int,
+                 k_clip: bool = False, v_clip: bool = False, slot_mapping: Optional[torch.Tensor] = None) -> None:
+    """Append sequence b's new tokens, rows query_start_loc[b]..query_start_loc[b+1] of k_new / v_new
+    (T, Hkv, D) in the cache's dtype and storage space, after its lengths[b] tokens, in place. Blocks
+    the append completes are quantized into their pages (a page is final once full); page_fill (pages,)
+    int32 counts the quantized rows of each page and turns a write into them into an error (None: no
+    guard); slot_mapping (T,): the engine's slot of each new token, checked against the tables."""
+    torch.ops.rkv.paged_append.default(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
+                                       v_sink, page_fill, block_tables, side_slots, lengths, query_start_loc, k_new,
+                                       v_new, k_bits, v_bits, block, recent, k_clip, v_clip, slot_mapping)
+
+
+@torch.library.register_fake("rkv::paged_append")
+def _paged_append_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
+                       page_fill, block_tables, side_slots, lengths, query_start_loc, k_new, v_new, k_bits, v_bits,
+                       block, recent, k_clip=False, v_clip=False, slot_mapping=None):
+    _validate.paged_append(k_codes, v_codes, k_window, page_fill, block_tables, side_slots, lengths, query_start_loc,
+                           k_new, v_new, k_bits, v_bits, block, recent, k_zero, v_zero, k_clip, v_clip, slot_mapping)
+    _validate.devices("paged_append", k_new, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
+                      v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
+                      v_sink=v_sink, page_fill=page_fill, block_tables=block_tables, side_slots=side_slots,
+                      lengths=lengths, query_start_loc=query_start_loc, v_new=v_new, slot_mapping=slot_mapping)
+    return None
+
+
+def paged_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
+                           block_tables: Optional[torch.Tensor], side_slots: Optional[torch.Tensor],
+                           lengths: torch.Tensor, k_bits: int, v_bits: int, block: int, recent: int,
+                           rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
+                           rope_interleaved: bool = False, k_signs: Optional[torch.Tensor] = None,
+                           v_signs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                           split_tokens: int = 0) -> torch.Tensor:
+    """Attention (B, Hq, D) of each sequence's newest query q (B, Hq, D) over its lengths[b] cached
+    tokens (the newest appended): GQA/MQA, pre-RoPE keys rotated in the kernel (rope_cos/rope_sin),
+    Hadamard spaces (k_signs / v_signs), sinks and window, split-K (split_tokens, 0: chosen)."""
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.rkv.paged_decode_attention.default(
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables,
+        side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, s,
+        split_tokens)
+
+
+@torch.library.register_fake("rkv::paged_decode_attention")
+def _paged_decode_attention_fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
+                                 v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
+                                 rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens):
+    _validate.decode_attention(q, k_codes, v_codes, k_window, lengths, k_bits, v_bits, block, recent, rope_cos,
+                               rope_sin, k_signs, block_tables, side_slots, op="paged_decode_attention")
+    _validate.devices("paged_decode_attention", q, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
+                      v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
+                      v_sink=v_sink, block_tables=block_tables, side_slots=side_slots, lengths=lengths,
+                      rope_cos=rope_cos, rope_sin=rope_sin, k_signs=k_signs, v_signs=v_signs)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len: int, k_codes, k_scale, k_zero, v_codes,
+                            v_scale, v_zero, k_window, v_window, k_sink, v_sink,
+                            block_tables: Optional[torch.Tensor], side_slots: Optional[torch.Tensor],
+                            lengths: torch.Tensor, k_bits: int, v_bits: int, block: int, recent: int,
+                            rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
+                            rope_interleaved: bool = False, k_signs: Optional[torch.Tensor] = None,
+                            v_signs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                            split_tokens: int = 0) -> torch.Tensor:
+    """Causal attention (T, Hq, D) of a chunk of new tokens per sequence: q (T, Hq, D) and their keys
+    and values k_new / v_new (T, Hkv, D) in the storage space, rows query_start_loc[b].. for sequence b,
+    over its lengths[b] cached tokens as stored and the chunk itself in full precision. Call it before
+    appending the chunk. max_query_len: the longest chunk. Rows past query_start_loc[B] get zeros."""
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.rkv.paged_prefill_attention.default(
+        q, k_new, v_new, query_start_loc, max_query_len, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window,
+        v_window, k_sink, v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
+        rope_sin, rope_interleaved, k_signs, v_signs, s, split_tokens)
+
+
+@torch.library.register_fake("rkv::paged_prefill_attention")
+def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_len, k_codes, k_scale, k_zero, v_codes,
+                                  v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables, side_slots,
+                                  lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved,
+                                  k_signs, v_signs, scale, split_tokens):
+    _validate.paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len, k_codes, v_codes, k_window,
+                                      block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
+                                      rope_sin, k_signs)
+    _validate.devices("paged_prefill_attention", q, k_new=k_new, v_new=v_new, query_start_loc=query_start_loc,
+                      k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale,
+                      v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink, v_sink=v_sink,
+                      block_tables=block_tables, side_slots=side_slots, lengths=lengths, rope_cos=rope_cos,
+                      rope_sin=rope_sin, k_signs=k_signs, v_signs=v_signs)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def paged_copy(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
+               page_fill: Optional[torch.Tensor], src_pages: torch.Tensor, dst_pages: torch.Tensor,
+               src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata and page_fill) and side slots
+    src_slots[j] -> dst_slots[j] (sinks and window), in place: what a fork copies (its open page and side
+    rows; its full pages are shared by reference)."""
+    torch.ops.rkv.paged_copy.default(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
+                                     v_sink, page_fill, src_pages, dst_pages, src_slots, dst_slots)
+
+
+@torch.library.register_fake("rkv::paged_copy")
+def _paged_copy_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
+                     page_fill, src_pages, dst_pages, src_slots, dst_slots):
+    op = "paged_copy"
+    for name, t in (("src_pages", src_pages), ("dst_pages", dst_pages), ("src_slots", src_slots),
+                    ("dst_slots", dst_slots)):
+        _validate.dtype(t.dtype in (torch.int32, torch.int64), op, f"{name} must be int32 or int64 (got {t.dtype})")
+    _validate.value(src_pages.shape == dst_pages.shape and src_slots.shape == dst_slots.shape, op,
+                    "src and dst ids must have the same length")
+    _validate.devices(op, k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale, v_zero=v_zero,
+                      k_window=k_window, v_window=v_window, k_sink=k_sink, v_sink=v_sink, page_fill=page_fill,
+                      src_pages=src_pages, dst_pages=dst_pages, src_slots=src_slots, dst_slots=dst_slots)
+    return None
