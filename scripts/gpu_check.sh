@@ -15,13 +15,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch; print('torch', torch.__version__)" | tee -a "$out/device.txt"
 time python setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 export PYTHONPATH=$PWD
-cuda_tests="tests/test_quant.py tests/test_pack.py tests/test_rope.py tests/test_hadamard.py tests/test_attention.py tests/test_cache.py tests/test_opcheck.py"
+cuda_tests="tests/test_quant.py tests/test_pack.py tests/test_rope.py tests/test_hadamard.py tests/test_attention.py tests/test_cache.py tests/test_paged.py tests/test_opcheck.py"
 python -m pytest -q -p no:cacheprovider $cuda_tests -k cuda 2>&1 | tee "$out/tests_cuda.log" | tail -5
 status_tests=${PIPESTATUS[0]}
 cs=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
 for tool in memcheck racecheck; do
   HYPOTHESIS_PROFILE=ci "$cs" --tool "$tool" --error-exitcode 9 --target-processes all \
-    python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_cache.py tests/test_quant.py -k cuda \
+    python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_cache.py tests/test_paged.py tests/test_quant.py -k cuda \
     > "$out/sanitizer_$tool.log" 2>&1
   echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitizer_$tool.log") clean summaries)" \
     | tee -a "$out/summary.txt"

@@ -1,4 +1,4 @@
-"""Command line: python -m torch_rkv {report, plan, demo}."""
+"""Command line: python -m torch_rkv {report, plan, demo, export-model}."""
 
 from __future__ import annotations
 
@@ -27,7 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tokens", type=int, default=1024)
     demo.add_argument("--dim", type=int, default=128)
 
+    sub.add_parser("export-model", help="write the default model as a plain Hugging Face directory (cached) and "
+                   "print its path: what vLLM loads")
+
     args = parser.parse_args(argv)
+    if args.command == "export-model":
+        from .eval import data
+
+        try:
+            print(data.model_hf())
+        except data.MissingMaterial as e:
+            print(f"torch_rkv export-model: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "report":
         from .eval.report import main as report_main
 

@@ -381,7 +381,7 @@ def _attend(qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: to
     return out.permute(2, 0, 1, 3).reshape(m, hq, d)
 
 
-def _space(q, rope, k_signs):
+def _space(q, k_signs):
     """Queries in fp32, rotated into the keys' Hadamard space when they are stored rotated."""
     qf = q.float()
     return hadamard(qf, k_signs) if k_signs is not None else qf
@@ -407,7 +407,7 @@ def paged_decode_attention(
     b_, hq, d = q.shape
     cache = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qf = _space(q, rope_cos, k_signs)
+    qf = _space(q, k_signs)
     out = torch.zeros(b_, hq, d, dtype=torch.float32, device=q.device)
     for b in range(b_):
         n = int(lengths[b])
@@ -442,7 +442,7 @@ def paged_prefill_attention(
     t_, hq, d = q.shape
     cache = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qf = _space(q, rope_cos, k_signs)
+    qf = _space(q, k_signs)
     out = torch.zeros(t_, hq, d, dtype=torch.float32, device=q.device)
     starts = [int(x) for x in query_start_loc]
     for b in range(len(starts) - 1):

@@ -56,6 +56,25 @@ int64_t cache_kv_heads(const char* op, const CacheTensors& c, const CacheIndex& 
 
 }  // namespace
 
+namespace {
+
+// What both attention calls share: the cache, the query in the keys' space, the rope tables in fp32.
+AttentionCall attention_call(const char* op, const at::Tensor& q, const CacheTensors& c, const CacheIndex& ix,
+                             const at::Tensor& lengths, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
+                             const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
+                             const std::optional<at::Tensor>& k_signs, double scale, const CacheGeometry& g) {
+  AttentionCall call;
+  call.cache = resolve_cache(op, q, c, ix, lengths, k_bits, v_bits, block, recent, g, false);
+  call.q = decode_query(q, scale, k_signs);
+  if (rope_cos.has_value()) {
+    call.cos = rope_cos->to(at::kFloat).contiguous();
+    call.sin = rope_sin->to(at::kFloat).contiguous();
+  }
+  return call;
+}
+
+}  // namespace
+
 CacheCall resolve_cache(const char* op, const at::Tensor& ref, const CacheTensors& c, const CacheIndex& ix,
                         const at::Tensor& lengths, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
                         CacheGeometry g, bool writable) {
@@ -97,14 +116,7 @@ AttentionCall decode_call(const char* op, const at::Tensor& q, const CacheTensor
   TORCH_CHECK_VALUE(g.kv_heads >= 1 && g.q_heads % g.kv_heads == 0, "rkv.", op, ": q has ", g.q_heads,
                     " heads, which is not a multiple of the cache's ", g.kv_heads, " kv heads");
   check_attention_extras(op, q, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, split_tokens, g);
-  AttentionCall call;
-  call.cache = resolve_cache(op, q, c, ix, lengths, k_bits, v_bits, block, recent, g, false);
-  call.q = decode_query(q, scale, k_signs);
-  if (rope_cos.has_value()) {
-    call.cos = rope_cos->to(at::kFloat).contiguous();
-    call.sin = rope_sin->to(at::kFloat).contiguous();
-  }
-  return call;
+  return attention_call(op, q, c, ix, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, k_signs, scale, g);
 }
 
 AttentionCall prefill_call(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
@@ -133,13 +145,8 @@ AttentionCall prefill_call(const at::Tensor& q, const at::Tensor& k_new, const a
   check_rows(op, "v_new", v_new, q.size(0), g.kv_heads, g.dim);
   check_same_device(op, q, "k_new", k_new);
   check_attention_extras(op, q, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, split_tokens, g);
-  AttentionCall call;
-  call.cache = resolve_cache(op, q, c, ix, lengths, k_bits, v_bits, block, recent, g, false);
-  call.q = decode_query(q, scale, k_signs);
-  if (rope_cos.has_value()) {
-    call.cos = rope_cos->to(at::kFloat).contiguous();
-    call.sin = rope_sin->to(at::kFloat).contiguous();
-  }
+  AttentionCall call =
+      attention_call(op, q, c, ix, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, k_signs, scale, g);
   call.q_start = query_start_loc.to(at::kLong).contiguous();
   call.k_fresh = k_new.contiguous();
   call.v_fresh = v_new.contiguous();

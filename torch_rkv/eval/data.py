@@ -119,3 +119,35 @@ def load_model(model_dir: Optional[str] = None, gguf: Optional[str] = None, dtyp
     except (OSError, ValueError, ImportError) as e:
         raise MissingMaterial(f"could not load the model from {d} {f or ''}: {e}") from e
     return model.eval(), tok
+
+
+def model_hf(fetch: bool = True) -> Path:
+    """A plain Hugging Face directory of the default model (config, safetensors, tokenizer), cached: what
+    an engine such as vLLM loads. Built once from the GGUF: transformers loads it as a float32 model,
+    which is rebuilt from its config and state dict (a GGUF-loaded model refuses save_pretrained)."""
+    out = cache_dir() / "SmolLM2-135M-Instruct-hf"
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")) and \
+            "quantization_config" not in (out / "config.json").read_text():
+        return out
+    if not fetch:
+        raise MissingMaterial(f"{out} does not exist; make it with: python -m torch_rkv export-model")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model, tok = load_model()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    settings = model.config.to_dict()
+    settings.pop("quantization_config", None)  # the GGUF file's: the exported weights are plain float32
+    settings.pop("_model_name_or_path", None)
+    config = type(model.config).from_dict(settings)
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(state)
+    tmp = out.with_name(out.name + ".partial")
+    fresh.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "../cache_call.h"
+#include "../cache_ops.h"
 #include "../dispatch.h"
 #include "block_quant.h"
 #include "rkv/attention.h"
@@ -89,36 +90,11 @@ void run_append(const char* op, const AppendCall& a) {
   }
 }
 
-void cache_append_cpu(const at::Tensor& k_packed, const at::Tensor& k_scale, const std::optional<at::Tensor>& k_zero,
-                      const at::Tensor& v_packed, const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
-                      const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
-                      const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
-                      const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
-                      bool k_clip, bool v_clip) {
-  const CacheTensors c{k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
-  run_append("cache_append",
-             contiguous_append_call(c, lengths, k_new, v_new, k_bits, v_bits, block, recent, k_clip, v_clip));
-}
-
-void paged_append_cpu(const at::Tensor& k_codes, const at::Tensor& k_scale, const std::optional<at::Tensor>& k_zero,
-                      const at::Tensor& v_codes, const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
-                      const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
-                      const at::Tensor& v_sink, const std::optional<at::Tensor>& page_fill,
-                      const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& side_slots,
-                      const at::Tensor& lengths, const at::Tensor& query_start_loc, const at::Tensor& k_new,
-                      const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
-                      bool k_clip, bool v_clip, const std::optional<at::Tensor>& slot_mapping) {
-  const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
-  const CacheIndex ix{&block_tables, &side_slots, true};
-  run_append("paged_append", paged_append_call(c, page_fill, ix, lengths, query_start_loc, k_new, v_new, k_bits,
-                                               v_bits, block, recent, k_clip, v_clip, slot_mapping));
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rkv, CPU, m) {
-  m.impl("cache_append", &cache_append_cpu);
-  m.impl("paged_append", &paged_append_cpu);
+  m.impl("cache_append", &cache_append_op<run_append>);
+  m.impl("paged_append", &paged_append_op<run_append>);
 }
 
 }  // namespace rkv::cpu

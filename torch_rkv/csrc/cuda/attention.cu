@@ -12,6 +12,7 @@
 #include <ATen/ops/zeros.h>
 
 #include "../cache_call.h"
+#include "../cache_ops.h"
 #include "../op_common.h"
 #include "common.cuh"
 #include "rkv/attention.h"
@@ -255,6 +256,7 @@ __global__ void merge_splits_kernel(const float* __restrict__ part_ml, const flo
 // (query tokens, Hq, D) in fp32, still in the values' Hadamard space. Rows no sequence owns (prefill
 // padding past query_start_loc[B]) keep zero partials and merge to zeros.
 at::Tensor run_attention(AttentionCall& call) {
+  const c10::cuda::CUDAGuard guard(call.q.device());
   CacheGeometry& g = call.cache.g;
   TORCH_CHECK_VALUE(g.dim <= 2 * 32 * kMaxSlots && g.dim % 2 == 0,
                     "rkv: head_dim must be even and <= 256 on CUDA (got ", g.dim, ")");
@@ -311,67 +313,12 @@ at::Tensor run_attention(AttentionCall& call) {
   return out;
 }
 
-at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_packed, const at::Tensor& k_scale,
-                                 const std::optional<at::Tensor>& k_zero, const at::Tensor& v_packed,
-                                 const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
-                                 const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
-                                 const at::Tensor& v_sink, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
-                                 int64_t block, int64_t recent, const std::optional<at::Tensor>& rope_cos,
-                                 const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
-                                 const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
-                                 double scale, int64_t split_tokens) {
-  const c10::cuda::CUDAGuard guard(q.device());
-  const CacheTensors c{k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
-  AttentionCall call = decode_call("decode_attention", q, c, CacheIndex{}, lengths, k_bits, v_bits, block, recent,
-                                   rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens);
-  return decode_output(run_attention(call), v_signs, q.scalar_type());
-}
-
-at::Tensor paged_decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
-                                       const std::optional<at::Tensor>& k_zero, const at::Tensor& v_codes,
-                                       const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
-                                       const at::Tensor& k_window, const at::Tensor& v_window,
-                                       const at::Tensor& k_sink, const at::Tensor& v_sink,
-                                       const std::optional<at::Tensor>& block_tables,
-                                       const std::optional<at::Tensor>& side_slots, const at::Tensor& lengths,
-                                       int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
-                                       const std::optional<at::Tensor>& rope_cos,
-                                       const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
-                                       const std::optional<at::Tensor>& k_signs,
-                                       const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens) {
-  const c10::cuda::CUDAGuard guard(q.device());
-  const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
-  const CacheIndex ix{&block_tables, &side_slots, true};
-  AttentionCall call = decode_call("paged_decode_attention", q, c, ix, lengths, k_bits, v_bits, block, recent,
-                                   rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens);
-  return decode_output(run_attention(call), v_signs, q.scalar_type());
-}
-
-at::Tensor paged_prefill_attention_cuda(
-    const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& query_start_loc,
-    int64_t max_query_len, const at::Tensor& k_codes, const at::Tensor& k_scale,
-    const std::optional<at::Tensor>& k_zero, const at::Tensor& v_codes, const at::Tensor& v_scale,
-    const std::optional<at::Tensor>& v_zero, const at::Tensor& k_window, const at::Tensor& v_window,
-    const at::Tensor& k_sink, const at::Tensor& v_sink, const std::optional<at::Tensor>& block_tables,
-    const std::optional<at::Tensor>& side_slots, const at::Tensor& lengths, int64_t k_bits, int64_t v_bits,
-    int64_t block, int64_t recent, const std::optional<at::Tensor>& rope_cos,
-    const std::optional<at::Tensor>& rope_sin, bool rope_interleaved, const std::optional<at::Tensor>& k_signs,
-    const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens) {
-  const c10::cuda::CUDAGuard guard(q.device());
-  const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
-  const CacheIndex ix{&block_tables, &side_slots, true};
-  AttentionCall call = prefill_call(q, k_new, v_new, query_start_loc, max_query_len, c, ix, lengths, k_bits, v_bits,
-                                    block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale,
-                                    split_tokens);
-  return decode_output(run_attention(call), v_signs, q.scalar_type());
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rkv, CUDA, m) {
-  m.impl("decode_attention", &decode_attention_cuda);
-  m.impl("paged_decode_attention", &paged_decode_attention_cuda);
-  m.impl("paged_prefill_attention", &paged_prefill_attention_cuda);
+  m.impl("decode_attention", &decode_attention_op<run_attention>);
+  m.impl("paged_decode_attention", &paged_decode_attention_op<run_attention>);
+  m.impl("paged_prefill_attention", &paged_prefill_attention_op<run_attention>);
 }
 
 }  // namespace rkv::cuda

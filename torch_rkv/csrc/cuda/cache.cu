@@ -8,6 +8,7 @@
 // 3. page_fill_kernel: one thread per sequence, advancing the quantized-row count of its pages.
 // Stream order puts every read of step 1 before every write of step 2.
 #include "../cache_call.h"
+#include "../cache_ops.h"
 #include "block_quant.cuh"
 #include "rkv/attention.h"
 #include "rkv/paging.h"
@@ -155,7 +156,8 @@ __global__ void page_fill_kernel(AppendArgs<fp_t> a) {
   }
 }
 
-void run_append(const AppendCall& call) {
+void run_append(const char*, const AppendCall& call) {
+  const c10::cuda::CUDAGuard guard(call.k_new.device());
   const CacheGeometry& g = call.cache.g;
   const int64_t new_rows = call.k_new.size(0) * (call.q_start.defined() ? 1 : call.tokens);
   if (g.batch == 0 || new_rows == 0) return;
@@ -188,37 +190,11 @@ void run_append(const AppendCall& call) {
   });
 }
 
-void cache_append_cuda(const at::Tensor& k_packed, const at::Tensor& k_scale, const std::optional<at::Tensor>& k_zero,
-                       const at::Tensor& v_packed, const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
-                       const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
-                       const at::Tensor& v_sink, const at::Tensor& lengths, const at::Tensor& k_new,
-                       const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
-                       bool k_clip, bool v_clip) {
-  const c10::cuda::CUDAGuard guard(k_new.device());
-  const CacheTensors c{k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
-  run_append(contiguous_append_call(c, lengths, k_new, v_new, k_bits, v_bits, block, recent, k_clip, v_clip));
-}
-
-void paged_append_cuda(const at::Tensor& k_codes, const at::Tensor& k_scale, const std::optional<at::Tensor>& k_zero,
-                       const at::Tensor& v_codes, const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
-                       const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
-                       const at::Tensor& v_sink, const std::optional<at::Tensor>& page_fill,
-                       const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& side_slots,
-                       const at::Tensor& lengths, const at::Tensor& query_start_loc, const at::Tensor& k_new,
-                       const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
-                       bool k_clip, bool v_clip, const std::optional<at::Tensor>& slot_mapping) {
-  const c10::cuda::CUDAGuard guard(k_new.device());
-  const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink};
-  const CacheIndex ix{&block_tables, &side_slots, true};
-  run_append(paged_append_call(c, page_fill, ix, lengths, query_start_loc, k_new, v_new, k_bits, v_bits, block, recent,
-                               k_clip, v_clip, slot_mapping));
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rkv, CUDA, m) {
-  m.impl("cache_append", &cache_append_cuda);
-  m.impl("paged_append", &paged_append_cuda);
+  m.impl("cache_append", &cache_append_op<run_append>);
+  m.impl("paged_append", &paged_append_op<run_append>);
 }
 
 }  // namespace rkv::cuda

@@ -1,0 +1,71 @@
+"""vLLM plugin: vLLM keeps every attention layer's KV cache in torch_rkv's paged format and runs the
+paged ops (docs/serving.md).
+
+    pip install torch_rkv[vllm]
+    TORCH_RKV_SCHEME=rkv-4 vllm serve <model> --enforce-eager
+    TORCH_RKV_SCHEME=rkv-3 python my_script.py          # LLM(...) inside
+
+The scheme is any torch_rkv preset name (rkv-4, rkv-3, rkv-2, rkv-mixed-2, kivi-2, kvquant-3, quarot-4,
+per-token-8, ...: torch_rkv.scheme.by_name). Without TORCH_RKV_SCHEME the plugin does nothing. The
+entry point (group ``vllm.general_plugins``) runs in every vLLM process, engine and workers, which
+inherit the variable.
+
+What vLLM then does differently:
+- its attention backend is ``RKVAttentionBackend``: registered over the platform's default backend
+  (``CPU_ATTN`` on CPU; ``FLASH_ATTN``, ``TRITON_ATTN`` and ``FLASHINFER`` on CUDA) through
+  ``vllm.v1.attention.backends.registry.register_backend``;
+- its KV cache spec publishes torch_rkv's page (``customize_spec``: one head slot of
+  ``state_content_bytes`` per token, the packed bytes of every KV head), so the block manager sizes its
+  pool, reports its token capacity and admits requests from the real packed bytes;
+- each layer's forward runs ``rkv.paged_prefill_attention`` over the page pool (the new tokens see the
+  cache as stored and themselves in full precision), then ``rkv.paged_append``.
+
+The vLLM internals this relies on (checked at load time against the tested versions, TESTED_VLLM):
+``AttentionBackend`` / ``AttentionImpl`` / ``AttentionMetadataBuilder`` and ``CommonAttentionMetadata``
+(``query_start_loc``, ``seq_lens``, ``block_table_tensor``, ``max_query_len``, ``num_actual_tokens``) in
+``vllm.v1.attention.backend``; ``register_backend`` and ``AttentionBackendEnum``; ``AttentionSpec``'s
+``num_head_slots`` / ``state_content_bytes``; the layer cache view ``[blocks, head slots, block tokens,
+content]`` (``KVCacheLayout.LBHNC``); ``get_rope`` for the model's own rotary table.
+
+Sequences' full-precision rows (sinks and the window ring) live in a side pool next to vLLM's, one slot
+per running request: see vllm_backend.SlotTracker for how requests are followed without request ids.
+This module is the entry point only; the backend (vllm_backend.py) imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from .. import scheme as presets
+from ..scheme import Scheme
+
+ENV = "TORCH_RKV_SCHEME"
+TESTED_VLLM = ("0.32.0",)
+BACKEND = "torch_rkv.integrations.vllm_backend.RKVAttentionBackend"  # imported by vLLM when it selects it
+
+
+def configured_scheme() -> Optional[Scheme]:
+    """The scheme TORCH_RKV_SCHEME names, or None when the plugin is off."""
+    name = os.environ.get(ENV, "").strip()
+    return presets.by_name(name) if name else None
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: with TORCH_RKV_SCHEME set, override the platform's
+    attention backends with torch_rkv's; otherwise nothing."""
+    scheme = configured_scheme()
+    if scheme is None:
+        return
+    import vllm
+
+    if vllm.__version__ not in TESTED_VLLM:
+        raise RuntimeError(f"torch_rkv's vLLM plugin is tested with vLLM {', '.join(TESTED_VLLM)} and relies on its "
+                           f"internals (torch_rkv/integrations/vllm.py); this is vLLM {vllm.__version__}. Unset "
+                           f"{ENV} to run vLLM without it.")
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    names = ("CPU_ATTN",) if current_platform.is_cpu() else ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
+    for name in names:
+        register_backend(getattr(AttentionBackendEnum, name), BACKEND)

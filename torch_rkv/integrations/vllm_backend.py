@@ -1,0 +1,370 @@
+"""torch_rkv's paged quantized KV cache as a vLLM attention backend: the classes the plugin
+(integrations/vllm.py) registers, imported by vLLM when it selects the backend (docs/serving.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from ..layout import PageLayout, round_up, side_shapes
+from ..ops.hadamard import hadamard, hadamard_signs
+from ..ops.paged import paged_append, paged_copy, paged_prefill_attention
+from ..ops.rope import rope
+from ..reference import quantized_count, read_rows
+from ..scheme import Scheme
+from .vllm import ENV, configured_scheme
+
+
+
+def _scheme() -> Scheme:
+    s = configured_scheme()
+    if s is None:
+        raise RuntimeError(f"torch_rkv's vLLM backend is in use but {ENV} is not set")
+    return s
+
+
+def content_bytes(scheme: Scheme, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes per token of one page (every KV head), rounded up to the cache dtype: vLLM's page is
+    block_size x this, which holds PageLayout's page of block_size tokens for every block size that is a
+    multiple of the scheme's block (the per-block metadata is amortized over the block)."""
+    base = PageLayout(scheme, kv_heads, head_dim, round_up(16, scheme.block), dtype)
+    per_token = -(-base.page_bytes // base.page_size)
+    return round_up(per_token, torch.empty((), dtype=dtype).element_size())
+
+
+class RKVAttentionBackend(AttentionBackend):
+    """torch_rkv's paged quantized KV cache as a vLLM attention backend (decoder self-attention)."""
+
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True  # the attention must read the cache before the append
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "TORCH_RKV"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(max(16, _scheme().block))]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # the scheme decides (checked when a layer is built)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return (KVCacheLayout.LBHNC,)  # a page is [1 head slot, block tokens, content bytes], contiguous
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        if spec.state_content_bytes is not None:
+            return spec
+        return replace(spec, num_head_slots=1,
+                       state_content_bytes=content_bytes(_scheme(), spec.num_kv_heads, spec.head_size, spec.dtype))
+
+    @staticmethod
+    def get_impl_cls():
+        return RKVAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return RKVMetadataBuilder
+
+
+# ------------------------------------------------------------------------------------------------
+# Side slots: the full-precision rows of each running request, without request ids
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SlotInit:
+    """Before this step's attention, each layer fills slot `dst`: a copy of slot `src` (a request at the
+    same point of the same tokens), or else its sinks from a slot that began with the same first page
+    (`sinks_from`, -1: none) and the rest by dequantizing the request's own quantized rows."""
+
+    dst: int
+    src: int
+    sinks_from: int
+    cached: int  # tokens the request already holds in its pages
+    pages: list[int]
+
+
+@dataclass
+class _Slot:
+    length: int = 0
+    page0: int = -1
+    last_step: int = -1
+
+
+class SlotTracker:
+    """Assigns each row of a step to a side slot, following requests by their pages (the attention
+    metadata has no request ids).
+
+    A request's open page (the one its newest token is in) is its key: vLLM never shares a page that is
+    still filling, and a page's id stays with the request until it leaves. Each step, row b with n
+    cached tokens finds its slot under the page holding token n - 1 when that slot is at length n;
+    otherwise it is a new request. One that starts at n > 0 (a prefix-cache hit: its first pages are
+    another request's) gets a new slot initialized by a SlotInit. Slots of requests that left are
+    reclaimed least recently used first; a request that was away long enough to lose its slot comes back
+    as a hit (its window then read from its quantized rows).
+    """
+
+    def __init__(self, slots: int, page_size: int, sinks: int):
+        self.page_size, self.sinks = page_size, sinks
+        self.slots = [_Slot() for _ in range(slots)]
+        self.key: dict[int, int] = {}  # open page -> slot
+        self.step = 0
+
+    def _free_slot(self, taken: set[int]) -> int:
+        best = min((s for s in range(len(self.slots)) if s not in taken), key=lambda s: self.slots[s].last_step,
+                   default=None)
+        if best is None:
+            raise RuntimeError(f"torch_rkv: more running requests than the {len(self.slots)} side slots "
+                               "(max_num_seqs)")
+        for page in [p for p, s in self.key.items() if s == best]:
+            del self.key[page]
+        return best
+
+    def assign(self, cached: list[int], counts: list[int], tables: list[list[int]]):
+        """(slot per row, SlotInits) for rows with `cached` tokens, `counts` new ones and their pages."""
+        self.step += 1
+        p = self.page_size
+        slots, inits, taken = [], [], set()
+        for n, m, pages in zip(cached, counts, tables):
+            if m == 0 and n == 0:  # padding: no token read or written
+                slots.append(0)
+                continue
+            found = None
+            if n > 0:
+                s = self.key.get(pages[(n - 1) // p])
+                if s is not None and self.slots[s].length == n:
+                    found = s
+            if found is not None and found in taken:  # two requests at the same point of the same tokens
+                dst = self._free_slot(taken)
+                inits.append(SlotInit(dst, found, -1, n, pages))
+                found = dst
+            elif found is None:
+                found = self._free_slot(taken)
+                if n > 0:  # a prefix-cache hit, or a request that lost its slot
+                    donor = next((i for i, sl in enumerate(self.slots) if i != found and sl.page0 == pages[0]
+                                  and sl.length >= min(self.sinks, n)), -1)
+                    inits.append(SlotInit(found, -1, donor, n, pages))
+            taken.add(found)
+            slots.append(found)
+            sl = self.slots[found]
+            for page in [q for q, s in self.key.items() if s == found]:
+                del self.key[page]
+            sl.length, sl.page0, sl.last_step = n + m, pages[0], self.step
+            if n + m > 0:
+                self.key[pages[(n + m - 1) // p]] = found
+        return slots, inits
+
+
+# ------------------------------------------------------------------------------------------------
+# Metadata
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RKVMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # (B+1,) int64
+    lengths: torch.Tensor  # (B,) int64: tokens cached before this step
+    block_tables: torch.Tensor  # (B, max_pages) int32
+    side_slots: torch.Tensor  # (B,) int32
+    positions: torch.Tensor  # (T,) int64
+    inits: list[SlotInit] = field(default_factory=list)
+
+
+class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        scheme = _scheme()
+        if vllm_config.speculative_config is not None:
+            raise NotImplementedError("torch_rkv's vLLM backend: speculative decoding is not supported (rejected "
+                                      "draft tokens would have to leave quantized pages)")
+        self.page_size = kv_cache_spec.block_size
+        if self.page_size % scheme.block:
+            raise ValueError(f"torch_rkv: vLLM's block_size ({self.page_size}) must be a multiple of scheme "
+                             f"{scheme.name}'s block of {scheme.block} tokens (--block-size)")
+        self.tracker = SlotTracker(side_slot_count(vllm_config), self.page_size, scheme.sinks)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> RKVMetadata:
+        cm = common_attn_metadata
+        b = cm.num_reqs
+        qsl = cm.query_start_loc[: b + 1].to(torch.int64)
+        seq_lens = cm.seq_lens[:b].to(torch.int64)
+        counts = qsl[1:] - qsl[:-1]
+        cached = seq_lens - counts
+        tables = cm.block_table_tensor[:b].to(torch.int32)
+        host_cached, host_counts = cached.cpu().tolist(), counts.cpu().tolist()
+        pages_per = [-(-(n + m) // self.page_size) for n, m in zip(host_cached, host_counts)]
+        host_tables = tables.cpu()
+        rows = [host_tables[i, :k].tolist() for i, k in enumerate(pages_per)]
+        slots, inits = self.tracker.assign(host_cached, host_counts, rows)
+        positions = torch.cat([torch.arange(n, n + m) for n, m in zip(host_cached, host_counts)] or
+                              [torch.zeros(0, dtype=torch.int64)]).to(qsl.device)
+        return RKVMetadata(num_actual_tokens=int(qsl[-1]), max_query_len=int(cm.max_query_len), query_start_loc=qsl,
+                           lengths=cached, block_tables=tables.contiguous(),
+                           side_slots=torch.tensor(slots, dtype=torch.int32, device=qsl.device), positions=positions,
+                           inits=inits)
+
+
+def side_slot_count(vllm_config) -> int:
+    """One side slot per request vLLM may run at once, and a few for requests that just left."""
+    return vllm_config.scheduler_config.max_num_seqs + 8
+
+
+# ------------------------------------------------------------------------------------------------
+# The layer
+# ------------------------------------------------------------------------------------------------
+
+
+class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None, **unsupported) -> None:
+        from vllm.config import get_current_vllm_config
+
+        self.scheme = _scheme()
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        for feature, present in (("ALiBi", alibi_slopes is not None), ("sliding-window attention", sliding_window),
+                                 ("attention-logit soft-capping", logits_soft_cap),
+                                 ("learned attention sinks", sinks is not None),
+                                 ("KV cache sharing between layers", kv_sharing_target_layer_name),
+                                 (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it "
+                                  "'auto')", kv_cache_dtype != "auto"),
+                                 (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
+                                 (f"{sorted(unsupported)}", bool(unsupported))):
+            if present:
+                raise NotImplementedError(f"torch_rkv's vLLM backend: {feature} is not supported")
+        self.scheme.check_head_dim(head_size)
+        config = get_current_vllm_config()
+        self.vllm_config = config
+        self.rope_cos = self.rope_sin = None
+        if self.scheme.pre_rope:
+            self.rope_cos, self.rope_sin = model_rope_tables(config, head_size)
+        self._tensors = None  # per-layer side pool and signs, made on the first forward
+
+    def _layer_state(self, query: torch.Tensor):
+        if self._tensors is None:
+            dev = query.device
+            shapes = side_shapes(self.scheme, self.num_kv_heads, self.head_size, side_slot_count(self.vllm_config),
+                                 query.dtype)
+            side = {name: torch.zeros(shape, dtype=dt, device=dev) for name, (shape, dt) in shapes.items()}
+            s = self.scheme
+            signs = (hadamard_signs(self.head_size, s.hadamard_seed, dev) if s.k_hadamard else None,
+                     hadamard_signs(self.head_size, s.hadamard_seed + 1, dev) if s.v_hadamard else None)
+            rope_tables = (None, None)
+            if self.rope_cos is not None:
+                rope_tables = (self.rope_cos.to(dev), self.rope_sin.to(dev))
+            self._tensors = (side, signs, rope_tables)
+        return self._tensors
+
+    def regions(self, kv_cache: torch.Tensor, page_size: int, dtype: torch.dtype) -> dict:
+        """The page regions of this layer's cache view [blocks, 1, block tokens, content]."""
+        layout = PageLayout(self.scheme, self.num_kv_heads, self.head_size, page_size, dtype)
+        raw = kv_cache.view(torch.uint8).flatten(1)  # (blocks, block tokens * content bytes): one page each
+        return layout.views(raw[:, : layout.page_bytes])
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: RKVMetadata | None, output: torch.Tensor, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("torch_rkv's vLLM backend: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling run
+            return output
+        md = attn_metadata
+        t = md.num_actual_tokens
+        side, (k_signs, v_signs), (cos, sin) = self._layer_state(query)
+        views = self.regions(kv_cache, kv_cache.shape[2], query.dtype)
+        cache = [views["k_codes"], views["k_scale"], views.get("k_zero"), views["v_codes"], views["v_scale"],
+                 views.get("v_zero"), side["k_window"], side["v_window"], side["k_sink"], side["v_sink"]]
+        for init in md.inits:
+            self._init_slot(cache, init, kv_cache.shape[2])
+        s = self.scheme
+        k, v = key[:t], value[:t]
+        if s.pre_rope:
+            k = rope(k, cos, sin, md.positions[:, None], inverse=True)
+        if k_signs is not None:
+            k = hadamard(k, k_signs)
+        if v_signs is not None:
+            v = hadamard(v, v_signs)
+        k, v = k.to(query.dtype).contiguous(), v.to(query.dtype).contiguous()
+        out = paged_prefill_attention(query[:t], k, v, md.query_start_loc, md.max_query_len, *cache, md.block_tables,
+                                      md.side_slots, md.lengths, s.k_bits, s.v_bits, s.block, s.recent, cos, sin, False,
+                                      k_signs, v_signs, self.scale)
+        output[:t].copy_(out.view_as(output[:t]))
+        paged_append(*cache, None, md.block_tables, md.side_slots, md.lengths, md.query_start_loc, k, v, s.k_bits,
+                     s.v_bits, s.block, s.recent, s.k_clip, s.v_clip)
+        return output
+
+    def _init_slot(self, cache: list, init: SlotInit, page_size: int) -> None:
+        """Fill a new side slot (SlotInit) in this layer: a copy, or sinks and window rows read back."""
+        dev = cache[0].device
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        if init.src >= 0:
+            paged_copy(*cache, None, empty, empty, torch.tensor([init.src], device=dev),
+                       torch.tensor([init.dst], device=dev))
+            return
+        s = self.scheme
+        n, p = init.cached, page_size
+        pages = torch.tensor(init.pages, dtype=torch.int64)
+        w = cache[6].shape[2]
+        ring = list(range(max(s.sinks, quantized_count(n, s.recent, s.block)), n))
+        for side, (codes, scale, zero, window, sink, bits) in enumerate(
+                ((cache[0], cache[1], cache[2], cache[6], cache[8], s.k_bits),
+                 (cache[3], cache[4], cache[5], cache[7], cache[9], s.v_bits))):
+            sinks = list(range(min(s.sinks, n)))
+            if sinks and init.sinks_from >= 0:
+                sink[init.dst, :, : len(sinks)] = sink[init.sinks_from, :, : len(sinks)]
+            elif sinks:  # no request with the same first page left its sinks: their quantized rows
+                t = torch.tensor(sinks)
+                sink[init.dst, :, : len(sinks)] = read_rows(codes, scale, zero, bits, pages[t // p], t % p).to(sink.dtype)
+            if ring:  # the window of a shared prefix: its quantized rows (its full-precision rows are gone)
+                t = torch.tensor(ring)
+                window[init.dst, :, t % w] = read_rows(codes, scale, zero, bits, pages[t // p], t % p).to(window.dtype)
+
+
+def model_rope_tables(vllm_config, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of shape (positions, rot_dim / 2), float32, from the rotary embedding vLLM builds for the
+    model (get_rope with the model's own parameters; rotate-half pairing, Llama's)."""
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    hf = vllm_config.model_config.hf_config
+    hf = getattr(hf, "text_config", None) or hf
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = str(params.get("rope_type", "default"))
+    if rope_type.startswith(("dynamic", "longrope")):
+        raise NotImplementedError(f"torch_rkv's vLLM backend: rope_type {rope_type!r} changes its table with the "
+                                  "sequence length; pre-RoPE storage needs a fixed table")
+    if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("torch_rkv's vLLM backend: partial rotary embeddings are not supported yet")
+    max_pos = vllm_config.model_config.max_model_len
+    rotary = get_rope(head_size, max_position=max(max_pos, getattr(hf, "max_position_embeddings", max_pos)),
+                      rope_parameters=getattr(hf, "rope_parameters", None), is_neox_style=True)
+    table = rotary.cos_sin_cache.float()
+    half = table.shape[-1] // 2
+    return table[:, :half].contiguous(), table[:, half:].contiguous()
