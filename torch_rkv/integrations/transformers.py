@@ -17,8 +17,6 @@ length) and beam-search cropping.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 try:
@@ -28,6 +26,18 @@ try:
     from transformers.masking_utils import sdpa_mask
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("torch_rkv.integrations.transformers needs `pip install transformers` (5.x)") from e
+
+import transformers as _transformers
+
+# The tested versions (pyproject's hf extra). Earlier 5.x releases run the cache interface differently:
+# on 5.19 (what vLLM 0.32 pins) a chunked prefill through RKVCache gives a perplexity of 29.4 where
+# 5.24 gives 19.95, with no error, so they are refused rather than silently wrong.
+TESTED_TRANSFORMERS = ((5, 24), (6, 0))  # [low, high)
+_version = tuple(int(x) for x in _transformers.__version__.split(".")[:2] if x.isdigit())
+if not TESTED_TRANSFORMERS[0] <= _version < TESTED_TRANSFORMERS[1]:
+    raise ImportError(f"torch_rkv.integrations.transformers is tested with transformers >= 5.24, < 6 (this is "
+                      f"{_transformers.__version__}, whose cache interface it does not drive correctly); "
+                      "pip install 'transformers>=5.24,<6'")
 
 from ..cache import QuantizedKVCache
 from ..layout import max_tokens
@@ -165,7 +175,7 @@ class RKVCache(Cache):
     and window (default: the model's). Enables the "rkv" attention on the model.
     """
 
-    def __init__(self, model, scheme: Scheme, capacity: int, batch: int = 1, dtype: Optional[torch.dtype] = None,
+    def __init__(self, model, scheme: Scheme, capacity: int, batch: int = 1, dtype: torch.dtype | None = None,
                  device=None, enable_attention: bool = True):
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         layers = cfg.num_hidden_layers

@@ -12,7 +12,7 @@ inherit the variable.
 
 What vLLM then does differently:
 - its attention backend is ``RKVAttentionBackend``: registered over the platform's default backend
-  (``CPU_ATTN`` on CPU; ``FLASH_ATTN``, ``TRITON_ATTN`` and ``FLASHINFER`` on CUDA) through
+  (``CPU_ATTN`` on CPU, ``FLASH_ATTN`` on CUDA) through
   ``vllm.v1.attention.backends.registry.register_backend``;
 - its KV cache spec publishes torch_rkv's page (``customize_spec``: one head slot of
   ``state_content_bytes`` per token, the packed bytes of every KV head), so the block manager sizes its
@@ -35,7 +35,6 @@ This module is the entry point only; the backend (vllm_backend.py) imports vLLM.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from .. import scheme as presets
 from ..scheme import Scheme
@@ -45,7 +44,7 @@ TESTED_VLLM = ("0.32.0",)
 BACKEND = "torch_rkv.integrations.vllm_backend.RKVAttentionBackend"  # imported by vLLM when it selects it
 
 
-def configured_scheme() -> Optional[Scheme]:
+def configured_scheme() -> Scheme | None:
     """The scheme TORCH_RKV_SCHEME names, or None when the plugin is off."""
     name = os.environ.get(ENV, "").strip()
     return presets.by_name(name) if name else None
@@ -63,9 +62,14 @@ def register() -> None:
         raise RuntimeError(f"torch_rkv's vLLM plugin is tested with vLLM {', '.join(TESTED_VLLM)} and relies on its "
                            f"internals (torch_rkv/integrations/vllm.py); this is vLLM {vllm.__version__}. Unset "
                            f"{ENV} to run vLLM without it.")
-    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    names = ("CPU_ATTN",) if current_platform.is_cpu() else ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
-    for name in names:
-        register_backend(getattr(AttentionBackendEnum, name), BACKEND)
+    register_backend(getattr(AttentionBackendEnum, overridden_backend()), BACKEND)
+
+
+def overridden_backend() -> str:
+    """The platform's default attention backend, which the plugin's takes the place of (vLLM looks a
+    backend up by this name)."""
+    from vllm.platforms import current_platform
+
+    return "CPU_ATTN" if current_platform.is_cpu() else "FLASH_ATTN"

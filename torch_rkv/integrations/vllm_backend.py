@@ -23,8 +23,8 @@ from ..ops.paged import paged_append, paged_copy, paged_prefill_attention
 from ..ops.rope import rope
 from ..reference import quantized_count, read_rows
 from ..scheme import Scheme
-from .vllm import ENV, configured_scheme
-
+from .vllm import ENV, configured_scheme, overridden_backend
+from .vllm_slots import SlotInit, SlotTracker
 
 
 def _scheme() -> Scheme:
@@ -53,7 +53,7 @@ class RKVAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "TORCH_RKV"
+        return overridden_backend()
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
@@ -85,95 +85,6 @@ class RKVAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls():
         return RKVMetadataBuilder
-
-
-# ------------------------------------------------------------------------------------------------
-# Side slots: the full-precision rows of each running request, without request ids
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SlotInit:
-    """Before this step's attention, each layer fills slot `dst`: a copy of slot `src` (a request at the
-    same point of the same tokens), or else its sinks from a slot that began with the same first page
-    (`sinks_from`, -1: none) and the rest by dequantizing the request's own quantized rows."""
-
-    dst: int
-    src: int
-    sinks_from: int
-    cached: int  # tokens the request already holds in its pages
-    pages: list[int]
-
-
-@dataclass
-class _Slot:
-    length: int = 0
-    page0: int = -1
-    last_step: int = -1
-
-
-class SlotTracker:
-    """Assigns each row of a step to a side slot, following requests by their pages (the attention
-    metadata has no request ids).
-
-    A request's open page (the one its newest token is in) is its key: vLLM never shares a page that is
-    still filling, and a page's id stays with the request until it leaves. Each step, row b with n
-    cached tokens finds its slot under the page holding token n - 1 when that slot is at length n;
-    otherwise it is a new request. One that starts at n > 0 (a prefix-cache hit: its first pages are
-    another request's) gets a new slot initialized by a SlotInit. Slots of requests that left are
-    reclaimed least recently used first; a request that was away long enough to lose its slot comes back
-    as a hit (its window then read from its quantized rows).
-    """
-
-    def __init__(self, slots: int, page_size: int, sinks: int):
-        self.page_size, self.sinks = page_size, sinks
-        self.slots = [_Slot() for _ in range(slots)]
-        self.key: dict[int, int] = {}  # open page -> slot
-        self.step = 0
-
-    def _free_slot(self, taken: set[int]) -> int:
-        best = min((s for s in range(len(self.slots)) if s not in taken), key=lambda s: self.slots[s].last_step,
-                   default=None)
-        if best is None:
-            raise RuntimeError(f"torch_rkv: more running requests than the {len(self.slots)} side slots "
-                               "(max_num_seqs)")
-        for page in [p for p, s in self.key.items() if s == best]:
-            del self.key[page]
-        return best
-
-    def assign(self, cached: list[int], counts: list[int], tables: list[list[int]]):
-        """(slot per row, SlotInits) for rows with `cached` tokens, `counts` new ones and their pages."""
-        self.step += 1
-        p = self.page_size
-        slots, inits, taken = [], [], set()
-        for n, m, pages in zip(cached, counts, tables):
-            if m == 0 and n == 0:  # padding: no token read or written
-                slots.append(0)
-                continue
-            found = None
-            if n > 0:
-                s = self.key.get(pages[(n - 1) // p])
-                if s is not None and self.slots[s].length == n:
-                    found = s
-            if found is not None and found in taken:  # two requests at the same point of the same tokens
-                dst = self._free_slot(taken)
-                inits.append(SlotInit(dst, found, -1, n, pages))
-                found = dst
-            elif found is None:
-                found = self._free_slot(taken)
-                if n > 0:  # a prefix-cache hit, or a request that lost its slot
-                    donor = next((i for i, sl in enumerate(self.slots) if i != found and sl.page0 == pages[0]
-                                  and sl.length >= min(self.sinks, n)), -1)
-                    inits.append(SlotInit(found, -1, donor, n, pages))
-            taken.add(found)
-            slots.append(found)
-            sl = self.slots[found]
-            for page in [q for q, s in self.key.items() if s == found]:
-                del self.key[page]
-            sl.length, sl.page0, sl.last_step = n + m, pages[0], self.step
-            if n + m > 0:
-                self.key[pages[(n + m - 1) // p]] = found
-        return slots, inits
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,8 +165,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                                  ("attention-logit soft-capping", logits_soft_cap),
                                  ("learned attention sinks", sinks is not None),
                                  ("KV cache sharing between layers", kv_sharing_target_layer_name),
-                                 (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it "
-                                  "'auto')", kv_cache_dtype != "auto"),
+                                 (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it 'auto')",
+                                  kv_cache_dtype != "auto"),
                                  (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
                                  (f"{sorted(unsupported)}", bool(unsupported))):
             if present:
@@ -339,7 +250,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                  (cache[3], cache[4], cache[5], cache[7], cache[9], s.v_bits))):
             sinks = list(range(min(s.sinks, n)))
             if sinks and init.sinks_from >= 0:
-                sink[init.dst, :, : len(sinks)] = sink[init.sinks_from, :, : len(sinks)]
+                if init.sinks_from != init.dst:  # (the donor's own slot already holds them)
+                    sink[init.dst, :, : len(sinks)] = sink[init.sinks_from, :, : len(sinks)]
             elif sinks:  # no request with the same first page left its sinks: their quantized rows
                 t = torch.tensor(sinks)
                 sink[init.dst, :, : len(sinks)] = read_rows(codes, scale, zero, bits, pages[t // p], t % p).to(sink.dtype)

@@ -1,0 +1,113 @@
+"""One vLLM engine for the vLLM tests and bench: `python scripts/vllm_engine.py '<job json>'`.
+
+A process each, because TORCH_RKV_SCHEME (the plugin's switch) is read when vLLM's processes start. The
+job names the model directory, the engine arguments and a list of tasks; the result is printed as one
+line `RESULT <json>` (with vLLM's counters under "metrics" when the engine keeps statistics:
+"disable_log_stats": false), and vLLM's own log (its KV cache size among it) goes to the same output.
+
+Tasks:
+  {"kind": "generate", "prompts": [[ids]...], "max_tokens": n or [n...], "batches": [[i, ...], ...]}
+      greedy continuations with the top-2 log-probabilities of every step; `batches` (default: all at
+      once) submits the prompts in that order, one generate call per batch (prefix-cache hits)
+  {"kind": "ppl", "ids": [ids]}          perplexity of one sequence from prompt log-probabilities
+  {"kind": "forced", "ids": [[ids]...], "starts": [k...], "top": t}
+      teacher forcing: the log-probabilities the engine gives, at every position from k on, to its top-t
+      tokens and to the sequence's own next token; "ids": "generated" takes the prompts and
+      continuations of the job's generate task
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+ENV = "TORCH_RKV_SCHEME"  # torch_rkv.integrations.vllm.ENV (not imported: this side needs no torch_rkv)
+
+
+def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900) -> dict:
+    """Run one engine in a new process (scheme None: vLLM's own cache): the task results, with vLLM's
+    reported KV cache size ("kv_tokens") and maximum concurrency ("concurrency", at "concurrency_len"
+    tokens a request), and its log ("log"). kv_gb: VLLM_CPU_KVCACHE_SPACE, unless the job sets
+    kv_cache_memory_bytes (which the variable would override)."""
+    env = {k: v for k, v in os.environ.items() if k not in (ENV, "VLLM_CPU_KVCACHE_SPACE")}
+    env["PYTHONUNBUFFERED"] = "1"
+    if "kv_cache_memory_bytes" not in job.get("engine", {}):
+        env["VLLM_CPU_KVCACHE_SPACE"] = kv_gb
+    if scheme:
+        env[ENV] = scheme
+    proc = subprocess.run([sys.executable, __file__, json.dumps(job)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    log = proc.stdout + proc.stderr
+    result = [line for line in log.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not result:
+        raise RuntimeError(f"vLLM engine ({ENV}={scheme}) failed:\n{log[-6000:]}")
+    out = json.loads(result[-1][len("RESULT "):])
+    size = re.search(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: "
+                     r"([\d.]+)x", log)
+    if size is None:
+        raise RuntimeError(f"no KV cache size in vLLM's log:\n{log[-3000:]}")
+    out["kv_tokens"] = int(size.group(1).replace(",", ""))
+    out["concurrency_len"] = int(size.group(2).replace(",", ""))
+    out["concurrency"] = float(size.group(3))
+    out["log"] = log
+    return out
+
+
+def main() -> int:
+    job = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.time()
+    llm = LLM(model=job["model"], enforce_eager=True, **job.get("engine", {}))
+    out = {"load_s": time.time() - start}
+    for task in job["tasks"]:
+        kind = task["kind"]
+        t0 = time.time()
+        if kind == "generate":
+            prompts = task["prompts"]
+            batches = task.get("batches", [list(range(len(prompts)))])
+            counts = task["max_tokens"] if isinstance(task["max_tokens"], list) else [task["max_tokens"]] * len(prompts)
+            params = [SamplingParams(max_tokens=n, temperature=0, logprobs=2, ignore_eos=True) for n in counts]
+            results = [None] * len(prompts)
+            for batch in batches:
+                for i, r in zip(batch, llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in batch],
+                                                     [params[i] for i in batch], use_tqdm=False)):
+                    steps = r.outputs[0].logprobs
+                    results[i] = {"tokens": list(r.outputs[0].token_ids), "cached_tokens": r.num_cached_tokens or 0,
+                                  "top2": [sorted((lp.logprob for lp in d.values()), reverse=True)[:2] for d in steps]}
+            out["generate"] = results
+        elif kind == "ppl":
+            ids = task["ids"]
+            r = llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                             SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)[0]
+            nll = -sum(d[ids[i]].logprob for i, d in enumerate(r.prompt_logprobs) if d is not None)
+            out["ppl"] = math.exp(nll / (len(ids) - 1))
+        elif kind == "forced":
+            seqs, starts = task["ids"], task["starts"]
+            if seqs == "generated":
+                gen = job["tasks"][0]
+                seqs = [p + g["tokens"] for p, g in zip(gen["prompts"], out["generate"])]
+                starts = [len(p) for p in gen["prompts"]]
+            rows = []
+            for r, k in zip(llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in seqs],
+                                         SamplingParams(max_tokens=1, prompt_logprobs=task.get("top", 2),
+                                                        temperature=0), use_tqdm=False), starts):
+                rows.append([{str(tok): lp.logprob for tok, lp in d.items()} for d in r.prompt_logprobs[k:]])
+            out["forced"] = {"ids": seqs, "starts": starts, "logprobs": rows}
+        else:
+            raise ValueError(f"unknown task {kind!r}")
+        out[f"{kind}_s"] = time.time() - t0
+    if not job.get("engine", {}).get("disable_log_stats", True):
+        out["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")}
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The vLLM backend's side slots (torch_rkv/integrations/vllm_slots.py): requests followed from step to
+step by the pages they write, new slots initialized on a prefix-cache hit, least recently used reuse."""
+
+import pytest
+
+from torch_rkv.integrations.vllm_slots import SlotTracker
+
+P = 4  # tokens per page
+
+
+def pages_for(first: int, n: int) -> list[int]:
+    """A request's pages: ids first, first + 1, ... enough for n tokens."""
+    return list(range(first, first + -(-n // P)))
+
+
+def test_requests_keep_their_slots_across_steps_and_page_boundaries():
+    t = SlotTracker(4, P, sinks=2)
+    slots, inits = t.assign([0, 0], [6, 3], [pages_for(10, 6), pages_for(20, 3)])  # two prefills
+    assert len(set(slots)) == 2 and inits == []
+    a, b = slots
+    for step in range(8):  # decode: 6, 7, 8 (a page boundary), ... tokens cached
+        slots, inits = t.assign([6 + step, 3 + step], [1, 1], [pages_for(10, 7 + step), pages_for(20, 4 + step)])
+        assert slots == [a, b] and inits == []
+
+
+def test_a_prefix_cache_hit_gets_a_new_slot_with_the_donors_sinks():
+    t = SlotTracker(4, P, sinks=2)
+    (a,), _ = t.assign([0], [9], [pages_for(10, 9)])
+    # b shares a's first two full pages (8 tokens), its own page 30 on
+    shared = pages_for(10, 8)
+    (b,), inits = t.assign([8], [3], [shared + [30]])
+    assert b != a and len(inits) == 1
+    init = inits[0]
+    assert (init.dst, init.src, init.sinks_from, init.cached) == (b, -1, a, 8)
+    # next step b continues in its own slot
+    (b2,), inits = t.assign([11], [1], [shared + [30]])
+    assert b2 == b and inits == []
+
+
+def test_two_requests_at_the_same_point_of_the_same_tokens_copy_the_slot():
+    t = SlotTracker(4, P, sinks=2)
+    (a,), _ = t.assign([0], [8], [pages_for(10, 8)])  # a fills two pages exactly
+    # a and a request that hit a's two pages both start their third page now
+    slots, inits = t.assign([8, 8], [1, 1], [pages_for(10, 8) + [12], pages_for(10, 8) + [40]])
+    assert slots[0] == a and slots[1] != a
+    assert [(i.dst, i.src) for i in inits] == [(slots[1], a)]
+
+
+def test_slots_of_requests_that_left_are_reused_least_recently_used_first():
+    t = SlotTracker(2, P, sinks=0)
+    (a,), _ = t.assign([0], [3], [[1]])
+    (b,), _ = t.assign([0], [3], [[2]])
+    (c,), _ = t.assign([0], [3], [[3]])  # a left long ago: its slot
+    assert c == a and b != a
+    with pytest.raises(RuntimeError, match="more running requests than the 2 side slots"):
+        t.assign([0, 0, 0], [1, 1, 1], [[5], [6], [7]])
+
+
+def test_a_preempted_request_restarts_in_a_fresh_slot():
+    t = SlotTracker(3, P, sinks=2)
+    (a,), _ = t.assign([0], [6], [pages_for(10, 6)])
+    (a2,), inits = t.assign([0], [6], [pages_for(50, 6)])  # recomputed from scratch in other pages
+    assert inits == [] and a2 != a
+    (a3,), inits = t.assign([6], [1], [pages_for(50, 7)])
+    assert a3 == a2 and inits == []

@@ -1,0 +1,283 @@
+"""torch_rkv inside vLLM (the plugin, torch_rkv/integrations/vllm.py): SmolLM2 served with its KV cache in
+torch_rkv's pages. Runs in the vLLM venv (scripts/vllm_venv.sh; .ci/run); skipped where vLLM is not
+installed. Each engine is its own process (tests/vllm/engine.py), started once per module and shared by
+the tests that read it (scripts/vllm_engine.py): about 40 s a start on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import re  # noqa: F401
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from torch_rkv.eval import data
+from torch_rkv.eval.agreement import logprob_bound
+from torch_rkv.integrations import vllm as plugin
+
+SCRIPTS = Path(__file__).parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import vllm_engine
+
+SMOLLM2_SENSITIVITY = 8.0  # tests/test_transformers.py: nats per sqrt(relative step), with headroom
+KV_GB = "2"
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    try:
+        return str(data.model_hf(fetch=False))
+    except data.MissingMaterial as e:
+        pytest.skip(f"{e} (the main venv exports it: python -m torch_rkv export-model)")
+
+
+@pytest.fixture(scope="module")
+def alice(model_dir) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        text = data.read_text(str(data.text_path(fetch=False)))
+    except data.MissingMaterial as e:
+        pytest.skip(str(e))
+    return tok("<|endoftext|>" + text).input_ids
+
+
+def run_engine(scheme: str | None, job: dict, timeout: int = 900) -> dict:
+    return vllm_engine.run(scheme, job, KV_GB, timeout)
+
+
+_runs: dict = {}
+
+
+def engine(name: str, scheme: str | None, job_fn) -> dict:
+    """An engine run shared by the module's tests (started on first use)."""
+    if name not in _runs:
+        _runs[name] = run_engine(scheme, job_fn())
+    return _runs[name]
+
+
+def prompts_from(ids: list[int], count: int, length: int) -> list[list[int]]:
+    starts = [1 + i * 997 for i in range(count)]
+    return [[ids[0]] + ids[s : s + length - 1] for s in starts]
+
+
+def shared_prefix_prompts(ids: list[int]) -> list[list[int]]:
+    """One long prefix (700 tokens: five full pages of 128 and an open one) and four continuations, one
+    of them shorter than the recent window (its window then lies in the shared pages)."""
+    prefix = ids[:700]
+    return [prefix + ids[5000 : 5000 + n] for n in (200, 120, 64, 10)]
+
+
+def greedy_agreement(ref: dict, got: dict, eps: float) -> tuple[bool, str]:
+    """The portable criterion: tokens equal up to the first step whose reference top-2 margin < eps."""
+    for i, (a, b, top2) in enumerate(zip(ref["tokens"], got["tokens"], ref["top2"])):
+        if len(top2) == 2 and top2[0] - top2[1] < eps:
+            return True, f"equal over {i} tokens, then a near-tie"
+        if a != b:
+            return False, f"token {i}: {b} != {a} where the reference margin is {top2[0] - top2[1]:.3f} >= {eps:.3f}"
+    return True, f"equal over all {len(ref['tokens'])} tokens"
+
+
+def fp32_job(model_dir, prompts, forced=None, **engine_args):
+    tasks = [{"kind": "generate", "prompts": prompts, "max_tokens": 24}]
+    if forced is not None:
+        tasks.append({"kind": "forced", **forced})
+    return {"model": model_dir, "engine": {"dtype": "float32", "max_model_len": 4096, **engine_args}, "tasks": tasks}
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_8_bit_generations_agree_with_vllms_own_cache(model_dir, alice):
+    prompts = prompts_from(alice, 3, 300)
+    ref = engine("auto", None, lambda: fp32_job(model_dir, prompts, {"ids": "generated", "starts": None, "top": 1}))
+    seqs = ref["forced"]["ids"]
+    got = engine("rkv-8", "rkv-8", lambda: fp32_job(model_dir, prompts,
+                                                     {"ids": seqs, "starts": ref["forced"]["starts"], "top": 1}))
+    bound = logprob_bound(8, SMOLLM2_SENSITIVITY)
+    for i in range(len(prompts)):
+        ok, detail = greedy_agreement(ref["generate"][i], got["generate"][i], 2 * bound)
+        assert ok, f"prompt {i}: {detail}"
+        # teacher forced through both engines: the reference tokens' log-probabilities within the bound
+        seq, start = seqs[i], ref["forced"]["starts"][i]
+        for j, (a, b) in enumerate(zip(ref["forced"]["logprobs"][i], got["forced"]["logprobs"][i])):
+            token = str(seq[start + j])
+            assert abs(a[token] - b[token]) <= bound, (i, j, a[token], b[token], bound)
+    assert got["kv_tokens"] > ref["kv_tokens"]
+
+
+def chunked_job(model_dir, alice, with_prefix_prompts=False, prefix_caching=False):
+    """alice29's 2048 tokens in chunks of 256; with_prefix_prompts: also the shared-prefix requests (one,
+    then the others) and, with prefix caching off, the preemption test's requests with room for all."""
+    tasks = [{"kind": "ppl", "ids": alice[:2048]}]
+    if with_prefix_prompts:
+        prompts, batches = shared_prefix_prompts(alice), [[0], [1, 2, 3]]
+        counts = [24] * len(prompts)
+        if not prefix_caching:
+            batches.append(list(range(len(prompts), len(prompts) + PREEMPT["count"])))
+            prompts = prompts + preempt_prompts(alice)
+            counts += [PREEMPT["new"]] * PREEMPT["count"]
+        tasks.append({"kind": "generate", "prompts": prompts, "max_tokens": counts, "batches": batches})
+    return {"model": model_dir, "tasks": tasks,
+            "engine": {"dtype": "float32", "max_model_len": 4096, "max_num_batched_tokens": 256,
+                       "long_prefill_token_threshold": 256, "enable_prefix_caching": prefix_caching}}
+
+
+@pytest.fixture(scope="module")
+def transformers_ppl(model_dir):
+    """The same chunked protocol through torch_rkv's transformers integration, in the main venv
+    (TORCH_RKV_HF_PYTHON: it needs transformers >= 5.24; vLLM pins an older one)."""
+    py = os.environ.get("TORCH_RKV_HF_PYTHON")
+    if not py:
+        pytest.skip("TORCH_RKV_HF_PYTHON (the main venv's python) is not set")
+    code = ("import json\nfrom torch_rkv.eval import data, perplexity\nfrom torch_rkv import scheme as S\n"
+            "from torch_rkv.integrations.transformers import RKVCache\n"
+            f"model, tok = data.load_model({model_dir!r})\n"
+            "ids = tok('<|endoftext|>' + data.read_text(str(data.text_path()))).input_ids[:2048]\n"
+            "import torch\nids = torch.tensor([ids])\nout = {}\n"
+            "for name in ('rkv-4', 'rkv-3', 'rkv-2'):\n"
+            "    out[name] = perplexity.chunked(model, ids, lambda n, s=S.by_name(name): RKVCache(model, s, capacity=n), 256)\n"
+            "print('RESULT ' + json.dumps(out))\n")
+    proc = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=900)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(line[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("scheme", ["rkv-4", "rkv-3", "rkv-2"])
+def test_same_perplexity_in_both_engines(model_dir, alice, transformers_ppl, scheme):
+    """alice29, 2048 tokens, chunks of 256 (later chunks read quantized pages): vLLM with the plugin and
+    torch_rkv's transformers integration agree to 1e-3 relative."""
+    got = engine(f"{scheme}-chunked", scheme, lambda: chunked_job(model_dir, alice, with_prefix_prompts=scheme == "rkv-4"))
+    want = transformers_ppl[scheme]
+    assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
+
+
+def test_capacity_follows_the_packed_bytes(model_dir, alice):
+    """At the same KV memory (VLLM_CPU_KVCACHE_SPACE=2), the tokens vLLM reports against its bfloat16
+    cache: at least 3.5x for rkv-4, 4.5x for rkv-3, 6x for rkv-2 (the rkv engines run in float32, where
+    a page takes as many bytes or more), and the maximum concurrency follows."""
+    bf16 = engine("auto-bf16", None, lambda: {"model": model_dir, "engine": {"dtype": "bfloat16", "max_model_len": 4096},
+                                              "tasks": []})
+    for scheme, factor in (("rkv-4", 3.5), ("rkv-3", 4.5), ("rkv-2", 6.0)):
+        run = engine(f"{scheme}-chunked", scheme,
+                     lambda s=scheme: chunked_job(model_dir, alice, with_prefix_prompts=s == "rkv-4"))
+        ratio = run["kv_tokens"] / bf16["kv_tokens"]
+        assert ratio >= factor, (scheme, run["kv_tokens"], bf16["kv_tokens"])
+        assert run["concurrency_len"] == bf16["concurrency_len"]
+        assert abs(run["concurrency"] / bf16["concurrency"] - ratio) < 0.01 * ratio + 0.01, (scheme, run["concurrency"])
+
+
+def test_prefix_caching_gives_the_same_outputs(model_dir, alice):
+    """Requests sharing a 700-token prefix, one first and the others after it (prefix-cache hits on its
+    full pages): the same greedy outputs as with prefix caching off, by the portable criterion."""
+    off = engine("rkv-4-chunked", "rkv-4", lambda: chunked_job(model_dir, alice, with_prefix_prompts=True))
+    on = engine("rkv-4-prefix", "rkv-4", lambda: chunked_job(model_dir, alice, True, prefix_caching=True))
+    assert all(g["cached_tokens"] >= 640 for g in on["generate"][1:])  # five full shared pages were hits
+    assert all(g["cached_tokens"] == 0 for g in off["generate"])  # (the preemption test's requests too)
+    eps = 2 * logprob_bound(4, SMOLLM2_SENSITIVITY)
+    for i, (a, b) in enumerate(zip(off["generate"][: len(on["generate"])], on["generate"])):
+        ok, detail = greedy_agreement(a, b, eps)
+        assert ok, f"continuation {i}: {detail}"
+
+
+PREEMPT = dict(count=8, prompt=192, new=128, room=1900)  # 8 x 320 tokens wanted, room for 1900
+
+
+def preempt_prompts(alice):
+    return prompts_from(alice, PREEMPT["count"], PREEMPT["prompt"])
+
+
+def test_preempted_requests_are_recomputed_to_the_same_outputs(model_dir, alice):
+    """Eight requests that outgrow a small pool (192-token prompts, 128 new tokens each, room for 1900
+    tokens: every prompt fits, not every continuation): vLLM preempts some and recomputes them later in
+    other pages and side slots; their outputs match a pool with room for all (the rkv-4 chunked engine),
+    by the portable criterion."""
+    import torch
+
+    from torch_rkv.integrations.vllm_backend import content_bytes
+    from torch_rkv.scheme import by_name
+
+    roomy = engine("rkv-4-chunked", "rkv-4", lambda: chunked_job(model_dir, alice, with_prefix_prompts=True))
+    per_token = 30 * content_bytes(by_name("rkv-4"), 3, 64, torch.float32)  # SmolLM2's 30 layers, one page's bytes
+    job = chunked_job(model_dir, alice)
+    job["tasks"] = [{"kind": "generate", "prompts": preempt_prompts(alice), "max_tokens": PREEMPT["new"]}]
+    job["engine"].update(kv_cache_memory_bytes=PREEMPT["room"] * per_token, disable_log_stats=False)
+    tight = engine("rkv-4-tight", "rkv-4", lambda: job)
+    assert tight["kv_tokens"] < PREEMPT["count"] * (PREEMPT["prompt"] + PREEMPT["new"]) <= roomy["kv_tokens"]
+    assert tight["metrics"].get("vllm:num_preemptions", 0) > 0, tight["metrics"]
+    eps = 2 * logprob_bound(4, SMOLLM2_SENSITIVITY)
+    for i, (a, b) in enumerate(zip(roomy["generate"][-PREEMPT["count"]:], tight["generate"])):
+        ok, detail = greedy_agreement(a, b, eps)
+        assert ok, f"request {i}: {detail}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_answers_a_completion(model_dir):
+    """`vllm serve` with the plugin on loopback answers an OpenAI completion request, then shuts down."""
+    port = _free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_GB, **{plugin.ENV: "rkv-4"})
+    server = subprocess.Popen([sys.executable, str(SCRIPTS / "vllm_serve.py"), "serve", model_dir, "--host", "127.0.0.1",
+                               "--port", str(port),
+                               "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            assert server.poll() is None, server.stdout.read()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        else:
+            pytest.fail("vllm serve did not come up within 300 s")
+        body = json.dumps({"model": model_dir, "prompt": "The capital of France is", "max_tokens": 8,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["text"].strip(), answer
+    finally:
+        server.terminate()
+        try:
+            out, _ = server.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            out, _ = server.communicate()
+    assert "TORCH_RKV" in out or "KV cache size" in out
+
+
+def test_outside_the_tested_versions_the_plugin_refuses(monkeypatch):
+    monkeypatch.setenv(plugin.ENV, "rkv-4")
+    monkeypatch.setattr(vllm, "__version__", "0.31.9")
+    with pytest.raises(RuntimeError, match="tested with vLLM 0.32.0"):
+        plugin.register()
+
+
+def test_without_a_scheme_the_plugin_is_inert(monkeypatch):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    before = AttentionBackendEnum.CPU_ATTN.get_path()
+    plugin.register()
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == before
+    monkeypatch.setenv(plugin.ENV, "rkv-nope")
+    with pytest.raises(ValueError, match="is not <preset>-<bits>"):
+        plugin.register()

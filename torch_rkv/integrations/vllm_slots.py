@@ -1,0 +1,104 @@
+"""Side slots for an engine that names no requests: each running request's full-precision rows (sinks and
+the window ring of torch_rkv's paged format) in a slot of a fixed pool, found again every step from the
+pages the request writes. Plain Python, no vLLM: the vLLM backend (vllm_backend.py) drives it from the
+attention metadata, tests drive it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SlotInit:
+    """Before this step's attention, each layer fills slot `dst`: a copy of slot `src` (a request at the
+    same point of the same tokens), or else its sinks from a slot that began with the same first page
+    (`sinks_from`, -1: none) and the rest by dequantizing the request's own quantized rows."""
+
+    dst: int
+    src: int
+    sinks_from: int
+    cached: int  # tokens the request already holds in its pages
+    pages: list[int]
+
+
+@dataclass
+class _Slot:
+    length: int = 0
+    page0: int = -1
+    last_step: int = -1
+
+
+class SlotTracker:
+    """Assigns each row of a step to a side slot, following requests by their pages (the attention
+    metadata has no request ids).
+
+    A request's open page (the one its newest token is in) is its key: vLLM never shares a page that is
+    still filling, and a page's id stays with the request until it leaves. Each step, row b with n
+    cached tokens finds its slot under the page holding token n - 1 when that slot is at length n;
+    otherwise it is a new request. One that starts at n > 0 (a prefix-cache hit: its first pages are
+    another request's) gets a new slot initialized by a SlotInit. Slots of requests that left are
+    reclaimed least recently used first; a request that was away long enough to lose its slot comes back
+    as a hit (its window then read from its quantized rows).
+    """
+
+    def __init__(self, slots: int, page_size: int, sinks: int):
+        self.page_size, self.sinks = page_size, sinks
+        self.slots = [_Slot() for _ in range(slots)]
+        self.key: dict[int, int] = {}  # open page -> slot
+        self.step = 0
+
+    def _free_slot(self, avoid: set[int], fallback: int = -1) -> int:
+        """The least recently used slot outside `avoid` (else `fallback`), its keys dropped."""
+        best = min((s for s in range(len(self.slots)) if s not in avoid), key=lambda s: self.slots[s].last_step,
+                   default=None)
+        if best is None:
+            if fallback < 0:
+                raise RuntimeError(f"torch_rkv: more running requests than the {len(self.slots)} side slots "
+                                   "(max_num_seqs)")
+            best = fallback
+        for page in [p for p, s in self.key.items() if s == best]:
+            del self.key[page]
+        return best
+
+    def assign(self, cached: list[int], counts: list[int], tables: list[list[int]]):
+        """(slot per row, SlotInits) for rows with `cached` tokens, `counts` new ones and their pages."""
+        self.step += 1
+        p = self.page_size
+
+        def lookup(n, pages):  # the slot that holds this request's first n tokens, from the step's start
+            s = self.key.get(pages[(n - 1) // p]) if n > 0 else None
+            ok = s is not None and self.slots[s].length == n and self.slots[s].page0 == pages[0]
+            return s if ok else None
+
+        found = [lookup(n, pages) for n, pages in zip(cached, tables)]
+        donors = [-1] * len(found)
+        for i, (n, pages) in enumerate(zip(cached, tables)):
+            if found[i] is None and n > 0:  # a prefix-cache hit, or a request that lost its slot: its sinks
+                donors[i] = next((d for d, sl in enumerate(self.slots)  # from a slot with the same first page
+                                  if sl.page0 == pages[0] and sl.length >= min(self.sinks, n)), -1)
+        keep = {s for s in found if s is not None}  # slots this step reads: not to be reused by the others
+        slots, inits, taken = [], [], set()
+        for i, (n, m, pages) in enumerate(zip(cached, counts, tables)):
+            if m == 0 and n == 0:  # padding: no token read or written
+                slots.append(0)
+                continue
+            slot = found[i]
+            if slot is not None and slot in taken:  # two requests at the same point of the same tokens
+                dst = self._free_slot(taken | keep)
+                inits.append(SlotInit(dst, slot, -1, n, pages))
+                slot = dst
+            elif slot is None:
+                donor = donors[i]
+                slot = self._free_slot(taken | keep | {donor}, fallback=donor if donor not in taken | keep else -1)
+                if n > 0:
+                    inits.append(SlotInit(slot, -1, donor, n, pages))
+            taken.add(slot)
+            slots.append(slot)
+            sl = self.slots[slot]
+            for page in [q for q, s in self.key.items() if s == slot]:
+                del self.key[page]
+            sl.length, sl.page0, sl.last_step = n + m, pages[0], self.step
+            if n + m > 0:
+                self.key[pages[(n + m - 1) // p]] = slot
+        return slots, inits
