@@ -56,15 +56,20 @@ def fill_random(layout: CacheLayout, n: int, device) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (layout.batch, layout.kv_heads, layout.packed_capacity, layout.head_dim)
     for side in ("k", "v"):
-        x = torch.randn(shape, generator=gen, device=device)
-        group = getattr(s, f"{side}_group_size") or layout.head_dim
-        q = torch_rkv.quantize(x, getattr(s, f"{side}_bits"), group, getattr(s, f"{side}_block_tokens"),
-                               getattr(s, f"{side}_symmetric"), s.meta_dtype)
-        bufs[f"{side}_packed"].copy_(q.packed)
-        bufs[f"{side}_scale"].copy_(q.scale)
-        if q.zero is not None:
-            bufs[f"{side}_zero"].copy_(q.zero)
+        store_quantized(bufs, s, side, torch.randn(shape, generator=gen, device=device))
     return bufs
+
+
+def store_quantized(bufs: dict, s, side: str, x: torch.Tensor):
+    """Quantize x (B, H, C, D) as the scheme's `side` ("k" or "v") into the cache buffers; the result."""
+    group = getattr(s, f"{side}_group_size") or x.shape[-1]
+    q = torch_rkv.quantize(x, getattr(s, f"{side}_bits"), group, getattr(s, f"{side}_block_tokens"),
+                           getattr(s, f"{side}_symmetric"), s.meta_dtype)
+    bufs[f"{side}_packed"].copy_(q.packed)
+    bufs[f"{side}_scale"].copy_(q.scale)
+    if q.zero is not None:
+        bufs[f"{side}_zero"].copy_(q.zero)
+    return q
 
 
 def last_level_cache_bytes() -> int:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import cycled, last_level_cache_bytes  # noqa: E402
+from bench_decode import cycled, last_level_cache_bytes, store_quantized  # noqa: E402
 from common import emit, print_machine, time_ms  # noqa: E402
 
 import torch_rkv  # noqa: E402
@@ -49,14 +49,7 @@ def contiguous_cache(scheme, lengths, hkv, d, gen, capacity=None):
     bufs = layout.allocate()
     c = layout.packed_capacity
     for side in ("k", "v"):
-        x = torch.randn(len(lengths), hkv, c, d, generator=gen)
-        group = getattr(scheme, f"{side}_group_size") or d
-        q = torch_rkv.quantize(x, getattr(scheme, f"{side}_bits"), group, getattr(scheme, f"{side}_block_tokens"),
-                               getattr(scheme, f"{side}_symmetric"), scheme.meta_dtype)
-        bufs[f"{side}_packed"].copy_(q.packed)
-        bufs[f"{side}_scale"].copy_(q.scale)
-        if q.zero is not None:
-            bufs[f"{side}_zero"].copy_(q.zero)
+        q = store_quantized(bufs, scheme, side, torch.randn(len(lengths), hkv, c, d, generator=gen))
         deq = torch_rkv.dequantize(q)
         for b, n in enumerate(lengths):
             bufs[f"{side}_sink"][b] = deq[b, :, : scheme.sinks]

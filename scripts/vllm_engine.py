@@ -9,6 +9,9 @@ Tasks:
   {"kind": "generate", "prompts": [[ids]...], "max_tokens": n or [n...], "batches": [[i, ...], ...]}
       greedy continuations with the top-2 log-probabilities of every step; `batches` (default: all at
       once) submits the prompts in that order, one generate call per batch (prefix-cache hits)
+  {"kind": "timed", "prompts": [[ids]...], "max_tokens": n, "name": key (default "timed")}
+      all prompts at once, greedy, no log-probabilities: the wall time, the output tokens and, when the
+      engine keeps statistics, each request's first and last token times (engine clock)
   {"kind": "ppl", "ids": [ids]}          perplexity of one sequence from prompt log-probabilities
   {"kind": "forced", "ids": [[ids]...], "starts": [k...], "top": t}
       teacher forcing: the log-probabilities the engine gives, at every position from k on, to its top-t
@@ -40,7 +43,7 @@ def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900) -> 
         env["VLLM_CPU_KVCACHE_SPACE"] = kv_gb
     if scheme:
         env[ENV] = scheme
-    proc = subprocess.run([sys.executable, __file__, json.dumps(job)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, __file__, json.dumps(job)], env=env, capture_output=True, text=True, check=False,
                           timeout=timeout)
     log = proc.stdout + proc.stderr
     result = [line for line in log.splitlines() if line.startswith("RESULT ")]
@@ -82,6 +85,17 @@ def main() -> int:
                     results[i] = {"tokens": list(r.outputs[0].token_ids), "cached_tokens": r.num_cached_tokens or 0,
                                   "top2": [sorted((lp.logprob for lp in d.values()), reverse=True)[:2] for d in steps]}
             out["generate"] = results
+        elif kind == "timed":
+            params = SamplingParams(max_tokens=task["max_tokens"], temperature=0, ignore_eos=True)
+            t1 = time.perf_counter()
+            results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in task["prompts"]], params, use_tqdm=False)
+            timed = {"wall_s": time.perf_counter() - t1, "requests": len(results),
+                     "output_tokens": sum(len(r.outputs[0].token_ids) for r in results)}
+            if all(r.metrics is not None for r in results):
+                timed["first_token_ts"] = [r.metrics.first_token_ts for r in results]
+                timed["last_token_ts"] = [r.metrics.last_token_ts for r in results]
+                timed["generated"] = [r.metrics.num_generation_tokens for r in results]
+            out[task.get("name", "timed")] = timed
         elif kind == "ppl":
             ids = task["ids"]
             r = llm.generate([TokensPrompt(prompt_token_ids=ids)],

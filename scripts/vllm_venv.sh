@@ -7,7 +7,7 @@
 #   scripts/vllm_venv.sh [venv dir, default .venv-vllm]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-venv=${1:-$root/.venv-vllm}
+venv=$(realpath -m "${1:-$root/.venv-vllm}")  # absolute: the build below runs elsewhere
 python=${PYTHON:-python3}
 start=$(date +%s)
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"

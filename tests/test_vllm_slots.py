@@ -63,3 +63,16 @@ def test_a_preempted_request_restarts_in_a_fresh_slot():
     assert inits == [] and a2 != a
     (a3,), inits = t.assign([6], [1], [pages_for(50, 7)])
     assert a3 == a2 and inits == []
+
+
+def test_the_pool_grows_with_the_requests_running_at_once_not_past_its_limit():
+    t = SlotTracker(8, P, sinks=0, initial=1)
+    for first in range(1, 6):  # one request at a time, each leaving: the slots of those idle for a step
+        t.assign([0], [3], [[first]])
+    assert len(t.slots) == 2
+    slots, _ = t.assign([0] * 5, [1] * 5, [[10 + i] for i in range(5)])  # five at once: doubled to 8
+    assert len(set(slots)) == 5 and len(t.slots) == 8
+    slots2, _ = t.assign([1] * 5, [1] * 5, [[10 + i] for i in range(5)])
+    assert slots2 == slots and len(t.slots) == 8
+    with pytest.raises(RuntimeError, match="more running requests than the 8 side slots"):
+        t.assign([0] * 9, [1] * 9, [[30 + i] for i in range(9)])

@@ -28,7 +28,7 @@ The vLLM internals this relies on (checked at load time against the tested versi
 content]`` (``KVCacheLayout.LBHNC``); ``get_rope`` for the model's own rotary table.
 
 Sequences' full-precision rows (sinks and the window ring) live in a side pool next to vLLM's, one slot
-per running request: see vllm_backend.SlotTracker for how requests are followed without request ids.
+per running request: see vllm_slots.SlotTracker for how requests are followed without request ids.
 This module is the entry point only; the backend (vllm_backend.py) imports vLLM.
 """
 

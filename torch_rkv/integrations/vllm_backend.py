@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -25,6 +26,8 @@ from ..reference import quantized_count, read_rows
 from ..scheme import Scheme
 from .vllm import ENV, configured_scheme, overridden_backend
 from .vllm_slots import SlotInit, SlotTracker
+
+logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed with its log
 
 
 def _scheme() -> Scheme:
@@ -100,6 +103,7 @@ class RKVMetadata:
     lengths: torch.Tensor  # (B,) int64: tokens cached before this step
     block_tables: torch.Tensor  # (B, max_pages) int32
     side_slots: torch.Tensor  # (B,) int32
+    slot_count: int  # the side pool's size this step (it grows with the requests running at once)
     positions: torch.Tensor  # (T,) int64
     inits: list[SlotInit] = field(default_factory=list)
 
@@ -115,7 +119,10 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         if self.page_size % scheme.block:
             raise ValueError(f"torch_rkv: vLLM's block_size ({self.page_size}) must be a multiple of scheme "
                              f"{scheme.name}'s block of {scheme.block} tokens (--block-size)")
-        self.tracker = SlotTracker(side_slot_count(vllm_config), self.page_size, scheme.sinks)
+        self.tracker = SlotTracker(side_slot_count(vllm_config), self.page_size, scheme.sinks, INITIAL_SLOTS)
+        self.slot_bytes = len(layer_names) * PageLayout(
+            scheme, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, scheme.block, kv_cache_spec.dtype).slot_bytes
+        self.logged_slots = 0
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RKVMetadata:
@@ -131,16 +138,26 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         host_tables = tables.cpu()
         rows = [host_tables[i, :k].tolist() for i, k in enumerate(pages_per)]
         slots, inits = self.tracker.assign(host_cached, host_counts, rows)
+        if len(self.tracker.slots) > self.logged_slots:
+            self.logged_slots = len(self.tracker.slots)
+            logger.info("torch_rkv: side pool of %d slots, %.1f MiB over %d layers (of at most %d slots)",
+                        self.logged_slots, self.logged_slots * self.slot_bytes / 2**20, len(self.layer_names),
+                        self.tracker.limit)
         positions = torch.cat([torch.arange(n, n + m) for n, m in zip(host_cached, host_counts)] or
                               [torch.zeros(0, dtype=torch.int64)]).to(qsl.device)
         return RKVMetadata(num_actual_tokens=int(qsl[-1]), max_query_len=int(cm.max_query_len), query_start_loc=qsl,
                            lengths=cached, block_tables=tables.contiguous(),
-                           side_slots=torch.tensor(slots, dtype=torch.int32, device=qsl.device), positions=positions,
+                           side_slots=torch.tensor(slots, dtype=torch.int32, device=qsl.device),
+                           slot_count=len(self.tracker.slots), positions=positions,
                            inits=inits)
 
 
+INITIAL_SLOTS = 16  # the side pool's first size; it doubles as more requests run at once
+
+
 def side_slot_count(vllm_config) -> int:
-    """One side slot per request vLLM may run at once, and a few for requests that just left."""
+    """The side pool's limit: one slot per request vLLM may run at once, and a few for requests that
+    just left."""
     return vllm_config.scheduler_config.max_num_seqs + 8
 
 
@@ -179,11 +196,17 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             self.rope_cos, self.rope_sin = model_rope_tables(config, head_size)
         self._tensors = None  # per-layer side pool and signs, made on the first forward
 
-    def _layer_state(self, query: torch.Tensor):
+    def _layer_state(self, query: torch.Tensor, slots: int):
+        """(side pool, Hadamard signs, RoPE tables) of this layer; the side pool grown to `slots`."""
+        if self._tensors is not None and self._tensors[0]["k_window"].shape[0] < slots:
+            old = self._tensors[0]
+            grown = {k: torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=t.device) for k, t in old.items()}
+            for k, t in old.items():
+                grown[k][: t.shape[0]] = t
+            self._tensors = (grown, *self._tensors[1:])
         if self._tensors is None:
             dev = query.device
-            shapes = side_shapes(self.scheme, self.num_kv_heads, self.head_size, side_slot_count(self.vllm_config),
-                                 query.dtype)
+            shapes = side_shapes(self.scheme, self.num_kv_heads, self.head_size, slots, query.dtype)
             side = {name: torch.zeros(shape, dtype=dt, device=dev) for name, (shape, dt) in shapes.items()}
             s = self.scheme
             signs = (hadamard_signs(self.head_size, s.hadamard_seed, dev) if s.k_hadamard else None,
@@ -205,11 +228,12 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                 output_block_scale=None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("torch_rkv's vLLM backend: fused output quantization is not supported")
-        if attn_metadata is None:  # profiling run
+        if attn_metadata is None:  # profiling run: the side pool exists now, so that vLLM's memory profile
+            self._layer_state(query, INITIAL_SLOTS)  # (on a GPU, what it leaves to the KV pool) counts it
             return output
         md = attn_metadata
         t = md.num_actual_tokens
-        side, (k_signs, v_signs), (cos, sin) = self._layer_state(query)
+        side, (k_signs, v_signs), (cos, sin) = self._layer_state(query, md.slot_count)
         views = self.regions(kv_cache, kv_cache.shape[2], query.dtype)
         cache = [views["k_codes"], views["k_scale"], views.get("k_zero"), views["v_codes"], views["v_scale"],
                  views.get("v_zero"), side["k_window"], side["v_window"], side["k_sink"], side["v_sink"]]

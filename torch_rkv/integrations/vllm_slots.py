@@ -38,20 +38,28 @@ class SlotTracker:
     cached tokens finds its slot under the page holding token n - 1 when that slot is at length n;
     otherwise it is a new request. One that starts at n > 0 (a prefix-cache hit: its first pages are
     another request's) gets a new slot initialized by a SlotInit. Slots of requests that left are
-    reclaimed least recently used first; a request that was away long enough to lose its slot comes back
-    as a hit (its window then read from its quantized rows).
+    reclaimed least recently used first, once idle for a whole step (the pool doubles, up to `slots`,
+    rather than take a slot used in the previous step); a request that was away long enough to lose its
+    slot comes back as a hit (its window then read from its quantized rows).
+
+    The pool starts at `initial` slots (default: all of them) and grows by doubling, so that its memory
+    follows the number of requests running at once rather than the most the engine allows.
     """
 
-    def __init__(self, slots: int, page_size: int, sinks: int):
-        self.page_size, self.sinks = page_size, sinks
-        self.slots = [_Slot() for _ in range(slots)]
+    def __init__(self, slots: int, page_size: int, sinks: int, initial: int | None = None):
+        self.page_size, self.sinks, self.limit = page_size, sinks, slots
+        self.slots = [_Slot() for _ in range(min(slots, initial or slots))]
         self.key: dict[int, int] = {}  # open page -> slot
         self.step = 0
 
     def _free_slot(self, avoid: set[int], fallback: int = -1) -> int:
-        """The least recently used slot outside `avoid` (else `fallback`), its keys dropped."""
+        """The least recently used slot outside `avoid`, growing the pool rather than reuse one that was
+        used in the previous step (else `fallback`), its keys dropped."""
         best = min((s for s in range(len(self.slots)) if s not in avoid), key=lambda s: self.slots[s].last_step,
                    default=None)
+        if (best is None or self.slots[best].last_step >= self.step - 1) and len(self.slots) < self.limit:
+            best = len(self.slots)
+            self.slots += [_Slot() for _ in range(min(len(self.slots), self.limit - len(self.slots)))]
         if best is None:
             if fallback < 0:
                 raise RuntimeError(f"torch_rkv: more running requests than the {len(self.slots)} side slots "
