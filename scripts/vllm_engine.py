@@ -1,4 +1,4 @@
-"""One vLLM engine for the vLLM tests and bench: `python scripts/vllm_engine.py '<job json>'`.
+"""One vLLM engine for the vLLM tests and bench: `python scripts/vllm_engine.py < job.json`.
 
 A process each, because TORCH_RKV_SCHEME (the plugin's switch) is read when vLLM's processes start. The
 job names the model directory, the engine arguments and a list of tasks; the result is printed as one
@@ -43,8 +43,9 @@ def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900) -> 
         env["VLLM_CPU_KVCACHE_SPACE"] = kv_gb
     if scheme:
         env[ENV] = scheme
-    proc = subprocess.run([sys.executable, __file__, json.dumps(job)], env=env, capture_output=True, text=True, check=False,
-                          timeout=timeout)
+    # the job on standard input: a 16K-token prompt is past the size of one command-line argument
+    proc = subprocess.run([sys.executable, __file__], input=json.dumps(job), env=env, capture_output=True, text=True,
+                          check=False, timeout=timeout)
     log = proc.stdout + proc.stderr
     result = [line for line in log.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not result:
@@ -62,7 +63,7 @@ def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900) -> 
 
 
 def main() -> int:
-    job = json.loads(sys.argv[1])
+    job = json.load(sys.stdin)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -95,6 +95,19 @@ def test_config_json_of_any_model(tmp_path):
     assert abs(shape.params / 8.03e9 - 1) < 0.01  # the estimate recovers Llama-3-8B's size
 
 
+@pytest.mark.parametrize("extra", [{"sliding_window": 4096},  # Mistral-7B v0.1
+                                   {"sliding_window": 1024, "layer_types": ["sliding_attention", "full_attention"]}])
+def test_sliding_window_configs_are_refused_by_name(tmp_path, extra):
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, **extra}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(NotImplementedError, match="sliding-window layers"):
+        plan.from_config(str(path), None)
+    path.write_text(json.dumps({**cfg, "sliding_window": 131072, "use_sliding_window": False,
+                                "layer_types": ["full_attention"] * 2}))  # Qwen2.5: a window that is off
+    assert plan.from_config(str(path), None).layers == 2
+
+
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 @pytest.mark.parametrize("context", [1, 300, 1000])
 def test_paged_bytes_equal_the_allocated_paged_cache(scheme, context):

@@ -14,7 +14,8 @@ from torch_rkv import scheme as S  # noqa: E402
 from torch_rkv.eval import localization, perplexity  # noqa: E402
 from torch_rkv.eval.report import REFERENCE, TOLERANCE, effective_bits_at, reference_scheme  # noqa: E402
 from torch_rkv.eval.simulate import Simulation  # noqa: E402
-from torch_rkv.integrations.transformers import RKVCache, model_rope_tables  # noqa: E402
+from torch_rkv.integrations.models import rope_tables as model_rope_tables  # noqa: E402
+from torch_rkv.integrations.transformers import RKVCache  # noqa: E402
 
 
 def tiny_llama():

@@ -52,6 +52,12 @@ def from_config(path: str, params: float | None) -> ModelShape:
     with open(path) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
+    if "sliding_attention" in (cfg.get("layer_types") or []) or (
+            cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and "layer_types" not in cfg):
+        # a sliding layer holds only its window: counting it as global would misstate the ledger, and the
+        # cache does not serve such layers yet (integrations/models.py)
+        raise NotImplementedError(f"{path}: sliding-window layers (sliding_window={cfg.get('sliding_window')}) are "
+                                  "not planned yet; torch_rkv's caches serve full-attention layers only")
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     hidden = cfg["hidden_size"]

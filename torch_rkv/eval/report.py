@@ -98,17 +98,17 @@ def effective_bits_at(scheme: Scheme, head_dim: int, tokens: int) -> float:
 class Report:
     def __init__(self, model, tok, text: str, opts: Options, log=print):
         self.model, self.tok, self.opts, self.log = model, tok, opts, log
-        cfg = model.config
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        from ..integrations import models
+
+        self.attention = models.inspect(model)  # an unsupported model feature stops here, named
+        self.head_dim = self.attention.head_dim
         self.text = text
         all_ids = tok("<|endoftext|>" + text, return_tensors="pt").input_ids
         if all_ids.shape[1] < opts.tokens:
             raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than --tokens {opts.tokens}")
         self.ids = all_ids[:, : opts.tokens]
-        from ..integrations.transformers import model_rope_tables
-
         positions = max([opts.tokens, opts.decode_tokens + 8] + [n + 64 for n in opts.loc_lengths])
-        self.cos, self.sin = model_rope_tables(model, positions)
+        self.cos, self.sin = models.rope_tables(model, positions)
         self.results: dict = {}
 
     def _timed(self, name, fn):
@@ -118,7 +118,7 @@ class Report:
         return out
 
     def simulation(self, scheme: Scheme, **kw) -> Simulation:
-        return Simulation(scheme, self.cos, self.sin, **kw)
+        return Simulation(scheme, self.cos, self.sin, rope_interleaved=self.attention.interleaved, **kw)
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -276,7 +276,7 @@ class Report:
     @torch.no_grad()
     def capture_keys(self, layers=(0, None, -1)) -> dict:
         """Pre- and post-RoPE keys of KV head 0 for the first, middle and last layer (full precision)."""
-        n_layers = len(self.model.model.layers)
+        n_layers = self.attention.layers
         chosen = sorted({(n_layers // 2 if i is None else i % n_layers) for i in layers})
         store = {}
 
@@ -284,22 +284,23 @@ class Report:
             def __init__(self, idx):
                 self.idx = idx
 
-            def attention(self, query, key, value, scaling):
+            def attention(self, query, key, value, scaling, attention_mask=None):
                 store[self.idx] = key[0, 0].float().clone()
                 out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                                      enable_gqa=True)
                 return out.transpose(1, 2)
 
         install(self.model, None)
-        for i, layer in enumerate(self.model.model.layers):
-            layer.self_attn.rkv_simulation = Capture(i) if i in chosen else None
+        for i, module in enumerate(self.attention.modules):
+            module.rkv_simulation = Capture(i) if i in chosen else None
         n = min(512, self.ids.shape[1])
         self.model(self.ids[:, :n])
         install(self.model, None)
         from ..ops.rope import rope
 
         pos = torch.arange(n)
-        return {i: (rope(store[i], self.cos, self.sin, pos, inverse=True), store[i]) for i in chosen}
+        return {i: (rope(store[i], self.cos, self.sin, pos, self.attention.interleaved, inverse=True), store[i])
+                for i in chosen}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class Simulation:
     scheme: Scheme
     rope_cos: Optional[torch.Tensor] = None  # the model's table (positions, rot/2), for pre-RoPE keys
     rope_sin: Optional[torch.Tensor] = None
+    rope_interleaved: bool = False  # the model's pairing (GPT-J's interleaved pairs; else rotate-half)
     view: str = "cache"
     quantize_keys: bool = True  # False: keys stay in full precision (the "values only" rows)
     quantize_values: bool = True
@@ -100,7 +101,7 @@ class Simulation:
         part = out[:, :, lo:hi]
         pos = torch.arange(lo, hi, device=x.device)
         if side == "k" and s.pre_rope:
-            part = rope(part, self.rope_cos, self.rope_sin, pos, inverse=True)
+            part = rope(part, self.rope_cos, self.rope_sin, pos, self.rope_interleaved, inverse=True)
         rotated = s.k_hadamard if side == "k" else s.v_hadamard
         if rotated:
             part = hadamard(part, self.signs(d, side, x.device))
@@ -111,7 +112,7 @@ class Simulation:
         if rotated:
             back = hadamard(back, self.signs(d, side, x.device), inverse=True)
         if side == "k" and s.pre_rope:
-            back = rope(back, self.rope_cos, self.rope_sin, pos)
+            back = rope(back, self.rope_cos, self.rope_sin, pos, self.rope_interleaved)
         out[:, :, lo:hi] = back
         return out
 
@@ -138,14 +139,18 @@ class Simulation:
         return (t[None, :] >= s.sinks) & (t[None, :] < q_end[:, None])
 
     # ------------------------------------------------------------------------------------------
-    def attention(self, query, key, value, scaling: float) -> torch.Tensor:
+    def attention(self, query, key, value, scaling: float, attention_mask=None) -> torch.Tensor:
         """Causal attention (B, N, Hq, D) of the last N positions, with quantized pairs reading the
         fake-quantized keys and values. Keys are laid out twice, [quantized | full precision], and a
-        mask picks one copy per (query, key): one fused SDPA call."""
+        mask picks one copy per (query, key): one fused SDPA call. attention_mask: the model's mask
+        for this layer (bool, True = attend, or additive), honoured on top of causality: a
+        sliding-window layer sees its window, a padded position nothing."""
         nq, n = query.shape[2], key.shape[2]
         kq, vq = self.fake_quantize(key, "k"), self.fake_quantize(value, "v")
         pos = n - nq + torch.arange(nq, device=query.device)
         causal = torch.arange(n, device=query.device)[None, :] <= pos[:, None]
+        if attention_mask is not None:
+            causal = causal & model_mask(attention_mask, nq, n)
         pairs = self.quantized_pairs(pos, n)
         q = query.float()
         if bool(pairs[causal].all()):  # every visible key is quantized (view "all", per-token caches)
@@ -207,13 +212,27 @@ def simulated_attention(module, query, key, value, attention_mask, scaling=None,
     if sim is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    return sim.attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
+    return sim.attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5,
+                         attention_mask), None
+
+
+def model_mask(mask: torch.Tensor, nq: int, n: int) -> torch.Tensor:
+    """(nq, n) bool, True = attend, from the model's mask for a layer ((B or 1, 1, nq, n), bool or
+    additive); one mask for the whole batch (the protocol's batches share their positions)."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    allowed = allowed[..., -nq:, -n:].reshape(-1, nq, n)
+    if not bool((allowed == allowed[:1]).all()):
+        raise ValueError("simulation: the attention mask differs within the batch (padding); run one sequence "
+                         "at a time")
+    return allowed[0]
 
 
 def install(model, simulation: Optional[Simulation]) -> None:
     """Route every attention layer of `model` through `simulation` (None: plain SDPA)."""
+    from ..integrations.models import attention_modules
+
     AttentionInterface.register(ATTENTION, simulated_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
-    for layer in model.model.layers:
-        layer.self_attn.rkv_simulation = simulation
+    for module in attention_modules(model):
+        module.rkv_simulation = simulation

@@ -9,10 +9,11 @@ into the quantized cache; every decode step (one new token) runs rkv::decode_att
 cache, and every later chunk of several tokens (a second turn, chunked prefill, speculative
 verification) rkv::paged_prefill_attention: the cache as stored, the chunk itself in full precision. Pre-RoPE storage needs no model change: keys arrive post-RoPE, the cache undoes the rotation
 with a table built from the model's own rotary module (so its RoPE scaling variant matches) and the
-kernel re-applies it. Llama-architecture models (rotate-half RoPE, GQA); transformers 5.x (tested with
+kernel re-applies it. The model families of integrations/models.py (Llama, Qwen2/3, Mistral, Phi-3,
+GPT-NeoX, Phi-2, StableLM, GPT-J: GQA, partial and interleaved rotary); transformers 5.x (tested with
 5.24). Not supported, each an error on every device (a device-side check, no host sync per step):
-left-padded batches and position offsets; also dynamic / LongRoPE scaling (their tables depend on the
-length) and beam-search cropping.
+left-padded batches and position offsets; also the model features models.py names (sliding windows,
+soft-capping, dynamic / LongRoPE scaling...) and beam-search cropping.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ if not TESTED_TRANSFORMERS[0] <= _version < TESTED_TRANSFORMERS[1]:
 from ..cache import QuantizedKVCache
 from ..layout import max_tokens
 from ..scheme import Scheme
+from . import models
 
 ATTENTION = "rkv"
-_UNSUPPORTED_ROPE = ("dynamic", "longrope")
 
 
 def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -75,22 +76,6 @@ def enable(model) -> None:
     AttentionInterface.register(ATTENTION, rkv_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
-
-
-def model_rope_tables(model, positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of shape (positions, rot_dim/2) in float32 from the model's own rotary module, attention
-    scaling included, for the rotate-half pairing that Llama uses."""
-    rotary = model.model.rotary_emb
-    rope_type = getattr(rotary, "rope_type", "default")
-    if any(rope_type.startswith(t) for t in _UNSUPPORTED_ROPE):
-        raise NotImplementedError(f"torch_rkv: rope_type {rope_type!r} changes its table with the sequence length; "
-                                  "pre-RoPE storage needs a fixed table")
-    dev = rotary.inv_freq.device
-    x = torch.zeros(1, dtype=torch.float32, device=dev)
-    with torch.no_grad():
-        cos, sin = rotary(x, torch.arange(positions, device=dev)[None])
-    half = cos.shape[-1] // 2
-    return cos[0, :, :half].float().to(device), sin[0, :, :half].float().to(device)
 
 
 class RKVLayer(CacheLayerMixin):
@@ -170,26 +155,24 @@ class RKVLayer(CacheLayerMixin):
 class RKVCache(Cache):
     """A transformers Cache storing every layer's keys and values in torch_rkv's quantized format.
 
-    model: a Llama-architecture model (its config gives layers, KV heads and head_dim, its rotary
-    module the pre-RoPE table). capacity: tokens per sequence. dtype: full-precision dtype of the sinks
-    and window (default: the model's). Enables the "rkv" attention on the model.
+    model: a model of a supported family (integrations/models.py; its config gives layers, KV heads and
+    head_dim, its rotary module the pre-RoPE table and pairing; a feature it cannot honour is an
+    UnsupportedModelFeature naming it). capacity: tokens per sequence. dtype: full-precision dtype of
+    the sinks and window (default: the model's). Enables the "rkv" attention on the model.
     """
 
     def __init__(self, model, scheme: Scheme, capacity: int, batch: int = 1, dtype: torch.dtype | None = None,
                  device=None, enable_attention: bool = True):
-        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-        layers = cfg.num_hidden_layers
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        att = models.inspect(model)
         device = device if device is not None else next(model.parameters()).device
         dtype = dtype if dtype is not None else next(model.parameters()).dtype
-        scheme.check_head_dim(head_dim)
+        scheme.check_head_dim(att.head_dim)
         rope = None
         if scheme.pre_rope:
-            rope = model_rope_tables(model, max_tokens(scheme, capacity), device)
-        self.quantized = QuantizedKVCache(scheme, layers, batch, kv_heads, head_dim, capacity, dtype=dtype,
-                                          device=device, rope=rope)
-        super().__init__(layers=[RKVLayer(self.quantized, i) for i in range(layers)])
+            rope = models.rope_tables(model, max_tokens(scheme, capacity), device)
+        self.quantized = QuantizedKVCache(scheme, att.layers, batch, att.kv_heads, att.head_dim, capacity, dtype=dtype,
+                                          device=device, rope=rope, rope_interleaved=att.interleaved)
+        super().__init__(layers=[RKVLayer(self.quantized, i) for i in range(att.layers)])
         if enable_attention:
             enable(model)
 

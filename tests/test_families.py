@@ -1,0 +1,150 @@
+"""Model families beyond Llama (torch_rkv/integrations/models.py): per family, a tiny random model built
+here from its transformers config with the family's structure (GQA, qkv bias, q/k norms, fused qkv,
+partial rotary, GPT-J's interleaved pairs); no download."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import transformers as T  # noqa: E402
+from test_transformers import TINY_SENSITIVITY, assert_agrees  # noqa: E402
+
+import torch_rkv  # noqa: E402
+from torch_rkv import scheme as S  # noqa: E402
+from torch_rkv.eval.simulate import Simulation, install  # noqa: E402
+from torch_rkv.integrations import models  # noqa: E402
+from torch_rkv.integrations.transformers import RKVCache  # noqa: E402
+
+VOCAB = 128
+COMMON = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 2,
+          "max_position_embeddings": 256, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def build(config_cls, model_cls, **kw):
+    torch.manual_seed(0)
+    cfg = getattr(T, config_cls)(**{**COMMON, **kw})
+    return getattr(T, model_cls)(cfg).eval()
+
+
+FAMILIES = {  # name: (config, model, family-specific arguments), with the rot_dim and pairing expected
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 1,
+                                                         "sliding_window": None}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_attention_heads": 4, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"n_embd": 128, "n_layer": 2, "n_head": 4, "rotary_dim": 16,
+                                               "n_positions": 256}),
+}
+ROTARY = {"qwen2": (32, False), "qwen3": (32, False), "mistral": (32, False), "phi3": (32, False),
+          "gpt_neox": (8, False), "phi": (16, False), "stablelm": (8, False), "gptj": (16, True)}
+
+
+def family(name):
+    config_cls, model_cls, kw = FAMILIES[name]
+    if name == "gptj":  # GPT-J's config names its sizes differently
+        kw = {**kw, "vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+        torch.manual_seed(0)
+        return T.GPTJForCausalLM(T.GPTJConfig(**kw)).eval()
+    return build(config_cls, model_cls, **kw)
+
+
+def prompt(n, batch=1, seed=1):
+    return torch.randint(3, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_rotary_table_and_pairing_are_the_models_own(name):
+    """Layer 0's keys with every position at 0 are its pre-RoPE keys (the rotation at position 0 is the
+    identity; nothing else in layer 0 depends on positions). Rotating them with the table and pairing
+    models.inspect reports gives the model's own post-RoPE keys, and the inverse gives them back."""
+    model = family(name)
+    att = models.inspect(model)
+    cos, sin = models.rope_tables(model, 64)
+    assert (2 * cos.shape[-1], att.interleaved) == ROTARY[name]
+    ids = prompt(40)
+    with torch.no_grad():
+        post = model(ids, use_cache=True).past_key_values.layers[0].keys.float()
+        pre = model(ids, position_ids=torch.zeros_like(ids), use_cache=True).past_key_values.layers[0].keys.float()
+    pos = torch.arange(40)
+    rotated = torch_rkv.rope(pre, cos, sin, pos, att.interleaved)
+    assert torch.allclose(rotated, post, atol=1e-5, rtol=1e-5), (rotated - post).abs().max()
+    back = torch_rkv.rope(post, cos, sin, pos, att.interleaved, inverse=True)
+    assert torch.allclose(back, pre, atol=1e-5, rtol=1e-5)
+    # and a wrong pairing would not pass: the check can fail
+    assert not torch.allclose(torch_rkv.rope(pre, cos, sin, pos, not att.interleaved), post, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("scheme", [S.recommended(8).replace(k_block_tokens=16), S.per_token(8)], ids=lambda s: s.name)
+def test_rkv_cache_at_8_bits_generates_as_transformers_cache(name, scheme):
+    """Prefill, then decode through the fused kernel (pre-RoPE keys with the family's own table, or
+    per-token keys), and a second turn through the paged prefill kernel: the portable criterion."""
+    model = family(name)
+    ids = prompt(60, batch=2)
+    want = model.generate(ids, max_new_tokens=16, do_sample=False)
+    cache = RKVCache(model, scheme, capacity=128, batch=2)
+    got = model.generate(ids, max_new_tokens=16, do_sample=False, cache=cache)
+    assert_agrees(model, ids, want, got, scheme, 8, TINY_SENSITIVITY, 128)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gpt_neox", "gptj"])
+def test_simulation_without_quantization_equals_the_stock_forward(name):
+    """The report's simulation path with nothing quantized gives the stock model's logits (fp32)."""
+    model = family(name)
+    ids = prompt(50)
+    with torch.no_grad():
+        want = model(ids).logits
+        cos, sin = models.rope_tables(model, 64)
+        sim = Simulation(S.recommended(4), cos, sin, rope_interleaved=models.inspect(model).interleaved,
+                         quantize_keys=False, quantize_values=False)
+        install(model, sim)
+        got = model(ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+
+
+def test_the_simulation_honours_a_sliding_window_mask():
+    """A sliding-window model (not served by the cache yet) through the simulation sees its window: the
+    stock logits, where ignoring the mask would not give them."""
+    model = build("MistralConfig", "MistralForCausalLM", num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    ids = prompt(40)
+    with torch.no_grad():
+        want = model(ids).logits
+        full = build("MistralConfig", "MistralForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                     sliding_window=None)(ids).logits
+        install(model, Simulation(S.per_token(8), quantize_keys=False, quantize_values=False))
+        got = model(ids).logits
+    assert not torch.allclose(full, want, atol=1e-3)  # the window matters at 40 tokens
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+
+
+UNSUPPORTED = {
+    "sliding window (Mistral v0.1)": (lambda: build("MistralConfig", "MistralForCausalLM", num_attention_heads=4,
+                                                    num_key_value_heads=2, sliding_window=16),
+                                      "sliding-window attention"),
+    "sliding window (Qwen2)": (lambda: build("Qwen2Config", "Qwen2ForCausalLM", num_attention_heads=4,
+                                             num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
+                                             max_window_layers=0),
+                               "sliding-window attention"),
+    "Gemma 2": (lambda: build("Gemma2Config", "Gemma2ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, sliding_window=16), "soft-capping"),
+    "Gemma 3": (lambda: build("Gemma3TextConfig", "Gemma3ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, sliding_window=16), "sliding-window attention"),
+    "dynamic NTK RoPE": (lambda: build("Qwen2Config", "Qwen2ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                                       rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+                         "rope_type 'dynamic'"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSUPPORTED))
+def test_unsupported_features_raise_an_error_that_names_them(case):
+    make, feature = UNSUPPORTED[case]
+    model = make()
+    for attempt in (lambda: RKVCache(model, S.recommended(4), capacity=64),
+                    lambda: RKVCache(model, S.per_token(4), capacity=64)):  # post-RoPE keys are refused too
+        with pytest.raises(models.UnsupportedModelFeature, match=feature):
+            attempt()

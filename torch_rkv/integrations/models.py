@@ -1,0 +1,116 @@
+"""What torch_rkv needs to know about a transformers model's attention, for every family it supports:
+where the attention modules and the rotary table are, how RoPE pairs the channels (rotate-half or
+GPT-J's interleaved pairs) and over how many (partial rotary), and which features of the model it cannot
+honour yet, each refused by name (UnsupportedModelFeature) rather than served wrong.
+
+Supported (tested on tiny random models of each: tests/test_families.py): Llama, Qwen2 / 2.5 (qkv bias),
+Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the normed ones), Mistral without a sliding
+window, Phi-3 (fused qkv), GPT-NeoX / Pythia, Phi-2 and StableLM (partial rotary), GPT-J (interleaved
+pairs). Not yet: sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window, Gemma 2 and 3),
+attention-logit soft-capping (Gemma 2), per-layer RoPE tables (Gemma 3), RoPE whose table depends on the
+sequence length (dynamic NTK, LongRoPE), ALiBi, encoder-decoder models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+_INTERLEAVED = ("gptj",)  # pairs (2j, 2j + 1) from a fixed [sin | cos] table (embed_positions)
+
+
+class UnsupportedModelFeature(NotImplementedError):
+    """A model feature torch_rkv does not implement; the message names it and the model type."""
+
+
+@dataclass(frozen=True)
+class ModelAttention:
+    model_type: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    rotary: nn.Module | None  # the model's rotary embedding module (None: no RoPE)
+    interleaved: bool  # GPT-J's pairs (2j, 2j + 1); else rotate-half pairs (j, j + rot_dim / 2)
+    modules: tuple[nn.Module, ...]  # the attention module of every layer, in order
+
+
+def text_config(model):
+    cfg = model.config
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def attention_modules(model) -> tuple[nn.Module, ...]:
+    """Every layer's attention module (the one that calls the attention function), in layer order."""
+    found = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    return tuple(sorted(found, key=lambda m: m.layer_idx))
+
+
+def _refuse(model_type: str, feature: str) -> None:
+    raise UnsupportedModelFeature(f"torch_rkv: {feature} is not supported yet ({model_type} model); "
+                                  "see torch_rkv/integrations/models.py for the supported families")
+
+
+def inspect(model) -> ModelAttention:
+    """The model's attention as torch_rkv sees it; UnsupportedModelFeature for a feature it cannot honour."""
+    cfg = text_config(model)
+    kind = getattr(cfg, "model_type", type(model).__name__)
+    if getattr(model.config, "is_encoder_decoder", False):
+        _refuse(kind, "an encoder-decoder model (cross attention)")
+    if getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", None) == "alibi":
+        _refuse(kind, "ALiBi position bias")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        _refuse(kind, f"attention-logit soft-capping (attn_logit_softcapping={cfg.attn_logit_softcapping})")
+    modules = attention_modules(model)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    windows = {getattr(m, "sliding_window", None) for m in modules} - {None}
+    if "sliding_attention" in layer_types or windows or (
+            getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
+            and not layer_types):
+        _refuse(kind, f"sliding-window attention (sliding_window={getattr(cfg, 'sliding_window', None)})")
+    base = getattr(model, "base_model", model)
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is not None:
+        rope_type = str(getattr(rotary, "rope_type", None) or (getattr(cfg, "rope_parameters", None) or {}).get(
+            "rope_type", "default"))
+        if rope_type.startswith(_LENGTH_DEPENDENT_ROPE):
+            _refuse(kind, f"rope_type {rope_type!r} (its table changes with the sequence length; pre-RoPE storage "
+                          "needs a fixed table)")
+        if len(getattr(rotary, "layer_types", ()) or ()) > 1:
+            _refuse(kind, "per-layer RoPE tables (local and global layers)")
+        if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
+            _refuse(kind, f"the rotary table of {type(rotary).__name__}")
+    if not modules:
+        _refuse(kind, "a model whose attention modules were not found (no *Attention module with a layer_idx)")
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelAttention(kind, cfg.num_hidden_layers, kv_heads, head_dim, rotary,
+                          interleaved=kind in _INTERLEAVED, modules=modules)
+
+
+def rope_tables(model, positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of shape (positions, rot_dim / 2), float32, from the model's own rotary module (its
+    scaling variant and attention scaling included) for the pairing inspect() reports."""
+    att = inspect(model)
+    rotary = att.rotary
+    if rotary is None:
+        _refuse(att.model_type, "a pre-RoPE scheme on a model without rotary embeddings")
+    if att.interleaved:  # GPT-J: a fixed [sin | cos] table of rot_dim / 2 frequencies each
+        table = rotary.embed_positions.float()
+        if positions > table.shape[0]:
+            raise ValueError(f"torch_rkv: {positions} positions exceed the model's table of {table.shape[0]}")
+        half = table.shape[-1] // 2
+        return table[:positions, half:].contiguous().to(device), table[:positions, :half].contiguous().to(device)
+    dev = next((b.device for b in rotary.buffers()), torch.device("cpu"))
+    x = torch.zeros(1, dtype=torch.float32, device=dev)
+    with torch.no_grad():
+        cos, sin = rotary(x, torch.arange(positions, device=dev)[None])
+    cos, sin = cos[0].float(), sin[0].float()
+    half = cos.shape[-1] // 2
+    if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+        _refuse(att.model_type, "a rotary table whose halves differ (not rotate-half pairs)")
+    if 2 * half > att.head_dim:
+        _refuse(att.model_type, f"a rotary table of {2 * half} channels for head_dim {att.head_dim}")
+    return cos[:, :half].contiguous().to(device), sin[:, :half].contiguous().to(device)
