@@ -84,13 +84,18 @@ def test_paged_append_matches_reference_and_writes_nothing_else(device, s, data)
 
 def attention_inputs(s: Scheme, data, device, prefill: bool):
     """A filled pool, its tables, the raw keys/values (post-RoPE originals) and the op's rope / signs."""
-    d = data.draw(st.sampled_from([32, 64, 96]))
+    # a long chunk (prefill): 100 tokens of a GQA group of 3 or 4 span several of the CPU kernel's work
+    # items (prefill_rows(d) / group tokens each)
+    long = prefill and data.draw(st.booleans())
+    d = data.draw(st.sampled_from([64, 96] if long else [32, 64, 96]))
     page = data.draw(st.sampled_from([16, 32]))
-    kv_heads, ratio = data.draw(st.integers(1, 2)), data.draw(st.sampled_from([1, 3, 4]))
+    kv_heads, ratio = data.draw(st.integers(1, 2)), data.draw(st.sampled_from([3, 4] if long else [1, 3, 4]))
     batch = data.draw(st.integers(1, 3))
     edges = [0, 1, s.sinks, s.recent + s.block - 1, s.recent + s.block, page, page + 1, 70]
     lengths = [data.draw(st.sampled_from(edges)) for _ in range(batch)]
-    counts = [data.draw(st.integers(0 if prefill else 1, 9)) for _ in range(batch)] if prefill else [0] * batch
+    counts = [data.draw(st.integers(0, 9)) for _ in range(batch)] if prefill else [0] * batch
+    if long:
+        counts[0] = 100
     seed = data.draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)
     fp = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))

@@ -101,7 +101,7 @@ at::Tensor run_attention(AttentionCall& call) {
     if (prefill) max_m = std::max(max_m, counts[b]);
   }
   AttentionArgs a;
-  a.q_block = prefill ? std::max<int64_t>(1, kPrefillRows / g.group_size()) : 1;
+  a.q_block = prefill ? std::max<int64_t>(1, prefill_rows(g.dim) / g.group_size()) : 1;
   a.q_blocks = std::max<int64_t>(1, (max_m + a.q_block - 1) / a.q_block);
   if (g.split_tokens == 0) g.split_tokens = default_split_tokens(g.batch * g.kv_heads * a.q_blocks, max_total);
   g.split_tokens = std::max<int64_t>(1, std::min(g.split_tokens, std::max<int64_t>(1, max_total)));

@@ -18,7 +18,12 @@ namespace rkv::cpu {
 
 constexpr int64_t kTileTokens = 32;   // rows per tile: a key and a value tile of D=128 fit in L1
 constexpr int64_t kChunkTokens = 512; // keys whose scores are held at once (an online softmax joins chunks)
-constexpr int64_t kPrefillRows = 32;  // query rows (tokens x query heads of a kv head) per prefill work item
+// Query rows (tokens x query heads of a kv head) x head_dim per prefill work item: every item dequantizes
+// (and rotates) the keys it reads once for all its rows, so more rows per item means fewer passes over
+// the prefix; past this their queries and outputs (64 KB each) leave L2. bench_paged's prefill case:
+// 32 rows per item took 174 ms (9q/3kv/d64) and 1259 ms (32q/8kv/d128), this 135 ms and 1018 ms.
+constexpr int64_t kPrefillRowFloats = 16384;
+inline int64_t prefill_rows(int64_t dim) { return kPrefillRowFloats / dim; }
 
 // The storage dtype of a buffer the kernel reads: the window, sinks and new tokens (one kind) and the
 // metadata (another). A run-time switch per row or metadata block, not a template parameter: the
