@@ -283,3 +283,30 @@ def test_without_a_scheme_the_plugin_is_inert(monkeypatch):
     monkeypatch.setenv(plugin.ENV, "rkv-nope")
     with pytest.raises(ValueError, match="is not <preset>-<bits>"):
         plugin.register()
+
+
+@pytest.mark.parametrize("config, refused", [("LlamaConfig", None), ("Qwen3Config", None),
+                                             ("GPTJConfig", "not 'gptj'"), ("GPTNeoXConfig", "not 'gpt_neox'")])
+def test_pre_rope_schemes_take_only_the_rotary_layout_they_invert(monkeypatch, config, refused):
+    """The backend un-rotates new keys with a rotate-half table over every channel: a model whose vLLM
+    rotary differs (GPT-J's interleaved pairs, GPT-NeoX's partial rotary) is refused by name, not served
+    wrong."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from torch_rkv.integrations.vllm_backend import model_rope_tables
+
+    hf = getattr(transformers, config)()
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, max_model_len=256))
+    head = 64
+    if refused:
+        with pytest.raises(NotImplementedError, match=refused):
+            model_rope_tables(vllm_config, head)
+    else:
+        from vllm.config import VllmConfig, set_current_vllm_config
+
+        with set_current_vllm_config(VllmConfig()):  # (get_rope builds a vLLM custom op)
+            cos, sin = model_rope_tables(vllm_config, head)
+        assert cos.shape[1] == sin.shape[1] == head // 2 and cos.shape[0] >= 256
+        assert (cos[0] == 1).all() and (sin[0] == 0).all()  # position 0: the identity rotation

@@ -284,23 +284,37 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                 window[init.dst, :, t % w] = read_rows(codes, scale, zero, bits, pages[t // p], t % p).to(window.dtype)
 
 
+# vLLM models whose rotary embedding is rotate-half over every channel (get_rope(..., is_neox_style=True),
+# no partial rotary): the table below is theirs. Another family's pre-RoPE keys (GPT-J's interleaved pairs,
+# GPT-NeoX's partial rotary) would be un-rotated wrongly, so a pre-RoPE scheme refuses them by name.
+ROTATE_HALF_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
 def model_rope_tables(vllm_config, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of shape (positions, rot_dim / 2), float32, from the rotary embedding vLLM builds for the
-    model (get_rope with the model's own parameters; rotate-half pairing, Llama's)."""
+    """(cos, sin) of shape (positions, head_size / 2), float32, from the rotary embedding vLLM builds for
+    the model (get_rope with the model's own parameters; rotate-half pairing, Llama's)."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     hf = vllm_config.model_config.hf_config
     hf = getattr(hf, "text_config", None) or hf
     params = getattr(hf, "rope_parameters", None) or {}
+    kind = getattr(hf, "model_type", "?")
+    if kind not in ROTATE_HALF_MODELS:
+        raise NotImplementedError(f"torch_rkv's vLLM backend: pre-RoPE schemes are supported for "
+                                  f"{', '.join(ROTATE_HALF_MODELS)} models (rotate-half RoPE on every channel), not "
+                                  f"{kind!r}; a post-RoPE scheme (kivi-2, per-token-4, quarot-4, ...) serves any decoder")
     rope_type = str(params.get("rope_type", "default"))
     if rope_type.startswith(("dynamic", "longrope")):
         raise NotImplementedError(f"torch_rkv's vLLM backend: rope_type {rope_type!r} changes its table with the "
                                   "sequence length; pre-RoPE storage needs a fixed table")
-    if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
+    if params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) != 1.0:
         raise NotImplementedError("torch_rkv's vLLM backend: partial rotary embeddings are not supported yet")
     max_pos = vllm_config.model_config.max_model_len
     rotary = get_rope(head_size, max_position=max(max_pos, getattr(hf, "max_position_embeddings", max_pos)),
                       rope_parameters=getattr(hf, "rope_parameters", None), is_neox_style=True)
     table = rotary.cos_sin_cache.float()
     half = table.shape[-1] // 2
+    if 2 * half != head_size:
+        raise NotImplementedError(f"torch_rkv's vLLM backend: a rotary table of {2 * half} channels for head size "
+                                  f"{head_size} (partial rotary) is not supported yet")
     return table[:, :half].contiguous(), table[:, half:].contiguous()
