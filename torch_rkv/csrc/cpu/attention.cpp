@@ -103,7 +103,16 @@ at::Tensor run_attention(AttentionCall& call) {
   AttentionArgs a;
   a.q_block = prefill ? std::max<int64_t>(1, prefill_rows(g.dim) / g.group_size()) : 1;
   a.q_blocks = std::max<int64_t>(1, (max_m + a.q_block - 1) / a.q_block);
-  if (g.split_tokens == 0) g.split_tokens = default_split_tokens(g.batch * g.kv_heads * a.q_blocks, max_total);
+  if (g.split_tokens == 0) {
+    g.split_tokens = default_split_tokens(g.batch * g.kv_heads * a.q_blocks, max_total);
+    if (prefill && max_m > 0) {
+      // A prefill's partial results are (query rows x splits x D) floats: splits at most n / (10 m G), so
+      // they stay under a twentieth of the prefix's dequantized size (2 n D per kv head), whatever the
+      // chunk; a few query tokens (speculative verification) still split a long prefix.
+      const int64_t max_splits = std::max<int64_t>(1, max_total / (10 * max_m * g.group_size()));
+      g.split_tokens = std::max(g.split_tokens, (max_total + max_splits - 1) / max_splits);
+    }
+  }
   g.split_tokens = std::max<int64_t>(1, std::min(g.split_tokens, std::max<int64_t>(1, max_total)));
   a.g = g;
   a.pt = call.cache.pt;
