@@ -107,6 +107,27 @@ def test_simulation_without_quantization_equals_the_stock_forward(name):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("name", ["gpt_neox", "gptj", "qwen3"])
+def test_the_simulation_quantizes_the_models_pre_rope_keys(name, monkeypatch):
+    """What the simulation hands its quantizer for layer 0's keys is the model's pre-RoPE keys (partial or
+    interleaved rotary undone with the model's pairing; Qwen3's normed keys): the keys at position 0."""
+    model = family(name)
+    ids = prompt(48)
+    att = models.inspect(model)
+    cos, sin = models.rope_tables(model, 64)
+    seen = []
+    round_trip = Simulation.round_trip
+    monkeypatch.setattr(Simulation, "round_trip",
+                        lambda self, x, side: (seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side))
+    with torch.no_grad():
+        pre = model(ids, position_ids=torch.zeros_like(ids), use_cache=True).past_key_values.layers[0].keys.float()
+        scheme = S.recommended(8).replace(k_block_tokens=16, sinks=0)
+        install(model, Simulation(scheme, cos, sin, rope_interleaved=att.interleaved, view="all"))
+        model(ids)
+        install(model, None)
+    assert torch.allclose(seen[0], pre, atol=1e-5, rtol=1e-5), (seen[0] - pre).abs().max()
+
+
 def test_the_simulation_honours_a_sliding_window_mask():
     """A sliding-window model (not served by the cache yet) through the simulation sees its window: the
     stock logits, where ignoring the mask would not give them."""

@@ -53,7 +53,7 @@ def from_config(path: str, params: float | None) -> ModelShape:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
     if "sliding_attention" in (cfg.get("layer_types") or []) or (
-            cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and "layer_types" not in cfg):
+            cfg.get("sliding_window") and cfg.get("use_sliding_window", True)):
         # a sliding layer holds only its window: counting it as global would misstate the ledger, and the
         # cache does not serve such layers yet (integrations/models.py)
         raise NotImplementedError(f"{path}: sliding-window layers (sliding_window={cfg.get('sliding_window')}) are "

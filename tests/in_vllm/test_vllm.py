@@ -29,6 +29,7 @@ sys.path.insert(0, str(SCRIPTS))
 import vllm_engine
 
 SMOLLM2_SENSITIVITY = 8.0  # tests/test_transformers.py: nats per sqrt(relative step), with headroom
+TINY_SENSITIVITY = 0.2  # the same for a tiny random model
 KV_GB = "2"
 
 
@@ -114,6 +115,45 @@ def test_8_bit_generations_agree_with_vllms_own_cache(model_dir, alice):
             token = str(seq[start + j])
             assert abs(a[token] - b[token]) <= bound, (i, j, a[token], b[token], bound)
     assert got["kv_tokens"] > ref["kv_tokens"]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> str:
+    """A tiny random Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the normed ones; 8 query heads
+    for 2 KV heads) saved as a Hugging Face directory; no tokenizer (the prompts are token ids)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def test_a_qwen3_model_agrees_at_8_bits_with_vllms_own_cache(tiny_qwen3):
+    """Another family and GQA ratio through the plugin: rkv-8 (pre-RoPE keys: the normed keys, un-rotated
+    with vLLM's table for the model) against vLLM's own float32 cache, by the portable criterion (greedy
+    up to the first near-tie; teacher-forced log-probabilities within the 8-bit bound)."""
+    gen = __import__("random").Random(0)
+    prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
+    extra = {"skip_tokenizer_init": True, "max_model_len": 512}
+    ref = engine("qwen3-auto", None, lambda: fp32_job(tiny_qwen3, prompts, {"ids": "generated", "starts": None,
+                                                                            "top": 1}, **extra))
+    seqs = ref["forced"]["ids"]
+    got = engine("qwen3-rkv-8", "rkv-8", lambda: fp32_job(tiny_qwen3, prompts, {"ids": seqs, "starts":
+                                                                                  ref["forced"]["starts"], "top": 1},
+                                                          **extra))
+    bound = logprob_bound(8, TINY_SENSITIVITY)
+    for i in range(len(prompts)):
+        ok, detail = greedy_agreement(ref["generate"][i], got["generate"][i], 2 * bound)
+        assert ok, f"prompt {i}: {detail}"
+        seq, start = seqs[i], ref["forced"]["starts"][i]
+        for j, (a, b) in enumerate(zip(ref["forced"]["logprobs"][i], got["forced"]["logprobs"][i])):
+            token = str(seq[start + j])
+            assert abs(a[token] - b[token]) <= bound, (i, j, a[token], b[token], bound)
 
 
 def chunked_job(model_dir, alice, with_prefix_prompts=False, prefix_caching=False):

@@ -64,7 +64,9 @@ def build_document(tok, haystack: str, length: int, needles: int = 6, seed: int 
 def evaluate(model, tok, doc: Document, simulation: Simulation | None) -> list[dict]:
     """Per needle: log p(right rate), exact greedy match, and the greedy answer."""
     install(model, simulation)
-    cache = DynamicCache(config=model.config)
+    # every layer keeps every key (no config: no sliding-window layers that drop old ones), so a key's
+    # index is its position for the simulation; the model's mask still limits what a window layer sees
+    cache = DynamicCache()
     model(doc.ids, cache=cache, use_cache=True)
     n = doc.ids.shape[1]
     out = []

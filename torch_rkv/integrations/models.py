@@ -5,8 +5,9 @@ honour yet, each refused by name (UnsupportedModelFeature) rather than served wr
 
 Supported (tested on tiny random models of each: tests/test_families.py): Llama, Qwen2 / 2.5 (qkv bias),
 Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the normed ones), Mistral without a sliding
-window, Phi-3 (fused qkv), GPT-NeoX / Pythia, Phi-2 and StableLM (partial rotary), GPT-J (interleaved
-pairs). Not yet: sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window, Gemma 2 and 3),
+window, Phi-3-style models without one (fused qkv; the released Phi-3 checkpoints set a window or use
+LongRoPE, so they are refused), GPT-NeoX / Pythia, Phi-2 and StableLM (partial rotary), GPT-J
+(interleaved pairs). Not yet: sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window, Gemma 2 and 3),
 attention-logit soft-capping (Gemma 2), per-layer RoPE tables (Gemma 3), RoPE whose table depends on the
 sequence length (dynamic NTK, LongRoPE), ALiBi, encoder-decoder models.
 """
@@ -43,9 +44,10 @@ def text_config(model):
 
 
 def attention_modules(model) -> tuple[nn.Module, ...]:
-    """Every layer's attention module (the one that calls the attention function), in layer order."""
+    """Every layer's attention module (the one that calls the attention function), in layer order
+    (inspect() checks there is exactly one per layer)."""
     found = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
-    return tuple(sorted(found, key=lambda m: m.layer_idx))
+    return tuple(sorted(found, key=lambda m: -1 if m.layer_idx is None else m.layer_idx))
 
 
 def _refuse(model_type: str, feature: str) -> None:
@@ -66,9 +68,10 @@ def inspect(model) -> ModelAttention:
     modules = attention_modules(model)
     layer_types = getattr(cfg, "layer_types", None) or []
     windows = {getattr(m, "sliding_window", None) for m in modules} - {None}
+    # (Mistral and Phi-3 mask by config.sliding_window whatever layer_types says; Qwen2/3 clear it
+    # unless use_sliding_window)
     if "sliding_attention" in layer_types or windows or (
-            getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
-            and not layer_types):
+            getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)):
         _refuse(kind, f"sliding-window attention (sliding_window={getattr(cfg, 'sliding_window', None)})")
     base = getattr(model, "base_model", model)
     rotary = getattr(base, "rotary_emb", None)
@@ -82,8 +85,9 @@ def inspect(model) -> ModelAttention:
             _refuse(kind, "per-layer RoPE tables (local and global layers)")
         if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
             _refuse(kind, f"the rotary table of {type(rotary).__name__}")
-    if not modules:
-        _refuse(kind, "a model whose attention modules were not found (no *Attention module with a layer_idx)")
+    if [getattr(m, "layer_idx", None) for m in modules] != list(range(cfg.num_hidden_layers)):
+        _refuse(kind, "a model whose attention modules are not one self-attention per layer (none found, "
+                      "cross-attention layers, or no layer_idx)")
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return ModelAttention(kind, cfg.num_hidden_layers, kv_heads, head_dim, rotary,
@@ -102,6 +106,8 @@ def rope_tables(model, positions: int, device=None) -> tuple[torch.Tensor, torch
         if positions > table.shape[0]:
             raise ValueError(f"torch_rkv: {positions} positions exceed the model's table of {table.shape[0]}")
         half = table.shape[-1] // 2
+        if 2 * half > att.head_dim:
+            _refuse(att.model_type, f"a rotary table of {2 * half} channels for head_dim {att.head_dim}")
         return table[:positions, half:].contiguous().to(device), table[:positions, :half].contiguous().to(device)
     dev = next((b.device for b in rotary.buffers()), torch.device("cpu"))
     x = torch.zeros(1, dtype=torch.float32, device=dev)

@@ -106,9 +106,11 @@ at::Tensor run_attention(AttentionCall& call) {
   if (g.split_tokens == 0) {
     g.split_tokens = default_split_tokens(g.batch * g.kv_heads * a.q_blocks, max_total);
     if (prefill && max_m > 0) {
-      // A prefill's partial results are (query rows x splits x D) floats: splits at most n / (10 m G), so
-      // they stay under a twentieth of the prefix's dequantized size (2 n D per kv head), whatever the
-      // chunk; a few query tokens (speculative verification) still split a long prefix.
+      // A prefill's partial results are (query rows x splits x D) floats: splits at most n / (10 m G) (n the
+      // longest sequence, m the longest chunk), so for that sequence they stay under a twentieth of its
+      // dequantized prefix (2 n D per kv head), whatever the chunk; a few query tokens (speculative
+      // verification) still split a long prefix. Fewer items than the default policy wants: many-core
+      // machines may idle on one long chunk (2 cores do not).
       const int64_t max_splits = std::max<int64_t>(1, max_total / (10 * max_m * g.group_size()));
       g.split_tokens = std::max(g.split_tokens, (max_total + max_splits - 1) / max_splits);
     }

@@ -20,8 +20,9 @@ constexpr int64_t kTileTokens = 32;   // rows per tile: a key and a value tile o
 constexpr int64_t kChunkTokens = 512; // keys whose scores are held at once (an online softmax joins chunks)
 // Query rows (tokens x query heads of a kv head) x head_dim per prefill work item: every item dequantizes
 // (and rotates) the keys it reads once for all its rows, so more rows per item means fewer passes over
-// the prefix; past this their queries and outputs (64 KB each) leave L2. bench_paged's prefill case:
-// 32 rows per item took 174 ms (9q/3kv/d64) and 1259 ms (32q/8kv/d128), this 135 ms and 1018 ms.
+// the prefix; past this their queries and outputs (64 KB each) leave L2. bench_paged's prefill case, in
+// one run: 32 rows per item took 174 ms (9q/3kv/d64) and 1259 ms (32q/8kv/d128), this 135 ms and 1018 ms
+// (docs/performance.md).
 constexpr int64_t kPrefillRowFloats = 16384;
 inline int64_t prefill_rows(int64_t dim) { return kPrefillRowFloats / dim; }
 
