@@ -99,21 +99,30 @@ def fp32_job(model_dir, prompts, forced=None, **engine_args):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_8_bit_generations_agree_with_vllms_own_cache(model_dir, alice):
-    prompts = prompts_from(alice, 3, 300)
-    ref = engine("auto", None, lambda: fp32_job(model_dir, prompts, {"ids": "generated", "starts": None, "top": 1}))
+def assert_8_bits_agree_with_vllms_own_cache(name, model_dir, prompts, sensitivity, **engine_args) -> tuple:
+    """rkv-8 generations against vLLM's own float32 cache, by the portable criterion: greedy tokens equal
+    up to the first near-tie, and the reference tokens' teacher-forced log-probabilities, through both
+    engines, within the 8-bit bound. The two engine runs."""
+    ref = engine(f"{name}-auto", None, lambda: fp32_job(model_dir, prompts, {"ids": "generated", "starts": None,
+                                                                             "top": 1}, **engine_args))
     seqs = ref["forced"]["ids"]
-    got = engine("rkv-8", "rkv-8", lambda: fp32_job(model_dir, prompts,
-                                                     {"ids": seqs, "starts": ref["forced"]["starts"], "top": 1}))
-    bound = logprob_bound(8, SMOLLM2_SENSITIVITY)
+    got = engine(f"{name}-rkv-8", "rkv-8", lambda: fp32_job(model_dir, prompts, {"ids": seqs, "starts":
+                                                                                   ref["forced"]["starts"], "top": 1},
+                                                           **engine_args))
+    bound = logprob_bound(8, sensitivity)
     for i in range(len(prompts)):
         ok, detail = greedy_agreement(ref["generate"][i], got["generate"][i], 2 * bound)
         assert ok, f"prompt {i}: {detail}"
-        # teacher forced through both engines: the reference tokens' log-probabilities within the bound
         seq, start = seqs[i], ref["forced"]["starts"][i]
         for j, (a, b) in enumerate(zip(ref["forced"]["logprobs"][i], got["forced"]["logprobs"][i])):
             token = str(seq[start + j])
             assert abs(a[token] - b[token]) <= bound, (i, j, a[token], b[token], bound)
+    return ref, got
+
+
+def test_8_bit_generations_agree_with_vllms_own_cache(model_dir, alice):
+    ref, got = assert_8_bits_agree_with_vllms_own_cache("smollm2", model_dir, prompts_from(alice, 3, 300),
+                                                        SMOLLM2_SENSITIVITY)
     assert got["kv_tokens"] > ref["kv_tokens"]
 
 
@@ -135,25 +144,11 @@ def tiny_qwen3(tmp_path_factory) -> str:
 
 def test_a_qwen3_model_agrees_at_8_bits_with_vllms_own_cache(tiny_qwen3):
     """Another family and GQA ratio through the plugin: rkv-8 (pre-RoPE keys: the normed keys, un-rotated
-    with vLLM's table for the model) against vLLM's own float32 cache, by the portable criterion (greedy
-    up to the first near-tie; teacher-forced log-probabilities within the 8-bit bound)."""
+    with vLLM's table for the model) against vLLM's own float32 cache, by the portable criterion."""
     gen = __import__("random").Random(0)
     prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
-    extra = {"skip_tokenizer_init": True, "max_model_len": 512}
-    ref = engine("qwen3-auto", None, lambda: fp32_job(tiny_qwen3, prompts, {"ids": "generated", "starts": None,
-                                                                            "top": 1}, **extra))
-    seqs = ref["forced"]["ids"]
-    got = engine("qwen3-rkv-8", "rkv-8", lambda: fp32_job(tiny_qwen3, prompts, {"ids": seqs, "starts":
-                                                                                  ref["forced"]["starts"], "top": 1},
-                                                          **extra))
-    bound = logprob_bound(8, TINY_SENSITIVITY)
-    for i in range(len(prompts)):
-        ok, detail = greedy_agreement(ref["generate"][i], got["generate"][i], 2 * bound)
-        assert ok, f"prompt {i}: {detail}"
-        seq, start = seqs[i], ref["forced"]["starts"][i]
-        for j, (a, b) in enumerate(zip(ref["forced"]["logprobs"][i], got["forced"]["logprobs"][i])):
-            token = str(seq[start + j])
-            assert abs(a[token] - b[token]) <= bound, (i, j, a[token], b[token], bound)
+    assert_8_bits_agree_with_vllms_own_cache("qwen3", tiny_qwen3, prompts, TINY_SENSITIVITY,
+                                             skip_tokenizer_init=True, max_model_len=512)
 
 
 def chunked_job(model_dir, alice, with_prefix_prompts=False, prefix_caching=False):
