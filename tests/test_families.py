@@ -37,8 +37,8 @@ FAMILIES = {  # name: (config, model, family-specific arguments), with the rot_d
     "phi": ("PhiConfig", "PhiForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2}),
-    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"n_embd": 128, "n_layer": 2, "n_head": 4, "rotary_dim": 16,
-                                               "n_positions": 256}),
+    # (GPT-J's config maps the common names onto n_embd, n_layer, n_head, n_positions)
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"num_attention_heads": 4, "rotary_dim": 16}),
 }
 ROTARY = {"qwen2": (32, False), "qwen3": (32, False), "mistral": (32, False), "phi3": (32, False),
           "gpt_neox": (8, False), "phi": (16, False), "stablelm": (8, False), "gptj": (16, True)}
@@ -46,10 +46,6 @@ ROTARY = {"qwen2": (32, False), "qwen3": (32, False), "mistral": (32, False), "p
 
 def family(name):
     config_cls, model_cls, kw = FAMILIES[name]
-    if name == "gptj":  # GPT-J's config names its sizes differently
-        kw = {**kw, "vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-        torch.manual_seed(0)
-        return T.GPTJForCausalLM(T.GPTJConfig(**kw)).eval()
     return build(config_cls, model_cls, **kw)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import scheme as S
+from .integrations.models import uses_sliding_window
 from .layout import CacheLayout, PageLayout, default_page_size, round_up
 from .scheme import Scheme
 
@@ -52,8 +53,7 @@ def from_config(path: str, params: float | None) -> ModelShape:
     with open(path) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
-    if "sliding_attention" in (cfg.get("layer_types") or []) or (
-            cfg.get("sliding_window") and cfg.get("use_sliding_window", True)):
+    if uses_sliding_window(cfg.get("layer_types"), cfg.get("sliding_window"), cfg.get("use_sliding_window", True)):
         # a sliding layer holds only its window: counting it as global would misstate the ledger, and the
         # cache does not serve such layers yet (integrations/models.py)
         raise NotImplementedError(f"{path}: sliding-window layers (sliding_window={cfg.get('sliding_window')}) are "

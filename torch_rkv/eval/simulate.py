@@ -24,6 +24,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from ..integrations.models import attention_modules
 from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.quant import Quantized, dequantize, quantize
 from ..ops.rope import rope
@@ -229,8 +230,6 @@ def model_mask(mask: torch.Tensor, nq: int, n: int) -> torch.Tensor:
 
 def install(model, simulation: Optional[Simulation]) -> None:
     """Route every attention layer of `model` through `simulation` (None: plain SDPA)."""
-    from ..integrations.models import attention_modules
-
     AttentionInterface.register(ATTENTION, simulated_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)

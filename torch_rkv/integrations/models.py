@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rope_type prefixes whose table changes with the length
 _INTERLEAVED = ("gptj",)  # pairs (2j, 2j + 1) from a fixed [sin | cos] table (embed_positions)
 
 
@@ -41,6 +41,13 @@ class ModelAttention:
 def text_config(model):
     cfg = model.config
     return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def uses_sliding_window(layer_types, sliding_window, use_sliding_window=True) -> bool:
+    """Whether a config masks some layer to a window: a "sliding_attention" layer type, or a
+    sliding_window that is switched on (Mistral and Phi-3 mask by it whatever layer_types says; Qwen2/3
+    clear it unless use_sliding_window). The cache, the report and the planner all ask this."""
+    return "sliding_attention" in (layer_types or []) or (sliding_window is not None and bool(use_sliding_window))
 
 
 def attention_modules(model) -> tuple[nn.Module, ...]:
@@ -66,19 +73,16 @@ def inspect(model) -> ModelAttention:
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         _refuse(kind, f"attention-logit soft-capping (attn_logit_softcapping={cfg.attn_logit_softcapping})")
     modules = attention_modules(model)
-    layer_types = getattr(cfg, "layer_types", None) or []
     windows = {getattr(m, "sliding_window", None) for m in modules} - {None}
-    # (Mistral and Phi-3 mask by config.sliding_window whatever layer_types says; Qwen2/3 clear it
-    # unless use_sliding_window)
-    if "sliding_attention" in layer_types or windows or (
-            getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)):
+    if windows or uses_sliding_window(getattr(cfg, "layer_types", None), getattr(cfg, "sliding_window", None),
+                                      getattr(cfg, "use_sliding_window", True)):
         _refuse(kind, f"sliding-window attention (sliding_window={getattr(cfg, 'sliding_window', None)})")
     base = getattr(model, "base_model", model)
     rotary = getattr(base, "rotary_emb", None)
     if rotary is not None:
         rope_type = str(getattr(rotary, "rope_type", None) or (getattr(cfg, "rope_parameters", None) or {}).get(
             "rope_type", "default"))
-        if rope_type.startswith(_LENGTH_DEPENDENT_ROPE):
+        if rope_type.startswith(LENGTH_DEPENDENT_ROPE):
             _refuse(kind, f"rope_type {rope_type!r} (its table changes with the sequence length; pre-RoPE storage "
                           "needs a fixed table)")
         if len(getattr(rotary, "layer_types", ()) or ()) > 1:

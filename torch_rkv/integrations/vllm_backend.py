@@ -24,6 +24,7 @@ from ..ops.paged import paged_append, paged_copy, paged_prefill_attention
 from ..ops.rope import rope
 from ..reference import quantized_count, read_rows
 from ..scheme import Scheme
+from .models import LENGTH_DEPENDENT_ROPE
 from .vllm import ENV, configured_scheme, overridden_backend
 from .vllm_slots import SlotInit, SlotTracker
 
@@ -304,7 +305,7 @@ def model_rope_tables(vllm_config, head_size: int) -> tuple[torch.Tensor, torch.
                                   f"{', '.join(ROTATE_HALF_MODELS)} models (rotate-half RoPE on every channel), not "
                                   f"{kind!r}; a post-RoPE scheme (kivi-2, per-token-4, quarot-4, ...) serves any decoder")
     rope_type = str(params.get("rope_type", "default"))
-    if rope_type.startswith(("dynamic", "longrope")):
+    if rope_type.startswith(LENGTH_DEPENDENT_ROPE):
         raise NotImplementedError(f"torch_rkv's vLLM backend: rope_type {rope_type!r} changes its table with the "
                                   "sequence length; pre-RoPE storage needs a fixed table")
     if params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) != 1.0:

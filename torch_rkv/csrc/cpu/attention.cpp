@@ -38,14 +38,23 @@ FloatKind float_kind(at::ScalarType t) {
 // no merge (a prefill chunk). Otherwise the power of two in [512, 2048] nearest above what makes
 // kTargetItems items: longer splits cost fewer partial results to zero and merge, and restart fewer
 // prefetch streams; the items still outnumber the cores, and power-of-two splits of power-of-two
-// contexts share out evenly. A function of the shapes and lengths only, never of the thread count, so
-// results stay bit-identical across thread counts.
-int64_t default_split_tokens(int64_t items, int64_t max_n) {
+// contexts share out evenly. A prefill's partial results are (query rows x splits x D) floats, so it
+// splits at most n / (10 R) ways (R = max_rows, the query rows of its longest chunk per kv head): for
+// the longest sequence they stay under a twentieth of its dequantized prefix (2 n D per kv head),
+// whatever the chunk, and a few query tokens (speculative verification) still split a long prefix; fewer
+// items than kTargetItems may idle a many-core machine on one long chunk (2 cores do not). A function
+// of the shapes and lengths only, never of the thread count, so results stay bit-identical across
+// thread counts.
+int64_t default_split_tokens(int64_t items, int64_t max_n, int64_t max_rows) {
   constexpr int64_t kTargetItems = 32, kMin = 512, kMax = 2048;
   if (items >= kTargetItems) return std::max<int64_t>(1, max_n);
   const int64_t want = (items * max_n + kTargetItems - 1) / kTargetItems;
   int64_t split = kMin;
   while (split < want && split < kMax) split *= 2;
+  if (max_rows > 0) {
+    const int64_t max_splits = std::max<int64_t>(1, max_n / (10 * max_rows));
+    split = std::max(split, (max_n + max_splits - 1) / max_splits);
+  }
   return split;
 }
 
@@ -103,18 +112,9 @@ at::Tensor run_attention(AttentionCall& call) {
   AttentionArgs a;
   a.q_block = prefill ? std::max<int64_t>(1, prefill_rows(g.dim) / g.group_size()) : 1;
   a.q_blocks = std::max<int64_t>(1, (max_m + a.q_block - 1) / a.q_block);
-  if (g.split_tokens == 0) {
-    g.split_tokens = default_split_tokens(g.batch * g.kv_heads * a.q_blocks, max_total);
-    if (prefill && max_m > 0) {
-      // A prefill's partial results are (query rows x splits x D) floats: splits at most n / (10 m G) (n the
-      // longest sequence, m the longest chunk), so for that sequence they stay under a twentieth of its
-      // dequantized prefix (2 n D per kv head), whatever the chunk; a few query tokens (speculative
-      // verification) still split a long prefix. Fewer items than the default policy wants: many-core
-      // machines may idle on one long chunk (2 cores do not).
-      const int64_t max_splits = std::max<int64_t>(1, max_total / (10 * max_m * g.group_size()));
-      g.split_tokens = std::max(g.split_tokens, (max_total + max_splits - 1) / max_splits);
-    }
-  }
+  if (g.split_tokens == 0)
+    g.split_tokens = default_split_tokens(g.batch * g.kv_heads * a.q_blocks, max_total,
+                                          prefill ? max_m * g.group_size() : 0);
   g.split_tokens = std::max<int64_t>(1, std::min(g.split_tokens, std::max<int64_t>(1, max_total)));
   a.g = g;
   a.pt = call.cache.pt;
