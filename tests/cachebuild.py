@@ -30,14 +30,18 @@ def stored_keys(scheme: Scheme, keys_post: torch.Tensor, cos, sin, signs, interl
 
 def fill(layout: CacheLayout, keys: torch.Tensor, values: torch.Tensor, lengths: list[int], device="cpu"):
     """Buffers holding, for each sequence b, its first lengths[b] stored keys / values (B, H, n, D),
-    written by one reference append per sequence into zeroed buffers."""
+    written by reference appends into zeroed buffers: one per sequence, or (a sliding-window ring) as
+    many pieces as the ring takes."""
     bufs = layout.allocate(device)
-    s = layout.scheme
+    s, w = layout.scheme, layout.sliding_window
+    step = layout.packed_capacity - s.block + 1 if w else max(lengths + [1])
     for b, n in enumerate(lengths):
         view = {k: v[b : b + 1] for k, v in bufs.items()}
-        zeros = torch.zeros(1, dtype=torch.int64)
-        ref.cache_append(*buffers_args(view), zeros, keys[b : b + 1, :, :n].to(layout.dtype),
-                         values[b : b + 1, :, :n].to(layout.dtype), s.k_bits, s.v_bits, s.block, s.recent)
+        for i in range(0, n, step):
+            j = min(n, i + step)
+            ref.cache_append(*buffers_args(view), torch.tensor([i]), keys[b : b + 1, :, i:j].to(layout.dtype),
+                             values[b : b + 1, :, i:j].to(layout.dtype), s.k_bits, s.v_bits, s.block, s.recent,
+                             sliding_window=w)
     return bufs
 
 
@@ -46,7 +50,7 @@ def build(case, device="cpu"):
     gen = torch.Generator().manual_seed(case["seed"])
     s, d = case["scheme"], case["d"]
     b = len(case["lengths"])
-    layout = CacheLayout(s, b, case["kv_heads"], d, case["capacity"], case["fp_dtype"])
+    layout = CacheLayout(s, b, case["kv_heads"], d, case["capacity"], case["fp_dtype"], case.get("window", 0))
     n_max = layout.max_tokens
     keys = torch.randn(b, case["kv_heads"], n_max, d, generator=gen)
     keys[..., 3] += 4.0  # an outlier channel, as in real keys

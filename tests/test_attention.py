@@ -47,6 +47,9 @@ def attention_cases(draw):
         q_dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
         fp_dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
         split=draw(st.sampled_from([0, 7, 32])), seed=draw(st.integers(0, 2**16)),
+        # a sliding window (the buffers a ring of its rows; windows shorter than recent + block too) and
+        # Gemma 2's soft-capping
+        window=draw(st.sampled_from([0, 0, 1, 5, 17, 33])), softcap=draw(st.sampled_from([0.0, 0.0, 0.5, 4.0])),
     )
 
 
@@ -55,7 +58,8 @@ def run_kernel(case, device, bufs, q, rope, k_signs, v_signs, split=None):
     lengths = torch.tensor(case["lengths"], device=device)
     return torch_rkv.decode_attention(
         q, *buffers_args(bufs), lengths, s.k_bits, s.v_bits, s.block, s.recent, rope[0], rope[1],
-        case["interleaved"], k_signs, v_signs, split_tokens=case["split"] if split is None else split)
+        case["interleaved"], k_signs, v_signs, split_tokens=case["split"] if split is None else split,
+        sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0))
 
 
 def run_reference(case, bufs, q, rope, k_signs, v_signs):
@@ -63,7 +67,8 @@ def run_reference(case, bufs, q, rope, k_signs, v_signs):
     cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
     return ref.decode_attention(
         q.cpu(), *[cpu(t) for t in buffers_args(bufs)], torch.tensor(case["lengths"]), s.k_bits, s.v_bits, s.block,
-        s.recent, cpu(rope[0]), cpu(rope[1]), case["interleaved"], cpu(k_signs), cpu(v_signs))
+        s.recent, cpu(rope[0]), cpu(rope[1]), case["interleaved"], cpu(k_signs), cpu(v_signs),
+        sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0))
 
 
 @pytest.mark.parametrize("device", DEVICES)

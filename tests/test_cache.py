@@ -38,7 +38,8 @@ def append_cases(draw):
     chunks = draw(st.lists(st.integers(0, 13), min_size=1, max_size=6))
     return dict(scheme=scheme, chunks=chunks, dtype=draw(st.sampled_from([torch.float32, torch.float16])),
                 batch=draw(st.integers(1, 2)), heads=draw(st.integers(1, 2)), dim=32,
-                offsets=draw(st.lists(st.integers(0, 5), min_size=2, max_size=2)), seed=draw(st.integers(0, 2**16)))
+                offsets=draw(st.lists(st.integers(0, 5), min_size=2, max_size=2)), seed=draw(st.integers(0, 2**16)),
+                window=draw(st.sampled_from([0, 0, 1, 6, 13])))  # > 0: the packed rows are a ring
 
 
 def random_tokens(case, n, gen):
@@ -49,9 +50,11 @@ def random_tokens(case, n, gen):
 @given(case=append_cases())
 def test_append_matches_reference_and_writes_nothing_else(device, case):
     """Every buffer (canary-filled, so untouched bytes are visible) equals reference.cache_append's."""
-    s = case["scheme"]
+    s, w = case["scheme"], case["window"]
     total = sum(case["chunks"]) + max(case["offsets"])
-    layout = CacheLayout(s, case["batch"], case["heads"], case["dim"], total, case["dtype"])
+    layout = CacheLayout(s, case["batch"], case["heads"], case["dim"], total, case["dtype"], w)
+    step = layout.packed_capacity - s.block + 1  # the most a ring takes per append
+    chunks = [min(m, step) for m in case["chunks"]] if w else case["chunks"]
     gen = torch.Generator().manual_seed(case["seed"])
     bufs = {}
     for name, (shape, dt) in layout.shapes().items():  # canaries: random bytes everywhere
@@ -61,11 +64,12 @@ def test_append_matches_reference_and_writes_nothing_else(device, case):
     want = {k: v.clone() for k, v in bufs.items()}
     got = {k: v.clone().to(device) for k, v in bufs.items()}
     lengths = torch.tensor(case["offsets"][: case["batch"]])  # sequences start at different lengths
-    for m in case["chunks"]:
+    for m in chunks:
         k, v = random_tokens(case, m, gen), random_tokens(case, m, gen)
-        ref.cache_append(*buffers_args(want), lengths, k, v, s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip)
+        ref.cache_append(*buffers_args(want), lengths, k, v, s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip,
+                         w)
         torch_rkv.ops.cache.cache_append(*buffers_args(got), lengths.to(device), k.to(device), v.to(device),
-                                         s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip)
+                                         s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, w)
         lengths = lengths + m
     for name in want:
         assert torch.equal(got[name].cpu(), want[name]), name
@@ -82,9 +86,10 @@ SCHEMES = [presets.per_token(4), presets.kivi(2, recent=8), presets.kvquant(3, b
                   recent=5, v_hadamard=True)]
 
 
-def make_cache(scheme, capacity=100, layers=2, batch=2, device="cpu", dtype=torch.float32):
+def make_cache(scheme, capacity=100, layers=2, batch=2, device="cpu", dtype=torch.float32, window=0):
     cos, sin = torch_rkv.rope_tables(32, capacity + 1024, theta=1e4)
-    return QuantizedKVCache(scheme, layers, batch, 2, 32, capacity, dtype=dtype, device=device, rope=(cos, sin))
+    return QuantizedKVCache(scheme, layers, batch, 2, 32, capacity, dtype=dtype, device=device, rope=(cos, sin),
+                            sliding_window=window)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -254,3 +259,93 @@ def test_the_op_rejects_a_full_cache_and_changes_nothing():
         args[BUFFERS.index("k_window")] = torch.zeros(1, 1, 32, layout.window).transpose(-1, -2)
         torch_rkv.ops.cache.cache_append(*args, torch.zeros(1, dtype=torch.int64), k[:, :, :2], k[:, :, :2], 4, 4,
                                          s.block, s.recent)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scheme", [presets.recommended(4), presets.kivi(2, recent=8), presets.per_token(8)],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("window", [7, 40, 64])
+def test_sliding_window_ring_attends_as_a_full_cache(device, scheme, window):
+    """A sliding-window cache keeps only a ring of rows, yet its decode steps and chunks attend exactly as
+    a cache that kept every token, masked to the same window (same kernel, same codes: bit-identical);
+    and the window is the model's: the newest `window` tokens, the query included."""
+    gen = torch.Generator().manual_seed(window)
+    ring = make_cache(scheme, capacity=300, layers=1, batch=1, device=device, window=window)
+    full = make_cache(scheme, capacity=300, layers=1, batch=1, device=device)
+    assert ring.layout.packed_capacity < full.layout.packed_capacity
+    steps = [90, 1, 1, 37, 1, 64, 1, 1]  # a prefill longer than the ring, decode steps, chunks
+    for m in steps:
+        k = torch.randn(1, 2, m, 32, generator=gen).to(device)
+        v = torch.randn(1, 2, m, 32, generator=gen).to(device)
+        q = torch.randn(1, 4, m, 32, generator=gen).to(device)
+        if ring.seq_length() == 0:
+            ring.append(0, k, v)
+            full.append(0, k, v)
+            continue
+        if m == 1:
+            ring.append(0, k, v)
+            full.append(0, k, v)
+            got = ring.attend(0, q[:, :, 0])
+            want = torch_rkv.decode_attention(q[:, :, 0], *full.layer_buffers(0), full.lengths[0], scheme.k_bits,
+                                              scheme.v_bits, scheme.block, scheme.recent, full.rope_cos, full.rope_sin,
+                                              False, full.k_signs, full.v_signs, sliding_window=window)
+        else:
+            got = ring.prefill(0, q, k, v)
+            full.sliding_window = window  # its buffers hold every token: the window only masks
+            want = full.prefill(0, q, k, v)
+            full.sliding_window = 0
+        assert torch.equal(got, want)
+    # the window itself: with 8 bits the newest `window` tokens (exactly) are what the query attends
+    if scheme.k_bits == 8:
+        keys, values = full.dequantized(0)
+        n = keys.shape[2]
+        qq = torch.randn(1, 4, 32, generator=gen).to(device)
+        plain = attention_fp32(qq.cpu(), keys[:, :, n - window :].cpu(), values[:, :, n - window :].cpu(), [window])
+        wider = attention_fp32(qq.cpu(), keys[:, :, n - window - 1 :].cpu(), values[:, :, n - window - 1 :].cpu(),
+                               [window + 1])
+        got = ring.attend(0, qq).cpu()
+        assert (got - plain).abs().max() < 1e-5 < (got - wider).abs().max()
+
+
+def test_sliding_window_cache_holds_the_window_in_bytes_counted_by_hand():
+    """rkv-4 (keys 4 bits per channel in blocks of 128, values 4 bits per token, fp16 scale and zero;
+    4 sinks, 64 recent tokens, fp16 rows) at head_dim 128, 2 kv heads, window 1000: the ring holds
+    round_up(1000, 128) = 1024 quantized rows, whatever the capacity."""
+    s = presets.recommended(4)
+    assert (s.k_bits, s.v_bits, s.block, s.sinks, s.recent, s.k_group_size, s.v_group_size) == (4, 4, 128, 4, 64, 1, None)
+    h, d, rows = 2, 128, 1024
+    codes = 2 * h * rows * d * 4 // 8  # keys and values, 4 bits
+    k_meta = 2 * h * (rows // 128) * d * 2  # scale and zero per channel and block, fp16
+    v_meta = 2 * h * rows * 2  # scale and zero per token, fp16
+    side = 2 * h * (4 + 64 + 127) * d * 2  # sinks and the fp ring (recent + block - 1), keys and values, fp16
+    want = codes + k_meta + v_meta + side
+    for capacity in (2048, 131072):
+        cache = QuantizedKVCache(s, 1, 1, h, d, capacity, dtype=torch.float16, rope=torch_rkv.rope_tables(d, capacity),
+                                 sliding_window=1000)
+        assert cache.nbytes() == want
+    # quantized rows: the window plus less than a block; besides them only the sinks and the fp tail
+
+
+def test_sliding_window_and_softcap_errors_name_the_argument():
+    s = presets.recommended(4).replace(sinks=1, recent=4, k_block_tokens=8)
+    ring = make_cache(s, capacity=64, layers=1, batch=1, window=20)  # a ring of 24 rows
+    full = make_cache(s, capacity=64, layers=1, batch=1)
+    b = ring.layer_buffers(0)
+    q = torch.randn(1, 4, 32)
+    call = lambda bufs, **kw: torch_rkv.decode_attention(q, *bufs, ring.lengths[0], s.k_bits, s.v_bits, s.block,  # noqa: E731
+                                                         s.recent, ring.rope_cos, ring.rope_sin, **kw)
+    with pytest.raises(ValueError, match=re.escape("rkv.decode_attention: sliding_window must be >= 0")):
+        call(b, sliding_window=-1)
+    with pytest.raises(ValueError, match=re.escape("rkv.decode_attention: softcap must be finite and >= 0")):
+        call(b, softcap=-1.0)
+    with pytest.raises(ValueError, match=re.escape("rkv.decode_attention: a sliding window of 40 tokens needs a ring "
+                                                   "of at least 40 packed rows (k_packed has 24)")):
+        call(b, sliding_window=40)
+    call(full.layer_buffers(0), sliding_window=40)  # rows for every token: a window only masks
+    k = torch.randn(1, 2, 18, 32)
+    with pytest.raises(ValueError, match=re.escape("rkv.cache_append: a ring of 24 packed rows (sliding_window=20) "
+                                                   "takes at most 17 tokens per append (k_new has 18)")):
+        torch_rkv.ops.cache.cache_append(*b, ring.lengths[0], k, k, s.k_bits, s.v_bits, s.block, s.recent,
+                                         sliding_window=20)
+    ring.append(0, k, k)  # the cache appends in pieces
+    assert ring.seq_length(0) == 18

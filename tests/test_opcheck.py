@@ -66,6 +66,20 @@ def cache_samples(device):
         out.append((torch.ops.rkv.decode_attention.default,
                     (q, *buffers_args(bufs), lengths, 4, 4, s.block, s.recent, rope[0], rope[1], False, ks, vs, 0.125,
                      16)))
+    # a sliding-window ring (appended past its rows) and soft-capped scores
+    s = Scheme(k_bits=4, v_bits=4, k_group_size=1, k_block_tokens=8, v_group_size=16, v_block_tokens=1, pre_rope=True,
+               sinks=1, recent=4)
+    case = dict(d=64, kv_heads=2, q_heads=6, scheme=s, capacity=40, lengths=[40, 9], rot=64, interleaved=False,
+                q_dtype=torch.float16, fp_dtype=torch.float16, split=16, seed=1, window=12)
+    _, bufs, q, _, _, rope, _, _ = build(case, device)
+    assert bufs["k_packed"].shape[2] < 40  # a ring
+    lengths = torch.tensor(case["lengths"], device=device)
+    out.append((torch.ops.rkv.decode_attention.default,
+                (q, *buffers_args(bufs), lengths, 4, 4, s.block, s.recent, rope[0], rope[1], False, None, None, 0.125,
+                 0, 12, 5.0)))
+    out.append((torch.ops.rkv.cache_append.default,
+                (*buffers_args(bufs), lengths, k[:, :, :9], k[:, :, :9].clone(), 4, 4, s.block, s.recent, False, False,
+                 12)))
     return out + paged_samples(device)
 
 
@@ -109,7 +123,7 @@ def paged_samples(device):
         qp = on(torch.randn(7, 6, 64, generator=gen).half())
         out.append((torch.ops.rkv.paged_prefill_attention.default,
                     (qp, k[:7], k[:7].clone(), on(torch.tensor([0, 3, 6])), 3, *pool.tensors(), tables, slots, lengths,
-                     4, 4, s.block, s.recent, *rope, False, signs, vs, 0.125, 0)))
+                     4, 4, s.block, s.recent, *rope, False, signs, vs, 0.125, 0, 5, 3.0)))
         out.append((torch.ops.rkv.paged_copy.default,
                     (*pool.tensors(), pool.fill, on(torch.tensor([1, 2])), on(torch.tensor([5, 6])),
                      on(torch.tensor([0])), on(torch.tensor([1])))))

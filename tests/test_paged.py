@@ -132,6 +132,12 @@ def cpu(t):
     return None if t is None else t.cpu()
 
 
+def window_and_cap(data):
+    """A sliding window (over pages it only masks: the engine keeps the pages) and soft-capping, or none."""
+    return (data.draw(st.sampled_from([0, 0, 1, 6, 50]), label="sliding_window"),
+            data.draw(st.sampled_from([0.0, 0.0, 2.0]), label="softcap"))
+
+
 @pytest.mark.parametrize("device", device_params("paged_decode_attention"))
 @given(s=schemes(), data=st.data())
 def test_paged_decode_matches_reference(device, s, data):
@@ -141,11 +147,12 @@ def test_paged_decode_matches_reference(device, s, data):
     pool = c["pool"].clone(device)
     on = lambda t: None if t is None else t.to(device)  # noqa: E731
     args = (c["tables"], c["slots"], torch.tensor(c["lengths"]), s.k_bits, s.v_bits, s.block, s.recent)
+    window, cap = window_and_cap(data)
     want = ref.paged_decode_attention(q, *c["pool"].tensors(), *args, *c["rope"], c["interleaved"], c["k_signs"],
-                                      c["v_signs"])
+                                      c["v_signs"], sliding_window=window, softcap=cap)
     got = ops.paged_decode_attention(on(q), *pool.tensors(), *(on(a) if torch.is_tensor(a) else a for a in args),
                                      on(c["rope"][0]), on(c["rope"][1]), c["interleaved"], on(c["k_signs"]),
-                                     on(c["v_signs"]), split_tokens=c["split"])
+                                     on(c["v_signs"]), split_tokens=c["split"], sliding_window=window, softcap=cap)
     assert got.shape == q.shape and got.dtype == q.dtype
     tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
     assert (got.cpu().float() - want.float()).abs().max().item() <= tol
@@ -168,12 +175,13 @@ def test_paged_prefill_matches_reference(device, s, data):
     pool = c["pool"].clone(device)
     on = lambda x: None if x is None else x.to(device)  # noqa: E731
     args = (c["tables"], c["slots"], torch.tensor(lengths), s.k_bits, s.v_bits, s.block, s.recent)
+    window, cap = window_and_cap(data)
     want = ref.paged_prefill_attention(q, kn, vn, qsl, *c["pool"].tensors(), *args, *c["rope"], c["interleaved"],
-                                       c["k_signs"], c["v_signs"])
+                                       c["k_signs"], c["v_signs"], sliding_window=window, softcap=cap)
     got = ops.paged_prefill_attention(on(q), on(kn), on(vn), on(qsl), max(counts), *pool.tensors(),
                                       *(on(a) if torch.is_tensor(a) else a for a in args), on(c["rope"][0]),
                                       on(c["rope"][1]), c["interleaved"], on(c["k_signs"]), on(c["v_signs"]),
-                                      split_tokens=c["split"])
+                                      split_tokens=c["split"], sliding_window=window, softcap=cap)
     tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
     assert (got.cpu().float() - want.float()).abs().max().item() <= tol
     assert torch.equal(got[-2:].cpu(), torch.zeros_like(got[-2:].cpu()))

@@ -95,17 +95,105 @@ def test_config_json_of_any_model(tmp_path):
     assert abs(shape.params / 8.03e9 - 1) < 0.01  # the estimate recovers Llama-3-8B's size
 
 
-@pytest.mark.parametrize("extra", [{"sliding_window": 4096},  # Mistral-7B v0.1
-                                   {"sliding_window": 1024, "layer_types": ["sliding_attention", "full_attention"]}])
-def test_sliding_window_configs_are_refused_by_name(tmp_path, extra):
-    cfg = {"num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, **extra}
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_planned_sliding_bytes_equal_the_allocated_cache(scheme):
+    """A sliding layer's planned bytes are what a QuantizedKVCache with that window allocates, at any context."""
+    model = plan.ModelShape("tiny", layers=3, kv_heads=2, head_dim=64, params=1e6, sliding_layers=3, sliding_window=300)
+    for context in (100, 1000):
+        cache = QuantizedKVCache(scheme, model.layers, 1, model.kv_heads, model.head_dim, context, dtype=torch.float16,
+                                 rope=(torch.zeros(4096, 32), torch.zeros(4096, 32)), sliding_window=300)
+        allocated = sum(t.numel() * t.element_size() for name, t in cache.named_buffers() if name in BUFFERS)
+        assert plan.kv_bytes(model, scheme, context, 1) == cache.nbytes() == allocated
+
+
+def test_gemma_3_sliding_layers_hold_only_their_ring():
+    """Gemma-3-27B at 128K with rkv-4, counted by hand: 10 full layers of the whole context, 52 sliding
+    layers of exactly the ring. rkv-4: sinks 4, recent 64, blocks of 128 tokens; 16 KV heads, d=128."""
+    model = plan.MODELS["gemma-3-27b"]
+    assert (model.layers, model.sliding_layers, model.full_layers, model.sliding_window) == (62, 52, 10, 1024)
+    # one sliding layer: ring rows = round_up(1024 - 64, 128) = 1024
+    #   codes    2 sides x 16 heads x 1024 rows x 64 bytes                  = 2097152
+    #   K meta   16 heads x 8 blocks x 128 channels x (scale+zero) x 2 B    = 65536
+    #   V meta   16 heads x 1024 rows x 1 group x (scale+zero) x 2 B        = 65536
+    #   window   2 sides x 16 heads x (64 + 128 - 1) rows x 128 x 2 B       = 1564672
+    #   sinks    2 sides x 16 heads x 4 x 128 x 2 B                         = 32768
+    sliding = 2097152 + 65536 + 65536 + 1564672 + 32768
+    # one full layer at 131072 tokens: codes 2 x 16 x 131072 x 64, K meta 16 x 1024 blocks x 128 x 2 x 2,
+    # V meta 16 x 131072 x 2 x 2, the same window and sinks
+    full = 2 * 16 * 131072 * 64 + 16 * 1024 * 128 * 4 + 16 * 131072 * 4 + 1564672 + 32768
+    assert (sliding, full) == (3825664, 286810112)
+    assert plan.kv_bytes(model, S.recommended(4), 131072, 1) == 10 * full + 52 * sliding == 3067035648
+    # fp16: a full layer keeps 128K tokens, a sliding one 1024
+    assert plan.kv_bytes(model, None, 131072, 1) == 10 * 2 * 16 * 131072 * 128 * 2 + 52 * 2 * 16 * 1024 * 128 * 2
+
+
+@pytest.mark.parametrize("scheme", [None, S.recommended(4), S.kivi(2), S.per_token(8)],
+                         ids=lambda s: getattr(s, "name", "fp16"))
+def test_sliding_layers_do_not_grow_with_the_context(scheme):
+    gemma = plan.MODELS["gemma-3-27b"]
+    full_only = plan.ModelShape("the 10 full layers", 10, 16, 128, 1e9)
+    for ctx in (65536, 131072):  # past the window, what grows is the full layers' share
+        assert plan.kv_bytes(gemma, scheme, ctx, 1) - plan.kv_bytes(full_only, scheme, ctx, 1) == \
+            plan.kv_bytes(gemma, scheme, 65536, 1) - plan.kv_bytes(full_only, scheme, 65536, 1)
+    assert plan.bytes_per_token(gemma, scheme) == plan.bytes_per_token(full_only, scheme)
+    # paged: at most ceil((1024 + P) / P) pages per sliding layer, whatever the context
+    assert plan.paged_sequence_bytes(gemma, scheme, 131072) - plan.paged_sequence_bytes(gemma, scheme, 65536) == \
+        plan.paged_sequence_bytes(full_only, scheme, 131072) - plan.paged_sequence_bytes(full_only, scheme, 65536)
+
+
+def test_all_sliding_model_has_no_context_limit():
+    v01 = plan.MODELS["mistral-7b-v0.1"]
+    assert plan.MODELS["mistral-7b"].sliding_layers == 0 and v01.sliding_layers == v01.layers == 32
+    assert plan.longest_context(v01, S.recommended(4), 1e9) is None
+    assert plan.longest_context(v01, S.recommended(4), 1e3) == 0
+    budget = plan.kv_bytes(v01, None, 1000, 1)  # fp16 below the window still grows token by token
+    assert plan.longest_context(v01, None, budget) == 1000
+
+
+GEMMA3 = {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16,
+          "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024}
+
+
+@pytest.mark.parametrize("extra", [
+    {"layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)]},
+    {"sliding_window_pattern": 6},
+    {},  # gemma3_text's default pattern
+], ids=["layer_types", "pattern", "default"])
+def test_gemma_3_config_gives_the_preset(tmp_path, extra):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gemma3", "text_config": {**GEMMA3, **extra}}))
+    shape, preset = plan.from_config(str(path), 27.4e9), plan.MODELS["gemma-3-27b"]
+    fields = ("layers", "kv_heads", "head_dim", "params", "sliding_layers", "sliding_window")
+    assert [getattr(shape, f) for f in fields] == [getattr(preset, f) for f in fields]
+
+
+@pytest.mark.parametrize("extra,sliding", [
+    ({"sliding_window": 4096}, 32),  # Mistral-7B v0.1: every layer
+    ({"sliding_window": None}, 0),  # v0.3
+    ({"sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28}, 0),  # Qwen2.5
+    ({"sliding_window": 131072, "use_sliding_window": False, "layer_types": ["full_attention"] * 32}, 0),
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 28}, 4),  # Qwen2: i >= 28
+    ({"sliding_window": 4096, "model_type": "gemma2"}, 16),  # Gemma 2: every other layer
+])
+def test_config_sliding_layers(tmp_path, extra, sliding):
+    cfg = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, **extra}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    with pytest.raises(NotImplementedError, match="sliding-window layers"):
-        plan.from_config(str(path), None)
-    path.write_text(json.dumps({**cfg, "sliding_window": 131072, "use_sliding_window": False,
-                                "layer_types": ["full_attention"] * 2}))  # Qwen2.5: a window that is off
-    assert plan.from_config(str(path), None).layers == 2
+    shape = plan.from_config(str(path), None)
+    assert (shape.layers, shape.sliding_layers) == (32, sliding)
+    assert shape.sliding_window == (extra["sliding_window"] if sliding else None)
+    if sliding == 32:
+        v01 = plan.MODELS["mistral-7b-v0.1"]
+        assert plan.kv_bytes(shape, S.recommended(3), 131072, 1) == plan.kv_bytes(v01, S.recommended(3), 131072, 1)
+
+
+def test_the_table_names_the_sliding_layers(capsys):
+    from torch_rkv.__main__ import main
+
+    assert main(["plan", "--model", "gemma-3-27b", "--schemes", "rkv-4"]) == 0
+    assert "52 of 62 layers slide" in capsys.readouterr().out
+    assert main(["plan", "--model", "mistral-7b-v0.1", "--schemes", "rkv-4"]) == 0
+    assert "unbounded" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from torch_rkv import reference as ref  # noqa: E402
 from torch_rkv import scheme as S  # noqa: E402
-from torch_rkv.eval import localization, perplexity  # noqa: E402
+from torch_rkv.eval import data, localization, perplexity  # noqa: E402
 from torch_rkv.eval.report import REFERENCE, TOLERANCE, effective_bits_at, reference_scheme  # noqa: E402
 from torch_rkv.eval.simulate import Simulation  # noqa: E402
 from torch_rkv.integrations.models import rope_tables as model_rope_tables  # noqa: E402
@@ -91,11 +91,46 @@ def test_localization_document_places_every_needle():
     assert abs(doc.ids.shape[1] - 2000) < 300
 
 
+def test_document_start_follows_the_tokenizer():
+    class Tok:
+        bos_token, eos_token = None, "</s>"
+
+    assert data.bos_text(Tok()) == "</s>"  # no BOS: the end-of-text token separates documents
+    Tok.eos_token = None
+    assert data.bos_text(Tok()) == ""
+
+    class Adds(Tok):  # a tokenizer that prepends its BOS itself (Llama): no second one
+        bos_token, bos_token_id = "<s>", 1
+
+        def __call__(self, text):
+            class Out:
+                input_ids = [1, 5]
+
+            return Out()
+
+    assert data.bos_text(Adds()) == ""
+
+
+@pytest.mark.slow
+def test_smollm2_documents_start_with_endoftext():
+    """SmolLM2-Instruct's tokenizer names <|im_start|> its BOS; its pretraining documents start after
+    <|endoftext|> (id 0), which the reference perplexities condition on."""
+    from transformers import AutoTokenizer
+
+    try:
+        d, f = data.model_gguf(fetch=False)
+    except data.MissingMaterial as e:
+        pytest.skip(f"evaluation material unavailable: {e}")
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)  # the tokenizer only: a few seconds
+    assert tok.bos_token == "<|im_start|>" and data.bos_text(tok) == "<|endoftext|>"
+    assert tok(data.bos_text(tok) + "Alice was").input_ids[0] == 0
+
+
 @pytest.mark.slow
 def test_reproduces_the_4_bit_reference_rows(smollm2_alice):
     """Every 4-bit row of the reference fake-quant table within 2% (SmolLM2, alice29, 2048 tokens)."""
     model, tok, text = smollm2_alice
-    ids = tok("<|endoftext|>" + text, return_tensors="pt").input_ids[:, :2048]
+    ids = tok(data.bos_text(tok) + text, return_tensors="pt").input_ids[:, :2048]
     cos, sin = model_rope_tables(model, 2048)
     assert math.isclose(perplexity.simulated(model, ids, None), 19.874, rel_tol=1e-3)
     for row, refs in REFERENCE.items():

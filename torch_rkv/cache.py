@@ -31,6 +31,10 @@ class QuantizedKVCache(torch.nn.Module):
 
     rope: (cos, sin) tables of shape (P, rot_dim/2), P >= max_tokens, the model's own rotation (needed
     when scheme.pre_rope). dtype: full-precision dtype of sinks and window (and of appended tokens).
+    sliding_window > 0: sliding-window layers (each query sees the newest sliding_window tokens, as the
+    model's mask says): the packed rows are a ring of layout.ring_rows rows, so the cache holds the
+    window (plus block rounding and the full-precision tail), not the capacity, while positions still
+    run to the capacity. softcap > 0: attention-logit soft-capping (Gemma 2), in every attention call.
     """
 
     def __init__(
@@ -45,14 +49,18 @@ class QuantizedKVCache(torch.nn.Module):
         device=None,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         rope_interleaved: bool = False,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
     ):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"QuantizedKVCache: num_layers must be >= 1 (got {num_layers})")
         self.scheme = scheme
         self.num_layers = num_layers
-        self.layout = CacheLayout(scheme, batch, kv_heads, head_dim, capacity, dtype)
+        self.layout = CacheLayout(scheme, batch, kv_heads, head_dim, capacity, dtype, sliding_window)
         self.rope_interleaved = rope_interleaved
+        self.sliding_window = sliding_window
+        self.softcap = float(softcap)
         for name, (shape, dt) in self.layout.shapes().items():
             self.register_buffer(name, torch.zeros((num_layers, *shape), dtype=dt, device=device))
         self.register_buffer("lengths", torch.zeros(num_layers, batch, dtype=torch.int64, device=device))
@@ -130,9 +138,13 @@ class QuantizedKVCache(torch.nn.Module):
                             f"QuantizedKVCache: appending {m} tokens to layer {layer} exceeds the capacity of "
                             f"{self.capacity} tokens")
         s = self.scheme
-        cache_append(*self.layer_buffers(layer), self.lengths[layer], ks, vs, s.k_bits, s.v_bits, s.block, s.recent,
-                     s.k_clip, s.v_clip)
-        self.lengths[layer] += m
+        # a ring takes at most its rows - block + 1 tokens per append (the blocks one append completes
+        # must not wrap onto each other): a long prefill goes in pieces
+        step = m if self.sliding_window == 0 else self.layout.packed_capacity - s.block + 1
+        for i in range(0, m, step):
+            cache_append(*self.layer_buffers(layer), self.lengths[layer], ks[:, :, i : i + step], vs[:, :, i : i + step],
+                         s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, self.sliding_window)
+            self.lengths[layer] += min(step, m - i)
 
     def attend(self, layer: int, q: torch.Tensor, scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
         """Attention of q (B, Hq, D), the newest token's post-RoPE query, over this layer's cache."""
@@ -140,7 +152,7 @@ class QuantizedKVCache(torch.nn.Module):
         s = self.scheme
         return decode_attention(q, *self.layer_buffers(layer), self.lengths[layer], s.k_bits, s.v_bits, s.block,
                                 s.recent, self.rope_cos, self.rope_sin, self.rope_interleaved, self.k_signs,
-                                self.v_signs, scale, split_tokens)
+                                self.v_signs, scale, split_tokens, self.sliding_window, self.softcap)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
                 split_tokens: int = 0) -> torch.Tensor:
@@ -158,7 +170,7 @@ class QuantizedKVCache(torch.nn.Module):
         out = paged_prefill_attention(rows(q), rows(ks), rows(vs), qsl, m, *self.layer_buffers(layer), None, None,
                                       self.lengths[layer], s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
-                                      split_tokens)
+                                      split_tokens, self.sliding_window, self.softcap)
         self._append_storage(layer, ks, vs)
         return out.reshape(b, m, hq, d).transpose(1, 2)
 
@@ -168,6 +180,9 @@ class QuantizedKVCache(torch.nn.Module):
         tokens. Reads the lengths on the host (a sync on a GPU)."""
         self._check_layer(layer)
         n = self.seq_length(layer)
+        if self.sliding_window > 0 and n > self.layout.packed_capacity:
+            raise ValueError(f"QuantizedKVCache.dequantized: layer {layer} holds a ring whose oldest of {n} tokens "
+                             "are overwritten (sliding_window); only the window is cached")
         if bool((self.lengths[layer] != n).any()):
             raise ValueError(f"QuantizedKVCache.dequantized: the sequences of layer {layer} hold different numbers "
                              f"of tokens ({self.lengths[layer].tolist()})")
@@ -203,6 +218,7 @@ class QuantizedKVCache(torch.nn.Module):
 
     def extra_repr(self) -> str:
         lay = self.layout
+        window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
         return (f"{self.scheme.describe(lay.head_dim)}; layers={self.num_layers}, batch={lay.batch}, "
-                f"kv_heads={lay.kv_heads}, head_dim={lay.head_dim}, capacity={self.capacity}, "
+                f"kv_heads={lay.kv_heads}, head_dim={lay.head_dim}, capacity={self.capacity}{window}, "
                 f"{self.nbytes() / 2**20:.1f} MiB")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .reference import ring_rows  # the rows a sliding-window ring holds (the planner uses it too)
 from .scheme import Scheme
 
 ALIGN = 16  # bytes: every region of a page starts on this boundary, and a page is a multiple of it
@@ -72,7 +73,9 @@ def side_shapes(scheme: Scheme, kv_heads: int, head_dim: int, slots: int, dtype:
 @dataclass(frozen=True)
 class CacheLayout:
     """One layer's contiguous buffers for `batch` sequences of up to `capacity` tokens (the layout may
-    hold a few more: the rows are rounded up to whole blocks; `max_tokens` is exact)."""
+    hold a few more: the rows are rounded up to whole blocks; `max_tokens` is exact). sliding_window > 0:
+    a sliding-window layer, whose packed rows are a ring of ring_rows(...) rows whatever the capacity
+    (the ops' sliding_window), so its bytes stop growing with the context."""
 
     scheme: Scheme
     batch: int
@@ -80,16 +83,19 @@ class CacheLayout:
     head_dim: int
     capacity: int
     dtype: torch.dtype = torch.float16  # full-precision sinks and window
+    sliding_window: int = 0
 
     def __post_init__(self):
         self.scheme.check_head_dim(self.head_dim)
-        if self.capacity < 0 or self.batch < 1 or self.kv_heads < 1:
+        if self.capacity < 0 or self.batch < 1 or self.kv_heads < 1 or self.sliding_window < 0:
             raise ValueError(f"CacheLayout: bad sizes batch={self.batch} kv_heads={self.kv_heads} "
-                             f"capacity={self.capacity}")
+                             f"capacity={self.capacity} sliding_window={self.sliding_window}")
 
     @property
     def packed_capacity(self) -> int:
         """Quantized token rows per sequence and head (a multiple of the scheme's block)."""
+        if self.sliding_window > 0:
+            return ring_rows(self.sliding_window, self.scheme.block)
         return packed_tokens(self.scheme, self.capacity)
 
     @property

@@ -14,7 +14,7 @@ import torch
 
 from . import scheme as S
 from .integrations.models import uses_sliding_window
-from .layout import CacheLayout, PageLayout, default_page_size, round_up
+from .layout import CacheLayout, PageLayout, default_page_size
 from .scheme import Scheme
 
 GIB = 1024**3
@@ -23,11 +23,25 @@ GB = 1000**3
 
 @dataclass(frozen=True)
 class ModelShape:
+    """layers: all of them; sliding_layers of them attend to (and so keep) only the newest sliding_window
+    tokens, the rest attend to the whole context."""
+
     name: str
     layers: int
     kv_heads: int
     head_dim: int
     params: float  # number of weights
+    sliding_layers: int = 0
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.sliding_layers <= self.layers or (self.sliding_layers > 0) != bool(self.sliding_window):
+            raise ValueError(f"ModelShape {self.name}: sliding_layers={self.sliding_layers} of {self.layers} needs a "
+                             f"sliding_window > 0 exactly when some layer slides (got {self.sliding_window})")
+
+    @property
+    def full_layers(self) -> int:
+        return self.layers - self.sliding_layers
 
     def weight_bytes(self, bits: float) -> float:
         return self.params * bits / 8
@@ -37,8 +51,12 @@ class ModelShape:
 MODELS = {
     "llama-2-7b": ModelShape("Llama-2-7B", 32, 32, 128, 6.74e9),
     "llama-3-8b": ModelShape("Llama-3-8B", 32, 8, 128, 8.03e9),
+    "llama-3.1-8b": ModelShape("Llama-3.1-8B", 32, 8, 128, 8.03e9),
     "llama-3-70b": ModelShape("Llama-3-70B", 80, 8, 128, 70.6e9),
-    "mistral-7b": ModelShape("Mistral-7B", 32, 8, 128, 7.24e9),
+    "mistral-7b": ModelShape("Mistral-7B-v0.3", 32, 8, 128, 7.24e9),  # v0.2 and v0.3: sliding_window null
+    "mistral-7b-v0.1": ModelShape("Mistral-7B-v0.1", 32, 8, 128, 7.24e9, sliding_layers=32, sliding_window=4096),
+    # layer i attends to the whole context when (i + 1) % 6 == 0 (sliding_window_pattern 6): 10 of 62
+    "gemma-3-27b": ModelShape("Gemma-3-27B", 62, 16, 128, 27.4e9, sliding_layers=52, sliding_window=1024),
     "qwen2.5-7b": ModelShape("Qwen2.5-7B", 28, 4, 128, 7.62e9),
     "qwen2.5-72b": ModelShape("Qwen2.5-72B", 80, 8, 128, 72.7e9),
     "smollm2-135m": ModelShape("SmolLM2-135M", 30, 3, 64, 0.135e9),
@@ -47,51 +65,79 @@ MODELS = {
 DEFAULT_SCHEMES = ("per-token-8", "per-token-4", "quarot-4", "kvquant-3", "kivi-2", "rkv-4", "rkv-3", "rkv-mixed-2", "rkv-2")
 
 
+def sliding_layer_count(cfg: dict) -> int:
+    """How many layers of a transformers config (its text part) attend to a sliding window, as transformers
+    builds them: layer_types when given; else Qwen2/3 (use_sliding_window present) layers i >=
+    max_window_layers when switched on; else an alternating pattern (Gemma 2: every 2nd layer full,
+    Gemma 3: sliding_window_pattern, 6); else a set sliding_window masks every layer (Mistral v0.1, Phi-3)."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if not uses_sliding_window(types, cfg.get("sliding_window"), cfg.get("use_sliding_window", True)):
+        return 0
+    if types and "sliding_attention" in types:
+        return sum(t == "sliding_attention" for t in types)
+    if "use_sliding_window" in cfg:  # Qwen2Config / Qwen3Config: max_window_layers defaults to 28
+        return max(0, n - cfg.get("max_window_layers", 28))
+    patterns = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}  # their configs' defaults
+    pattern = cfg.get("sliding_window_pattern") or patterns.get(cfg.get("model_type"))
+    if pattern:
+        return sum(1 for i in range(n) if (i + 1) % pattern)
+    return n
+
+
 def from_config(path: str, params: float | None) -> ModelShape:
-    """A transformers config.json: layers, KV heads, head_dim; parameters from --params or estimated
-    from the config (embeddings + attention + gated MLP)."""
+    """A transformers config.json: layers (and which of them slide, sliding_layer_count), KV heads,
+    head_dim; parameters from --params or estimated from the config (embeddings + attention + gated MLP)."""
     with open(path) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
-    if uses_sliding_window(cfg.get("layer_types"), cfg.get("sliding_window"), cfg.get("use_sliding_window", True)):
-        # a sliding layer holds only its window: counting it as global would misstate the ledger, and the
-        # cache does not serve such layers yet (integrations/models.py)
-        raise NotImplementedError(f"{path}: sliding-window layers (sliding_window={cfg.get('sliding_window')}) are "
-                                  "not planned yet; torch_rkv's caches serve full-attention layers only")
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
     layers = cfg["num_hidden_layers"]
+    sliding = sliding_layer_count(cfg)
     if params is None:
         inter = cfg.get("intermediate_size", 4 * hidden)
         attn = hidden * head_dim * (heads * 2 + kv * 2)
         mlp = 3 * hidden * inter
         emb = cfg.get("vocab_size", 0) * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
         params = layers * (attn + mlp) + emb
-    return ModelShape(cfg.get("_name_or_path") or path, layers, kv, head_dim, float(params))
+    return ModelShape(cfg.get("_name_or_path") or path, layers, kv, head_dim, float(params), sliding,
+                      cfg.get("sliding_window") if sliding else None)
 
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
-    """Exact KV-cache bytes of every layer for `batch` sequences of `context` tokens. scheme None: a
-    full-precision cache in `dtype` (the baseline)."""
+    """Exact KV-cache bytes of every layer for `batch` sequences of `context` tokens. A sliding layer's
+    cache is its ring (CacheLayout with sliding_window: the same bytes at any context). scheme None: a
+    full-precision cache in `dtype` (the baseline), min(context, window) tokens in a sliding layer."""
     if scheme is None:
-        return 2 * model.layers * batch * model.kv_heads * context * model.head_dim * torch.finfo(dtype).bits // 8
-    return model.layers * CacheLayout(scheme, batch, model.kv_heads, model.head_dim, context, dtype).nbytes()
+        def fp(tokens):
+            return 2 * batch * model.kv_heads * tokens * model.head_dim * torch.finfo(dtype).bits // 8
+
+        sliding = fp(min(context, model.sliding_window)) if model.sliding_layers else 0
+        return model.full_layers * fp(context) + model.sliding_layers * sliding
+    shape = (scheme, batch, model.kv_heads, model.head_dim, context, dtype)
+    full = CacheLayout(*shape).nbytes() if model.full_layers else 0
+    sliding = CacheLayout(*shape, sliding_window=model.sliding_window).nbytes() if model.sliding_layers else 0
+    return model.full_layers * full + model.sliding_layers * sliding
 
 
 def bytes_per_token(model: ModelShape, scheme: Scheme | None) -> float:
-    """Marginal bytes per token (all layers, batch 1): codes and metadata; the fixed sinks and window
-    ring do not grow with the context."""
+    """Marginal bytes per token at a 64K context (all layers, batch 1): codes and metadata; the fixed
+    sinks and window ring do not grow with the context, nor does a sliding layer whose window is shorter."""
     block = 1 if scheme is None else scheme.block
     a, b = 1 << 16, (1 << 16) + 64 * block
     return (kv_bytes(model, scheme, b, 1) - kv_bytes(model, scheme, a, 1)) / (b - a)
 
 
-def longest_context(model: ModelShape, scheme: Scheme | None, budget: float, batch: int = 1) -> int:
-    """Largest context whose cache fits in `budget` bytes (binary search on the exact byte count)."""
+def longest_context(model: ModelShape, scheme: Scheme | None, budget: float, batch: int = 1) -> int | None:
+    """Largest context whose cache fits in `budget` bytes (binary search on the exact byte count). None:
+    no limit, every layer slides and their caches fit (they stop growing at the window)."""
     if budget <= 0 or kv_bytes(model, scheme, 1, batch) > budget:
         return 0
+    if not model.full_layers and kv_bytes(model, scheme, 1 << 40, batch) <= budget:
+        return None
     lo, hi = 1, 1
     while kv_bytes(model, scheme, hi, batch) <= budget and hi < 1 << 40:
         lo, hi = hi, hi * 2
@@ -119,12 +165,25 @@ def paged_sequence_bytes(model: ModelShape, scheme: Scheme | None, context: int,
     """Exact bytes one sequence of `context` tokens holds in a paged cache, every layer: its pages (the
     last one partial: page rounding included), their page counts and its side slot of full-precision
     rows (PagedQuantizedKVCache, from PageLayout). scheme None: a full-precision paged cache in `dtype`
-    (pages of 16 tokens, vLLM's default)."""
+    (pages of 16 tokens, vLLM's default).
+
+    A sliding layer holds at most ceil((W + P) / P) pages of P tokens: its newest W tokens straddle at
+    most ceil(W / P) + 1 pages, and pages wholly before the window are never read again, so an engine
+    frees them (vLLM does). An upper bound for an engine that frees them; one that does not holds every
+    page like a full layer."""
+    p = page_size or (16 if scheme is None else default_page_size(scheme))
+
+    def pages(layer_context: int) -> int:
+        return -(-layer_context // p)
+
+    sliding = min(pages(context), pages(model.sliding_window + p)) if model.sliding_layers else 0
     if scheme is None:
-        p = page_size or 16
-        return 2 * model.layers * model.kv_heads * round_up(context, p) * model.head_dim * torch.finfo(dtype).bits // 8
-    layout = PageLayout(scheme, model.kv_heads, model.head_dim, page_size or default_page_size(scheme), dtype)
-    return model.layers * (layout.sequence_bytes(context) + 4 * layout.pages_for(context))
+        per_page = 2 * model.kv_heads * p * model.head_dim * torch.finfo(dtype).bits // 8
+        return (model.full_layers * pages(context) + model.sliding_layers * sliding) * per_page
+    layout = PageLayout(scheme, model.kv_heads, model.head_dim, p, dtype)
+    per_page = layout.payload_bytes + 4  # codes and metadata, and the page's block-table entry
+    return (model.full_layers * pages(context) + model.sliding_layers * sliding) * per_page + \
+        model.layers * layout.slot_bytes
 
 
 def paged_sequences(model: ModelShape, scheme: Scheme | None, budget: float, context: int,
@@ -187,12 +246,16 @@ def main(args) -> int:
     print(f"{model.name}: {model.layers} layers x {model.kv_heads} KV heads x head_dim {model.head_dim}, "
           f"{model.params / 1e9:.2f}B weights = {weight / GB:.1f} GB; GPU {args.gpu_gb:.0f} GB, reserve "
           f"{args.reserve_gb:.0f} GB -> {budget / GB:.1f} GB for the KV cache")
+    if model.sliding_layers:
+        print(f"{model.sliding_layers} of {model.layers} layers slide: each keeps only its newest "
+              f"{model.sliding_window:,} tokens (a fixed-size cache); {model.full_layers} attend to the whole context")
     print(f"context {args.context:,} tokens x batch {args.batch}\n")
     print(f"{'scheme':14s} {'bits/el':>7s} {'KB/token':>9s} {'KV cache GB':>12s} {'fits':>5s} "
           f"{'longest ctx (b=1)':>18s} {'seqs @ ctx':>11s} {'paged':>6s}")
     for r in rows:
+        longest = "unbounded" if r["longest_context_batch1"] is None else f"{r['longest_context_batch1']:,d}"
         print(f"{r['scheme']:14s} {r['bits_per_element']:7.2f} {r['bytes_per_token'] / 1024:9.1f} "
-              f"{r['kv_bytes'] / GB:12.2f} {'yes' if r['fits'] else 'no':>5s} {r['longest_context_batch1']:18,d} "
+              f"{r['kv_bytes'] / GB:12.2f} {'yes' if r['fits'] else 'no':>5s} {longest:>18s} "
               f"{r['max_sequences_at_context']:11d} {r['paged_sequences_at_context']:6d}")
     print("\nseqs @ ctx: a contiguous cache of that batch; paged: PagedQuantizedKVCache, page rounding and each "
           "sequence's side slot (sinks and window) included")

@@ -317,6 +317,15 @@ def quantized_count(n: int, recent: int, block: int) -> int:
     return block * (max(0, n - recent) // block)
 
 
+def ring_rows(sliding_window: int, block: int) -> int:
+    """Quantized rows per sequence and head of a sliding-window layer's ring (include/rkv/attention.h's
+    ring_rows): an append writes a block's rows as soon as the block is complete (its tokens are still
+    read from the full-precision ring until they leave the recent window), so the written rows end at
+    block * floor(n / block) <= n, and a query reads from n - sliding_window on: the newest
+    sliding_window rows, in whole blocks."""
+    return -(-sliding_window // block) * block
+
+
 def full_precision_count(n: int, sinks: int, recent: int, block: int) -> int:
     """How many of n cached tokens are read in full precision: the sinks and the tokens past Q(n)."""
     q = quantized_count(n, recent, block)
@@ -344,37 +353,58 @@ def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Te
     return decode(c, sc, z, bits).transpose(0, 1)
 
 
-def gather_tokens(codes, scale, zero, bits, window, sink, pages, n: int, recent: int, block: int) -> torch.Tensor:
-    """One sequence's n cached tokens of one side (keys or values) in order, float32 (H, n, D), from its
-    pages (1-D page ids), its window ring (H, W, D) and its sinks (H, S, D)."""
+def window_start(end: int, window: int) -> int:
+    """The first key a query that sees keys [0, end) attends to under a sliding window of `window` keys
+    (0: none): the newest `window`, itself included (transformers' and vLLM's semantics)."""
+    return end - window if 0 < window < end else 0
+
+
+def gather_tokens(codes, scale, zero, bits, window, sink, pages, n: int, recent: int, block: int, first: int = 0,
+                  ring: bool = False) -> torch.Tensor:
+    """Tokens first..n-1 of one sequence's n cached tokens of one side (keys or values) in order, float32
+    (H, n - first, D), from its pages (1-D page ids), its window ring (H, W, D) and its sinks (H, S, D).
+    ring: one page whose rows are a ring (a sliding-window layer's contiguous cache): token t in row
+    t % P (older rows are overwritten, so `first` must be within the window)."""
     s, p = sink.shape[-2], codes.shape[-2]
     q = quantized_count(n, recent, block)
-    parts = [sink[:, : min(n, s)].float()]
-    if q > s:
-        t = torch.arange(s, q)
-        parts.append(read_rows(codes, scale, zero, bits, torch.as_tensor(pages)[t // p], t % p))
-    if n > max(s, q):
-        parts.append(window[:, [t % window.shape[-2] for t in range(max(s, q), n)]].float())
+    parts = [sink[:, first: min(n, s)].float()]
+    lo = max(s, first)
+    if q > lo:
+        t = torch.arange(lo, q)
+        page_ids = torch.as_tensor(pages)[torch.zeros_like(t) if ring else t // p]
+        parts.append(read_rows(codes, scale, zero, bits, page_ids, t % p))
+    if n > max(lo, q):
+        parts.append(window[:, [t % window.shape[-2] for t in range(max(lo, q), n)]].float())
     return torch.cat(parts, dim=1)
 
 
-def _cached(cache, block_tables, side_slots, b: int, n: int, k_bits, v_bits, block, recent):
-    """(keys, values) (Hkv, n, D) float32 of sequence b's first n tokens, in the storage space."""
+def _cached(cache, block_tables, side_slots, b: int, n: int, k_bits, v_bits, block, recent, first: int = 0,
+            ring: bool = False):
+    """(keys, values) (Hkv, n - first, D) float32 of sequence b's tokens first..n-1, in the storage space."""
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink = cache
     pages, slot = _pages_of(block_tables, b), _slot_of(side_slots, b)
-    keys = gather_tokens(k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], pages, n, recent, block)
-    values = gather_tokens(v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], pages, n, recent, block)
+    keys = gather_tokens(k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], pages, n, recent, block,
+                         first, ring)
+    values = gather_tokens(v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], pages, n, recent, block,
+                           first, ring)
     return keys, values
 
 
-def _attend(qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: torch.Tensor, scale: float):
-    """qf (m, Hq, D) query rows over keys / values (Hkv, N, D); row i sees keys [0, ends[i]). GQA: query
-    head h reads KV head h // (Hq / Hkv). A row that sees no key gets zeros. (m, Hq, D) float32."""
+def _attend(qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: torch.Tensor, scale: float,
+            window: int = 0, softcap: float = 0.0, first: int = 0):
+    """qf (m, Hq, D) query rows over keys / values (Hkv, N, D) of positions first..first+N-1; row i sees
+    keys [window_start(ends[i], window), ends[i]). Scores are scaled, then soft-capped (softcap > 0:
+    softcap * tanh(s / softcap)). GQA: query head h reads KV head h // (Hq / Hkv). A row that sees no
+    key gets zeros. (m, Hq, D) float32."""
     m, hq, d = qf.shape
     hkv = keys.shape[0]
     qg = qf.reshape(m, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # (Hkv, G, m, D)
     scores = (qg @ keys.transpose(-1, -2)[:, None]) * scale  # (Hkv, G, m, N)
-    visible = torch.arange(keys.shape[1], device=qf.device)[None, :] < ends.to(qf.device)[:, None]  # (m, N)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = first + torch.arange(keys.shape[1], device=qf.device)[None, :]
+    ends = ends.to(qf.device)[:, None]
+    visible = (pos < ends) & ((pos >= ends - window) if window > 0 else True)  # (m, N)
     probs = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1)
     probs = torch.where(visible.any(-1)[:, None], probs, torch.zeros_like(probs))  # no key: 0, not NaN
     out = probs @ values[:, None]  # (Hkv, G, m, D)
@@ -395,14 +425,17 @@ def paged_decode_attention(
     k_bits: int, v_bits: int, block: int, recent: int,
     rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None, rope_interleaved: bool = False,
     k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
+    scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of each sequence's newest query q (B, Hq, D) over its n = lengths[b] cached tokens.
+    """Attention of each sequence's newest query q (B, Hq, D) over its n = lengths[b] cached tokens
+    (sliding_window > 0: the newest sliding_window of them; without block tables the pages are then a
+    ring, see gather_tokens).
 
     Keys stored before RoPE (rope_cos/rope_sin given) are rotated to their positions 0..n-1 after
     dequantizing; keys/values stored Hadamard-rotated (k_signs / v_signs given) are used in the rotated
     space: scores with the rotated query, the output rotated back. Query head h reads KV head
-    h // (Hq / Hkv). A sequence with no cached token gets a zero output. Computed in float32.
+    h // (Hq / Hkv). softcap > 0: soft-capped scores (_attend). A sequence with no cached token gets a
+    zero output. Computed in float32.
     """
     b_, hq, d = q.shape
     cache = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink)
@@ -411,10 +444,12 @@ def paged_decode_attention(
     out = torch.zeros(b_, hq, d, dtype=torch.float32, device=q.device)
     for b in range(b_):
         n = int(lengths[b])
-        keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent)
+        first = window_start(n, sliding_window)
+        keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent, first,
+                               block_tables is None and sliding_window > 0)
         if rope_cos is not None:
-            keys = rope(keys, rope_cos, rope_sin, torch.arange(n, device=q.device), rope_interleaved)
-        out[b] = _attend(qf[b][None], keys, values, torch.tensor([n]), scale)[0]
+            keys = rope(keys, rope_cos, rope_sin, torch.arange(first, n, device=q.device), rope_interleaved)
+        out[b] = _attend(qf[b][None], keys, values, torch.tensor([n]), scale, sliding_window, softcap, first)[0]
     if v_signs is not None:
         out = hadamard(out, v_signs, inverse=True)
     return out.to(q.dtype)
@@ -428,9 +463,10 @@ def paged_prefill_attention(
     k_bits: int, v_bits: int, block: int, recent: int,
     rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None, rope_interleaved: bool = False,
     k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
+    scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of a chunk of new tokens per sequence over its cache and the chunk itself.
+    """Causal attention of a chunk of new tokens per sequence over its cache and the chunk itself
+    (sliding_window, softcap: as paged_decode_attention's, per query row).
 
     Sequence b has n = lengths[b] cached tokens and m = query_start_loc[b+1] - query_start_loc[b] new
     ones at positions n..n+m-1: rows query_start_loc[b].. of q (T, Hq, D) and of k_new / v_new (T, Hkv,
@@ -447,13 +483,15 @@ def paged_prefill_attention(
     starts = [int(x) for x in query_start_loc]
     for b in range(len(starts) - 1):
         n, lo, hi = int(lengths[b]), starts[b], starts[b + 1]
-        keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent)
+        first = min(n, window_start(n + 1, sliding_window))  # the earliest key the chunk's first token sees
+        keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent, first,
+                               block_tables is None and sliding_window > 0)
         keys = torch.cat([keys, k_new[lo:hi].float().transpose(0, 1)], dim=1)
         values = torch.cat([values, v_new[lo:hi].float().transpose(0, 1)], dim=1)
         if rope_cos is not None:
-            keys = rope(keys, rope_cos, rope_sin, torch.arange(n + hi - lo, device=q.device), rope_interleaved)
+            keys = rope(keys, rope_cos, rope_sin, torch.arange(first, n + hi - lo, device=q.device), rope_interleaved)
         ends = n + 1 + torch.arange(hi - lo)
-        out[lo:hi] = _attend(qf[lo:hi], keys, values, ends, scale)
+        out[lo:hi] = _attend(qf[lo:hi], keys, values, ends, scale, sliding_window, softcap, first)
     if v_signs is not None:
         out = hadamard(out, v_signs, inverse=True)
     return out.to(q.dtype)
@@ -465,7 +503,7 @@ def paged_append(
     page_fill: Optional[torch.Tensor], block_tables: Optional[torch.Tensor], side_slots: Optional[torch.Tensor],
     lengths: torch.Tensor, query_start_loc: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     k_bits: int, v_bits: int, block: int, recent: int, k_clip: bool = False, v_clip: bool = False,
-    slot_mapping: Optional[torch.Tensor] = None,
+    slot_mapping: Optional[torch.Tensor] = None, ring: bool = False,
 ) -> None:
     """Append each sequence's new tokens, in place: sequence b's m = query_start_loc[b+1] -
     query_start_loc[b] tokens, rows query_start_loc[b].. of k_new / v_new (T, Hkv, D) in the storage
@@ -478,7 +516,9 @@ def paged_append(
     lengths is not updated. New tokens are used in the window's dtype, so the result does not depend on
     how the tokens were chunked into appends. Errors, before any write: a sequence outgrowing its
     table, a page id out of range, a write into rows a page already holds (a full page is immutable),
-    slot_mapping (T,) disagreeing with the tables (entries past query_start_loc[B] are padding).
+    slot_mapping (T,) disagreeing with the tables (entries past query_start_loc[B] are padding). ring
+    (no block tables): each sequence's one page is a ring, token t in row t % P (cache_append's
+    sliding_window).
     """
     for side, clip, zero in (("k", k_clip, k_zero), ("v", v_clip, v_zero)):
         if clip and zero is None:
@@ -491,7 +531,9 @@ def paged_append(
         n0, lo, hi = int(lengths[b]), starts[b], starts[b + 1]
         n1 = n0 + hi - lo
         pages = _pages_of(block_tables, b)
-        if n1 > len(pages) * p:
+        if ring:
+            pages = pages.repeat(-(-n1 // p))  # page b for every row of the ring, however long the sequence
+        elif n1 > len(pages) * p:
             raise ValueError(f"rkv.paged_append: sequence {b} would hold {n1} tokens, beyond its table's "
                              f"{len(pages)} pages of {p}")
         for t in range(n0, n1):
@@ -569,18 +611,19 @@ def decode_attention(
     k_bits: int, v_bits: int, block: int, recent: int,
     rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None, rope_interleaved: bool = False,
     k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
+    scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """paged_decode_attention over the contiguous layout: k_packed (B, Hkv, C, D*bits/8) etc., sequence
-    b in page b (C rows) and side slot b."""
+    b in page b (C rows; a ring with a sliding window) and side slot b."""
     return paged_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                                   k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent, rope_cos,
-                                  rope_sin, rope_interleaved, k_signs, v_signs, scale)
+                                  rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window, softcap)
 
 
 def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                       k_sink, v_sink, lengths, k_bits, v_bits, block, recent, rope_cos=None, rope_sin=None,
-                      rope_interleaved=False, k_signs=None, v_signs=None, scale=None) -> torch.Tensor:
+                      rope_interleaved=False, k_signs=None, v_signs=None, scale=None, sliding_window=0,
+                      softcap=0.0) -> torch.Tensor:
     """paged_prefill_attention over the contiguous layout: q (B, Hq, m, D), k_new / v_new (B, Hkv, m, D);
     (B, Hq, m, D)."""
     kn, qsl = _contiguous_new(k_new)
@@ -588,7 +631,8 @@ def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_sc
     qn, _ = _contiguous_new(q)
     out = paged_prefill_attention(qn, kn, vn, qsl, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
                                   v_window, k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent,
-                                  rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale)
+                                  rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window,
+                                  softcap)
     return out.reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
 
@@ -597,13 +641,22 @@ def cache_append(
     k_window, v_window, k_sink, v_sink,
     lengths: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     k_bits: int, v_bits: int, block: int, recent: int, k_clip: bool = False, v_clip: bool = False,
+    sliding_window: int = 0,
 ) -> None:
     """paged_append over the contiguous layout: k_new / v_new (B, Hkv, m, D) after each sequence's
-    lengths[b] tokens."""
+    lengths[b] tokens. sliding_window > 0: the packed rows are a ring of C >= ring_rows rows that takes at
+    most C - block + 1 tokens per call (the blocks one call completes never overlap)."""
+    if sliding_window > 0:
+        c = k_packed.shape[2]
+        if c < ring_rows(sliding_window, block) or k_new.shape[2] > c - block + 1:
+            raise ValueError(f"rkv.cache_append: a ring of {c} packed rows (sliding_window={sliding_window}) needs "
+                             f"at least {ring_rows(sliding_window, block)} rows and takes at most "
+                             f"{c - block + 1} tokens per append (k_new has {k_new.shape[2]})")
     kn, qsl = _contiguous_new(k_new)
     vn, _ = _contiguous_new(v_new)
     try:
         paged_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink, None,
-                     None, None, lengths, qsl, kn, vn, k_bits, v_bits, block, recent, k_clip, v_clip)
+                     None, None, lengths, qsl, kn, vn, k_bits, v_bits, block, recent, k_clip, v_clip,
+                     ring=sliding_window > 0)
     except ValueError as e:
         raise ValueError(str(e).replace("rkv.paged_append", "rkv.cache_append")) from None

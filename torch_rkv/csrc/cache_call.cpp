@@ -105,7 +105,8 @@ AttentionCall decode_call(const char* op, const at::Tensor& q, const CacheTensor
                           const at::Tensor& lengths, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
                           const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
                           bool rope_interleaved, const std::optional<at::Tensor>& k_signs,
-                          const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens) {
+                          const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens,
+                          int64_t sliding_window, double softcap) {
   check_float_input(op, "q", q);
   TORCH_CHECK_VALUE(q.dim() == 3, "rkv.", op, ": q must have shape (batch, q_heads, head_dim), got ", q.sizes());
   CacheGeometry g;
@@ -116,6 +117,7 @@ AttentionCall decode_call(const char* op, const at::Tensor& q, const CacheTensor
   TORCH_CHECK_VALUE(g.kv_heads >= 1 && g.q_heads % g.kv_heads == 0, "rkv.", op, ": q has ", g.q_heads,
                     " heads, which is not a multiple of the cache's ", g.kv_heads, " kv heads");
   check_attention_extras(op, q, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, split_tokens, g);
+  check_window_and_cap(op, sliding_window, softcap, g);
   return attention_call(op, q, c, ix, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, k_signs, scale, g);
 }
 
@@ -125,7 +127,7 @@ AttentionCall prefill_call(const at::Tensor& q, const at::Tensor& k_new, const a
                            int64_t block, int64_t recent, const std::optional<at::Tensor>& rope_cos,
                            const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
                            const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
-                           double scale, int64_t split_tokens) {
+                           double scale, int64_t split_tokens, int64_t sliding_window, double softcap) {
   const char* op = "paged_prefill_attention";
   check_float_input(op, "q", q);
   TORCH_CHECK_VALUE(q.dim() == 3, "rkv.", op, ": q must have shape (tokens, q_heads, head_dim), got ", q.sizes());
@@ -145,6 +147,7 @@ AttentionCall prefill_call(const at::Tensor& q, const at::Tensor& k_new, const a
   check_rows(op, "v_new", v_new, q.size(0), g.kv_heads, g.dim);
   check_same_device(op, q, "k_new", k_new);
   check_attention_extras(op, q, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, split_tokens, g);
+  check_window_and_cap(op, sliding_window, softcap, g);
   AttentionCall call =
       attention_call(op, q, c, ix, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, k_signs, scale, g);
   call.q_start = query_start_loc.to(at::kLong).contiguous();
@@ -156,7 +159,7 @@ AttentionCall prefill_call(const at::Tensor& q, const at::Tensor& k_new, const a
 
 AppendCall contiguous_append_call(const CacheTensors& c, const at::Tensor& lengths, const at::Tensor& k_new,
                                   const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block,
-                                  int64_t recent, bool k_clip, bool v_clip) {
+                                  int64_t recent, bool k_clip, bool v_clip, int64_t sliding_window) {
   const char* op = "cache_append";
   TORCH_CHECK_VALUE(!(k_clip && !c.k_zero.has_value()), "rkv.cache_append: k_clip needs asymmetric keys (k_zero)");
   TORCH_CHECK_VALUE(!(v_clip && !c.v_zero.has_value()), "rkv.cache_append: v_clip needs asymmetric values (v_zero)");
@@ -170,10 +173,16 @@ AppendCall contiguous_append_call(const CacheTensors& c, const at::Tensor& lengt
   g.kv_heads = k_new.size(1);
   g.q_heads = g.kv_heads;
   g.dim = k_new.size(3);
+  check_window_and_cap(op, sliding_window, 0.0, g);
   const CacheIndex ix;
   AppendCall a;
   a.cache = resolve_cache(op, k_new, c, ix, lengths, k_bits, v_bits, block, recent, g, true);
   check_new_dtype(op, k_new, v_new, c.k_window);
+  // a ring: the blocks one append completes (fewer than tokens + block) must not wrap onto each other
+  const int64_t most = a.cache.g.page_size - block + 1;
+  TORCH_CHECK_VALUE(!a.cache.g.ring || k_new.size(2) <= most, "rkv.cache_append: a ring of ",
+                    a.cache.g.page_size, " packed rows (sliding_window=", sliding_window, ") takes at most ", most,
+                    " tokens per append (k_new has ", k_new.size(2), "); append in pieces");
   a.k_new = k_new.contiguous();
   a.v_new = v_new.contiguous();
   a.tokens = k_new.size(2);

@@ -42,7 +42,8 @@ AttentionCall decode_call(const char* op, const at::Tensor& q, const CacheTensor
                           const at::Tensor& lengths, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
                           const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
                           bool rope_interleaved, const std::optional<at::Tensor>& k_signs,
-                          const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens);
+                          const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens,
+                          int64_t sliding_window, double softcap);
 
 // rkv::paged_prefill_attention: q (T, Hq, D), k_new / v_new (T, Hkv, D), query_start_loc (B+1).
 AttentionCall prefill_call(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
@@ -51,7 +52,7 @@ AttentionCall prefill_call(const at::Tensor& q, const at::Tensor& k_new, const a
                            int64_t block, int64_t recent, const std::optional<at::Tensor>& rope_cos,
                            const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
                            const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
-                           double scale, int64_t split_tokens);
+                           double scale, int64_t split_tokens, int64_t sliding_window, double softcap);
 
 struct AppendCall {
   CacheCall cache;
@@ -64,10 +65,10 @@ struct AppendCall {
   bool k_clip = false, v_clip = false;
 };
 
-// rkv::cache_append: the contiguous layout, k_new / v_new (B, Hkv, m, D).
+// rkv::cache_append: the contiguous layout, k_new / v_new (B, Hkv, m, D); sliding_window > 0: a ring.
 AppendCall contiguous_append_call(const CacheTensors& c, const at::Tensor& lengths, const at::Tensor& k_new,
                                   const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block,
-                                  int64_t recent, bool k_clip, bool v_clip);
+                                  int64_t recent, bool k_clip, bool v_clip, int64_t sliding_window);
 
 // rkv::paged_append: k_new / v_new (T, Hkv, D) with query_start_loc (B+1).
 AppendCall paged_append_call(const CacheTensors& c, const std::optional<at::Tensor>& page_fill, const CacheIndex& ix,

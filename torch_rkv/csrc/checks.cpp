@@ -2,6 +2,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "rkv/attention.h"
 #include "rkv/hadamard.h"
 #include "rkv/pack.h"
 
@@ -178,6 +179,7 @@ namespace {
 
 // Dims 1.. of t are contiguous (its pages may be any stride apart: views into one page buffer).
 bool rows_contiguous(const at::Tensor& t) {
+  if (t.numel() == 0) return true;  // nothing to address (a cache of capacity 0)
   int64_t expect = 1;
   for (int64_t i = t.dim() - 1; i >= 1; --i) {
     if (t.size(i) != 1 && t.stride(i) != expect) return false;
@@ -281,6 +283,10 @@ void check_cache(const char* op, const at::Tensor& ref, const CacheTensors& c, c
   g.max_pages = ix.tables() ? ix.tables()->size(1) : 1;
   TORCH_CHECK_VALUE(g.page_size % block == 0, "rkv.", op, ": the ", ix.paged ? "page size" : "packed capacity", " (",
                     g.page_size, ") must be a multiple of block (", block, ")");
+  g.ring = ix.tables() == nullptr && g.sliding_window > 0;  // sequence b owns page b: a ring
+  TORCH_CHECK_VALUE(!g.ring || g.page_size >= ring_rows(g.sliding_window, block), "rkv.", op,
+                    ": a sliding window of ", g.sliding_window, " tokens needs a ring of at least ",
+                    ring_rows(g.sliding_window, block), " packed rows (k_packed has ", g.page_size, ")");
   g.k_bits = static_cast<int>(k_bits);
   g.v_bits = static_cast<int>(v_bits);
   check_side_rows(op, "k_window", ref, c.k_window, c.k_window, ix, g);
@@ -296,6 +302,14 @@ void check_cache(const char* op, const at::Tensor& ref, const CacheTensors& c, c
                     "(and the sinks) the same rows");
   TORCH_CHECK_VALUE(g.window >= recent + block - 1, "rkv.", op, ": the window ring (", g.window,
                     " tokens) must hold recent + block - 1 = ", recent + block - 1, " tokens");
+}
+
+void check_window_and_cap(const char* op, int64_t sliding_window, double softcap, CacheGeometry& g) {
+  TORCH_CHECK_VALUE(sliding_window >= 0, "rkv.", op, ": sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0, "rkv.", op,
+                    ": softcap must be finite and >= 0 (0: none), got ", softcap);
+  g.sliding_window = sliding_window;
+  g.softcap = static_cast<float>(softcap);
 }
 
 void check_attention_extras(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& rope_cos,

@@ -107,12 +107,15 @@ TORCH_LIBRARY(rkv, m) {
   // contiguous layout: sinks (B, Hkv, S, D), packed rows (B, Hkv, C, D*bits/8) with scale/zero
   // (B, Hkv, C/T, D/G), and a full-precision window ring (B, Hkv, W, D); see reference.decode_attention.
   // rope_cos/rope_sin: keys are stored pre-RoPE; k_signs / v_signs: keys / values are stored
-  // Hadamard-rotated.
+  // Hadamard-rotated. sliding_window > 0: each query sees only the newest sliding_window keys, and the
+  // contiguous cache is a ring (cache_append with the same window); softcap > 0: Gemma 2's
+  // softcap * tanh(score / softcap) on the scaled scores. The paged attention ops take both the same way.
   m.def(
       "decode_attention(Tensor q, Tensor k_packed, Tensor k_scale, Tensor? k_zero, Tensor v_packed, "
       "Tensor v_scale, Tensor? v_zero, Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, "
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
-      "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens) -> Tensor");
+      "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens, "
+      "SymInt sliding_window=0, float softcap=0.0) -> Tensor");
   // Appends k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens of the contiguous
   // layout, in place: completed blocks are quantized into the packed rows and metadata, other new tokens
   // go to the sinks or the window ring (reference.cache_append). Writes only the buffers marked (x!);
@@ -121,7 +124,7 @@ TORCH_LIBRARY(rkv, m) {
       "cache_append(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_packed, "
       "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
       "Tensor(j!) v_sink, Tensor lengths, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, "
-      "SymInt recent, bool k_clip=False, bool v_clip=False) -> ()");
+      "SymInt recent, bool k_clip=False, bool v_clip=False, SymInt sliding_window=0) -> ()");
   // The paged layout (reference.py, "The quantized KV cache"): codes (pages, Hkv, P, D*bits/8) and
   // scale/zero (pages, Hkv, P/T, D/G), contiguous within a page and any stride apart (views into one
   // page buffer), side slots (slots, Hkv, W|S, D); sequence b reads page block_tables[b][t / P] (int32
@@ -143,7 +146,7 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor v_scale, Tensor? v_zero, Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, "
       "Tensor? block_tables, Tensor? side_slots, Tensor lengths, int k_bits, int v_bits, SymInt block, "
       "SymInt recent, Tensor? rope_cos, Tensor? rope_sin, bool rope_interleaved, Tensor? k_signs, "
-      "Tensor? v_signs, float scale, SymInt split_tokens) -> Tensor");
+      "Tensor? v_signs, float scale, SymInt split_tokens, SymInt sliding_window=0, float softcap=0.0) -> Tensor");
   // A chunk of new tokens per sequence, q (T, Hq, D) with query_start_loc (B+1) and their keys / values
   // k_new / v_new (T, Hkv, D) in the storage space: causal attention over the lengths[b] cached tokens
   // as stored and the chunk itself in full precision (reference.paged_prefill_attention). Runs before
@@ -153,7 +156,8 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, Tensor v_scale, Tensor? v_zero, "
       "Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, Tensor? block_tables, Tensor? side_slots, "
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
-      "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens) -> Tensor");
+      "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens, "
+      "SymInt sliding_window=0, float softcap=0.0) -> Tensor");
   // Copies pages src_pages[i] -> dst_pages[i] (codes, metadata, page_fill) and side slots src_slots[j] ->
   // dst_slots[j] (sinks, window) in place: a fork's open page and side rows (reference.paged_copy).
   m.def(

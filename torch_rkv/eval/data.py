@@ -90,6 +90,21 @@ def text_path(name: str = DEFAULT_TEXT, fetch: bool = True) -> Path:
     return out
 
 
+def bos_text(tok) -> str:
+    """The text that starts a document for this tokenizer, to prefix before encoding: the report's
+    perplexity and localization condition on a document start, as in pretraining. "" when the tokenizer
+    adds its BOS itself (Llama, Mistral, Gemma: a prefix would double it); else "<|endoftext|>" when the
+    vocabulary has it, GPT-2-style pretraining's document separator (SmolLM2, Qwen: their Instruct
+    tokenizers name chat markers as bos/eos, <|im_start|> / <|im_end|>, which are not); else the bos or
+    eos token; else nothing."""
+    bos_id = getattr(tok, "bos_token_id", None)
+    if bos_id is not None and tok("a").input_ids[:1] == [bos_id]:
+        return ""
+    if "<|endoftext|>" in (tok.get_vocab() if hasattr(tok, "get_vocab") else {}):
+        return "<|endoftext|>"
+    return getattr(tok, "bos_token", None) or getattr(tok, "eos_token", None) or ""
+
+
 def read_text(path: Optional[str] = None) -> str:
     """A text file's content: latin-1 (the Canterbury files), CRLF normalized."""
     p = Path(path) if path else text_path()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from .data import bos_text
 from .simulate import Simulation, install
 
 QUESTION = "\n\nQuestion: What is the penalty rate under Article {k}?\nAnswer: The penalty rate under Article {k} is"
@@ -33,7 +34,7 @@ class Needle:
 @dataclass
 class Document:
     length: int
-    ids: torch.Tensor  # (1, n) with the leading <|endoftext|>
+    ids: torch.Tensor  # (1, n) from the document start (data.bos_text)
     needles: list[Needle]
 
 
@@ -49,7 +50,7 @@ def build_document(tok, haystack: str, length: int, needles: int = 6, seed: int 
     start = rng.randint(0, len(hay) - budget)
     hay = hay[start : start + budget]
     cuts = sorted(rng.sample(range(1, budget), needles))
-    parts, prev, placed = ["<|endoftext|>"], 0, []
+    parts, prev, placed = [bos_text(tok)], 0, []
     for cut, k, r in zip(cuts, articles, rates):
         parts.append(tok.decode(hay[prev:cut]))
         parts.append(ARTICLE.format(k=k, r=r))

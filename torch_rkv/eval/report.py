@@ -103,7 +103,7 @@ class Report:
         self.attention = models.inspect(model)  # an unsupported model feature stops here, named
         self.head_dim = self.attention.head_dim
         self.text = text
-        all_ids = tok("<|endoftext|>" + text, return_tensors="pt").input_ids
+        all_ids = tok(data.bos_text(tok) + text, return_tensors="pt").input_ids
         if all_ids.shape[1] < opts.tokens:
             raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than --tokens {opts.tokens}")
         self.ids = all_ids[:, : opts.tokens]

@@ -261,3 +261,15 @@ def paged_prefill_attention(q, k_new, v_new, qsl, max_query_len, k_codes, v_code
     cache(op, batch, hkv, q.shape[-1], k_codes, v_codes, k_window, lengths, k_bits, v_bits, block, recent,
           block_tables, side_slots, paged=True)
     attention_extras(op, rope_cos, rope_sin, k_signs)
+
+
+def window_and_cap(op: str, sliding_window, softcap, packed_rows=None, recent=0, block=1) -> None:
+    """sliding_window >= 0 and softcap finite >= 0 (0: none); packed_rows: a contiguous cache, which a
+    sliding window makes a ring of at least layout.ring_rows packed rows."""
+    value(sliding_window >= 0, op, f"sliding_window must be >= 0 (0: none), got {sliding_window}")
+    value(softcap >= 0 and softcap != float("inf"), op, f"softcap must be finite and >= 0 (0: none), got {softcap}")
+    if packed_rows is not None and sliding_window > 0:
+        from ..layout import ring_rows
+        need = ring_rows(sliding_window, block)
+        value(packed_rows >= need, op, f"a sliding window of {sliding_window} tokens needs a ring of at least {need} "
+                                       f"packed rows (k_packed has {packed_rows})")

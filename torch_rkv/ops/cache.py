@@ -37,20 +37,30 @@ def cache_append(
     recent: int,
     k_clip: bool = False,
     v_clip: bool = False,
+    sliding_window: int = 0,
 ) -> None:
     """Mutates the ten cache buffers (layout: torch_rkv.layout.CacheLayout). k_new / v_new (B, Hkv, m, D)
     must have the window's dtype; keys in the cache's storage space (pre-RoPE / rotated as the scheme says).
-    k_clip / v_clip: completed blocks are quantized with quantize's clipped-range search."""
+    k_clip / v_clip: completed blocks are quantized with quantize's clipped-range search. sliding_window
+    > 0: the packed rows are a ring (token t in row t % C, C >= layout.ring_rows), so a sequence grows past
+    them; at most C - block + 1 tokens per call, so that the blocks one call completes never overlap."""
     torch.ops.rkv.cache_append.default(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                                        k_sink, v_sink, lengths, k_new, v_new, k_bits, v_bits, block, recent,
-                                       k_clip, v_clip)
+                                       k_clip, v_clip, sliding_window)
 
 
 @torch.library.register_fake("rkv::cache_append")
 def _cache_append_fake(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                       lengths, k_new, v_new, k_bits, v_bits, block, recent, k_clip=False, v_clip=False):
+                       lengths, k_new, v_new, k_bits, v_bits, block, recent, k_clip=False, v_clip=False,
+                       sliding_window=0):
     _validate.cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent,
                            k_zero, v_zero, k_clip, v_clip)
+    _validate.window_and_cap("cache_append", sliding_window, 0.0, k_packed.shape[2], recent, block)
+    if sliding_window > 0:
+        most = k_packed.shape[2] - block + 1
+        _validate.value(k_new.shape[2] <= most, "cache_append",
+                        f"a ring of {k_packed.shape[2]} packed rows (sliding_window={sliding_window}) takes at most "
+                        f"{most} tokens per append (k_new has {k_new.shape[2]}); append in pieces")
     _validate.devices("cache_append", k_new, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, lengths=lengths, v_new=v_new)

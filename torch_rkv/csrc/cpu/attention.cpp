@@ -109,6 +109,8 @@ at::Tensor run_attention(AttentionCall& call) {
     max_total = std::max(max_total, len[b] + (prefill ? counts[b] : 0));
     if (prefill) max_m = std::max(max_m, counts[b]);
   }
+  // the keys a sequence's splits cover, from its split_base: a sliding window bounds them
+  if (g.sliding_window > 0) max_total = std::min(max_total, g.sliding_window + std::max<int64_t>(max_m, 1) - 1);
   AttentionArgs a;
   a.q_block = prefill ? std::max<int64_t>(1, prefill_rows(g.dim) / g.group_size()) : 1;
   a.q_blocks = std::max<int64_t>(1, (max_m + a.q_block - 1) / a.q_block);

@@ -297,9 +297,10 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
     const int64_t i0 = qb * a.q_block, i1 = std::min(m, i0 + a.q_block);
     if (i0 >= i1) continue;  // a shorter chunk than the longest: no query rows in this item
     const int64_t q_row0 = a.q_start != nullptr ? a.q_start[b] : b, rows = (i1 - i0) * G;
-    // row r = (token i0 + r / G, query head r % G of this kv head) sees keys [0, end_of(r))
+    // row r = (token i0 + r / G, query head r % G of this kv head) sees keys [window_start(end), end)
     const auto end_of = [&](int64_t r) { return a.q_start != nullptr ? n + i0 + r / G + 1 : n; };
-    const int64_t t0 = split * ST, t1 = std::min(end_of(rows - 1), t0 + ST);
+    const int64_t t0 = split_base(n, a.q_start != nullptr, g.sliding_window) + split * ST;
+    const int64_t t1 = std::min(end_of(rows - 1), t0 + ST);
     const auto out_row = [&](int64_t r) {  // query row r's row in the (query tokens, Hq) outputs
       return (q_row0 + i0 + r / G) * g.q_heads + h * G + r % G;
     };
@@ -349,11 +350,16 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores + r * kChunkTokens;
         const int64_t own = std::max<int64_t>(0, std::min(len, end_of(r) - c0));
+        // keys before the row's window weigh exactly 0, like those after its end
+        const int64_t first = std::min(own, std::max<int64_t>(0, window_start(end_of(r), g.sliding_window) - c0));
+        std::fill(s, s + first, 0.0f);
+        if (g.softcap > 0.0f)
+          for (int64_t i = first; i < own; ++i) s[i] = softcap_score(s[i], g.softcap);
         float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-        for (int64_t i = 0; i < own; ++i) mx = s[i] > mx ? s[i] : mx;
+        for (int64_t i = first; i < own; ++i) mx = s[i] > mx ? s[i] : mx;
         const float m_old = ml[2 * r], m_new = mx > m_old ? mx : m_old;
-        if (own == 0 || m_new == -INFINITY) {  // nothing seen yet (or only -inf scores: infinite keys weigh 0)
+        if (own == first || m_new == -INFINITY) {  // nothing seen yet (or only -inf scores: infinite keys weigh 0)
           std::fill(s, s + len, 0.0f);
           continue;
         }
@@ -364,7 +370,7 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
           for (int64_t j = 0; j < VG; ++j) zsum[r * VG + j] *= corr;
         }
         ml[2 * r] = m_new;
-        ml[2 * r + 1] += exp_sum_row(s, own, m_new);
+        ml[2 * r + 1] += exp_sum_row(s + first, own - first, m_new);
         std::fill(s + own, s + len, 0.0f);
       }
       // 3. un-normalized output += sum_t p_t v_t, a tile of values at a time

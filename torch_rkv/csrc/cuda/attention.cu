@@ -103,16 +103,18 @@ __global__ void __launch_bounds__(kWarps * 32)
   CUDA_KERNEL_ASSERT_MSG(g.rope_half == 0 || n + (prefill ? m : 0) <= g.rope_positions,
                          "rkv: lengths beyond the rope_cos / rope_sin table");
   CUDA_KERNEL_ASSERT_MSG(slot >= 0 && slot < g.slots, "rkv: side_slots names a slot outside the pool");
-  // query row j: token i = (row0 + j) / G, head (row0 + j) % G; it sees keys [0, end[j])
-  int64_t qrow[kMaxHeads], end[kMaxHeads], t_end = 0;
+  // query row j: token i = (row0 + j) / G, head (row0 + j) % G; it sees keys [begin[j], end[j])
+  int64_t qrow[kMaxHeads], begin[kMaxHeads], end[kMaxHeads], t_end = 0;
 #pragma unroll
   for (int j = 0; j < kMaxHeads; ++j) {
     const int64_t r = row0 + (j < nh ? j : 0), i = r / G;
     qrow[j] = (q_row0 + i) * g.q_heads + h * G + r % G;
     end[j] = prefill ? n + i + 1 : n;
+    begin[j] = window_start(end[j], g.sliding_window);
     t_end = j < nh && end[j] > t_end ? end[j] : t_end;
   }
-  const int64_t t0 = split * g.split_tokens, t1 = t_end < t0 + g.split_tokens ? t_end : t0 + g.split_tokens;
+  const int64_t t0 = split_base(n, prefill, g.sliding_window) + split * g.split_tokens;
+  const int64_t t1 = t_end < t0 + g.split_tokens ? t_end : t0 + g.split_tokens;
   const int64_t q_count = quantized_count(n, g.recent, g.block);
   const int64_t slots = d / 2;
 
@@ -157,11 +159,11 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int j = 0; j < kMaxHeads; ++j) {
       score[j] = 0.0f;
-      if (j >= nh || t >= end[j]) continue;  // warp-uniform
+      if (j >= nh || t >= end[j] || t < begin[j]) continue;  // warp-uniform
       float partial = 0.0f;
 #pragma unroll
       for (int i = 0; i < kMaxSlots; ++i) partial = fma_f(qa[j][i], ka[i], fma_f(qb[j][i], kb[i], partial));
-      score[j] = warp_sum(partial);
+      score[j] = softcap_score(warp_sum(partial), g.softcap);
     }
     float va[kMaxSlots], vb[kMaxSlots];
 #pragma unroll
@@ -174,7 +176,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
 #pragma unroll
     for (int j = 0; j < kMaxHeads; ++j) {
-      if (j >= nh || t >= end[j]) continue;
+      if (j >= nh || t >= end[j] || t < begin[j]) continue;
       const float m_new = fmaxf(mx[j], score[j]);
       // -inf guards: the first token (m = -inf) and a -inf score (an infinite key) weigh 0, not NaN
       const float corr = mx[j] == -INFINITY ? 0.0f : softmax_exp(mx[j] - m_new);
@@ -264,8 +266,10 @@ at::Tensor run_attention(AttentionCall& call) {
   const bool prefill = call.q_start.defined();
   const int64_t max_q = prefill ? call.max_query_len : 1;
   const int64_t row_chunks = std::max<int64_t>(1, (g.group_size() * max_q + kMaxHeads - 1) / kMaxHeads);
-  // splits cover the tokens the tables address (not the data-dependent lengths): no host synchronization
-  const int64_t max_tokens = g.max_tokens();
+  // splits cover the tokens the tables address (not the data-dependent lengths): no host synchronization;
+  // with a sliding window, the window and the chunk from each sequence's split_base
+  int64_t max_tokens = g.max_tokens();
+  if (g.sliding_window > 0) max_tokens = std::min(max_tokens, g.sliding_window + max_q - 1);
   if (g.split_tokens == 0) {
     // enough splits to fill the GPU a few times over, never more: the partial results (and the merge)
     // grow with the number of splits

@@ -22,6 +22,24 @@ RKV_HD int64_t quantized_count(int64_t n, int64_t recent, int64_t block) {
 
 RKV_HD int64_t window_slot(int64_t t, int64_t window) { return t % window; }
 
+// The first key a query row that sees keys [0, end) attends to: a sliding window of `window` keys keeps
+// the newest (transformers' and vLLM's semantics: the query itself and the window - 1 before it).
+RKV_HD int64_t window_start(int64_t end, int64_t window) { return window > 0 && end > window ? end - window : 0; }
+
+// The first key the splits of a sequence with n cached tokens cover: the earliest any of its query
+// rows sees (decode: keys [0, n); prefill: the chunk's first token sees [0, n + 1)). Splits cover at
+// most window + (query tokens - 1) keys from there.
+RKV_HD int64_t split_base(int64_t n, bool prefill, int64_t window) { return window_start(n + (prefill ? 1 : 0), window); }
+
+// Quantized rows of a ring (a sliding-window layer's contiguous cache): an append writes each block's
+// rows once the block is complete (while its tokens are still read from the full-precision ring), so the
+// rows written end at block * floor(n / block) <= n, and a query reads from n - window on: the newest
+// `window` rows, in whole blocks (reference.ring_rows is the same rule).
+RKV_HD int64_t ring_rows(int64_t window, int64_t block) { return (window + block - 1) / block * block; }
+
+// Gemma 2's attention-logit soft-capping of a (scaled) score; cap <= 0: none.
+RKV_HD float softcap_score(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / cap) : s; }
+
 // Where token t of a sequence with `cached` tokens (q_count of them in quantized blocks) is read.
 enum class Place { Sink, Packed, Window, Fresh };
 RKV_HD Place token_place(int64_t t, int64_t sinks, int64_t q_count, int64_t cached) {

@@ -44,8 +44,14 @@ struct CacheGeometry {
   int64_t rope_half = 0, rope_positions = 0;  // rope_half == 0: keys stored post-RoPE
   bool interleaved = false;
   int64_t split_tokens = 0;  // 0: each backend chooses (CPU by the shapes, CUDA by the SM count)
+  // a query sees only the newest sliding_window keys (0: all); a contiguous cache with a sliding window
+  // is a ring: token t's quantized row is t % page_size, and a sequence may grow past the rows
+  int64_t sliding_window = 0;
+  bool ring = false;
+  float softcap = 0.0f;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
   RKV_HD int64_t group_size() const { return q_heads / kv_heads; }
-  RKV_HD int64_t max_tokens() const { return max_pages * page_size; }  // tokens a sequence can address
+  // tokens a sequence can address (a ring: any number; its rope table bounds it)
+  RKV_HD int64_t max_tokens() const { return ring ? (int64_t{1} << 40) : max_pages * page_size; }
 };
 
 }  // namespace rkv
