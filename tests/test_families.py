@@ -125,8 +125,8 @@ def test_the_simulation_quantizes_the_models_pre_rope_keys(name, monkeypatch):
 
 
 def test_the_simulation_honours_a_sliding_window_mask():
-    """A sliding-window model (not served by the cache yet) through the simulation sees its window: the
-    stock logits, where ignoring the mask would not give them."""
+    """A sliding-window model through the simulation sees its window: the stock logits, where ignoring the
+    mask would not give them."""
     model = build("MistralConfig", "MistralForCausalLM", num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
     ids = prompt(40)
     with torch.no_grad():
@@ -140,17 +140,6 @@ def test_the_simulation_honours_a_sliding_window_mask():
 
 
 UNSUPPORTED = {
-    "sliding window (Mistral v0.1)": (lambda: build("MistralConfig", "MistralForCausalLM", num_attention_heads=4,
-                                                    num_key_value_heads=2, sliding_window=16),
-                                      "sliding-window attention"),
-    "sliding window (Qwen2)": (lambda: build("Qwen2Config", "Qwen2ForCausalLM", num_attention_heads=4,
-                                             num_key_value_heads=2, use_sliding_window=True, sliding_window=16,
-                                             max_window_layers=0),
-                               "sliding-window attention"),
-    "Gemma 2": (lambda: build("Gemma2Config", "Gemma2ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=32, sliding_window=16), "soft-capping"),
-    "Gemma 3": (lambda: build("Gemma3TextConfig", "Gemma3ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=32, sliding_window=16), "sliding-window attention"),
     "dynamic NTK RoPE": (lambda: build("Qwen2Config", "Qwen2ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
                                        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
                          "rope_type 'dynamic'"),
@@ -165,3 +154,79 @@ def test_unsupported_features_raise_an_error_that_names_them(case):
                     lambda: RKVCache(model, S.per_token(4), capacity=64)):  # post-RoPE keys are refused too
         with pytest.raises(models.UnsupportedModelFeature, match=feature):
             attempt()
+
+
+# Sliding windows, soft-capping and per-layer RoPE tables: prompts longer than the window (16 tokens)
+WINDOWED = {
+    "mistral_v0.1": ("MistralConfig", "MistralForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                              "sliding_window": 16}),
+    "qwen2_swa": ("Qwen2Config", "Qwen2ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                      "use_sliding_window": True, "sliding_window": 16,
+                                                      "max_window_layers": 1}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                                                     "sliding_window": 16, "query_pre_attn_scalar": 24,
+                                                     "attn_logit_softcapping": 5.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                         "head_dim": 32, "sliding_window": 16,
+                                                         "layer_types": ["sliding_attention", "full_attention"]}),
+}
+WINDOWS = {"mistral_v0.1": (16, 16), "qwen2_swa": (0, 16), "gemma2": (16, 0), "gemma3": (16, 0)}
+
+
+def windowed(name):
+    config_cls, model_cls, kw = WINDOWED[name]
+    model = build(config_cls, model_cls, **kw)
+    if name == "gemma2":
+        model.set_attn_implementation("eager")  # the stock path that soft-caps (SDPA refuses to)
+    return model
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_windowed_families_are_inspected_layer_by_layer(name):
+    model = windowed(name)
+    att = models.inspect(model)
+    assert att.windows == WINDOWS[name]
+    assert att.softcap == (5.0 if name == "gemma2" else 0.0)
+    assert (len(set(att.rope_types)) > 1) == (name == "gemma3")
+    if name == "gemma3":  # two tables that differ (local base 1e4, global 1e6): one table is refused by name
+        local, glob = (models.rope_tables(model, 64, rope_type=t) for t in ("sliding_attention", "full_attention"))
+        assert not torch.allclose(local[0], glob[0])
+        with pytest.raises(models.UnsupportedModelFeature, match="a table per layer type"):
+            models.rope_tables(model, 64)
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+@pytest.mark.parametrize("scheme", [S.recommended(8).replace(k_block_tokens=16), S.per_token(8)], ids=lambda s: s.name)
+def test_windowed_rkv_cache_at_8_bits_generates_as_transformers_cache(name, scheme):
+    """Prompts of 60 tokens over windows of 16: the sliding layers' rings wrap, the soft-capped prefill
+    runs the fused kernel, each layer rotates by its own table, by the portable criterion."""
+    model = windowed(name)
+    ids = prompt(60, batch=2)
+    want = model.generate(ids, max_new_tokens=16, do_sample=False)
+    cache = RKVCache(model, scheme, capacity=128, batch=2)
+    got = model.generate(ids, max_new_tokens=16, do_sample=False, cache=cache)
+    assert_agrees(model, ids, want, got, scheme, 8, TINY_SENSITIVITY, 128)
+    sliding = [c for c in cache.caches if c.sliding_window]
+    assert sliding and all(c.layout.packed_capacity < 128 for c in sliding)
+
+
+def test_sliding_layers_hold_their_window_whatever_the_capacity():
+    """Gemma 2's sliding layer keeps ring_rows(16, block) rows at any capacity; its global layer grows."""
+    model = windowed("gemma2")
+    small, large = (RKVCache(model, S.recommended(4).replace(k_block_tokens=16), capacity=c) for c in (128, 1024))
+    ring = [c.nbytes() for c in small.caches if c.sliding_window] + [c.nbytes() for c in large.caches if c.sliding_window]
+    glob = [c.nbytes() for c in small.caches if not c.sliding_window] + [
+        c.nbytes() for c in large.caches if not c.sliding_window]
+    assert len(ring) == 2 and ring[0] == ring[1] and glob[1] > glob[0]
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_windowed_simulation_without_quantization_equals_the_stock_forward(name):
+    """The report's simulation with nothing quantized: the stock logits, windows and soft-capping included."""
+    model = windowed(name)
+    ids = prompt(40)
+    with torch.no_grad():
+        want = model(ids).logits
+        install(model, Simulation(S.per_token(8), quantize_keys=False, quantize_values=False))
+        got = model(ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()

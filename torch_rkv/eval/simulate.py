@@ -140,12 +140,14 @@ class Simulation:
         return (t[None, :] >= s.sinks) & (t[None, :] < q_end[:, None])
 
     # ------------------------------------------------------------------------------------------
-    def attention(self, query, key, value, scaling: float, attention_mask=None) -> torch.Tensor:
+    def attention(self, query, key, value, scaling: float, attention_mask=None, softcap: float = 0.0) -> torch.Tensor:
         """Causal attention (B, N, Hq, D) of the last N positions, with quantized pairs reading the
         fake-quantized keys and values. Keys are laid out twice, [quantized | full precision], and a
         mask picks one copy per (query, key): one fused SDPA call. attention_mask: the model's mask
         for this layer (bool, True = attend, or additive), honoured on top of causality: a
-        sliding-window layer sees its window, a padded position nothing."""
+        sliding-window layer sees its window, a padded position nothing. softcap > 0: Gemma 2's
+        soft-capped scores."""
+        self.softcap = softcap
         nq, n = query.shape[2], key.shape[2]
         kq, vq = self.fake_quantize(key, "k"), self.fake_quantize(value, "v")
         pos = n - nq + torch.arange(nq, device=query.device)
@@ -181,11 +183,15 @@ class Simulation:
         return out.transpose(1, 2).to(query.dtype)
 
     def _attend(self, q, k, v, mask, scaling):
-        if self.kernel == "sdpa":
+        softcap = getattr(self, "softcap", 0.0)
+        if self.kernel == "sdpa" and not softcap:  # (SDPA cannot soft-cap)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        scores = (q @ k.transpose(-1, -2) * scaling).masked_fill(~mask, -math.inf)
+        scores = q @ k.transpose(-1, -2) * scaling
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, -math.inf)
         return torch.softmax(scores, dim=-1) @ v
 
     def _measure(self, q, kf, vf, kq, vq, causal, pairs, scaling, out) -> None:
@@ -214,7 +220,7 @@ def simulated_attention(module, query, key, value, attention_mask, scaling=None,
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     return sim.attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5,
-                         attention_mask), None
+                         attention_mask, kwargs.get("softcap") or 0.0), None
 
 
 def model_mask(mask: torch.Tensor, nq: int, n: int) -> torch.Tensor:

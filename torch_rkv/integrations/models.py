@@ -3,13 +3,13 @@ where the attention modules and the rotary table are, how RoPE pairs the channel
 GPT-J's interleaved pairs) and over how many (partial rotary), and which features of the model it cannot
 honour yet, each refused by name (UnsupportedModelFeature) rather than served wrong.
 
-Supported (tested on tiny random models of each: tests/test_families.py): Llama, Qwen2 / 2.5 (qkv bias),
-Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the normed ones), Mistral without a sliding
-window, Phi-3-style models without one (fused qkv; the released Phi-3 checkpoints set a window or use
-LongRoPE, so they are refused), GPT-NeoX / Pythia, Phi-2 and StableLM (partial rotary), GPT-J
-(interleaved pairs). Not yet: sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window, Gemma 2 and 3),
-attention-logit soft-capping (Gemma 2), per-layer RoPE tables (Gemma 3), RoPE whose table depends on the
-sequence length (dynamic NTK, LongRoPE), ALiBi, encoder-decoder models.
+Supported (tested on tiny random models of each: tests/test_families.py): Llama, Qwen2 / 2.5 (qkv bias,
+use_sliding_window), Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the normed ones), Mistral
+(v0.1's sliding window too), Phi-3-style models (fused qkv; LongRoPE checkpoints are refused), Gemma 2
+(sliding layers interleaved with global ones, attention-logit soft-capping, query_pre_attn_scalar) and
+Gemma 3 (a local and a global RoPE table), GPT-NeoX / Pythia, Phi-2 and StableLM (partial rotary),
+GPT-J (interleaved pairs). Not supported: RoPE whose table depends on the sequence length (dynamic NTK,
+LongRoPE), ALiBi, encoder-decoder models.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ class ModelAttention:
     rotary: nn.Module | None  # the model's rotary embedding module (None: no RoPE)
     interleaved: bool  # GPT-J's pairs (2j, 2j + 1); else rotate-half pairs (j, j + rot_dim / 2)
     modules: tuple[nn.Module, ...]  # the attention module of every layer, in order
+    windows: tuple[int, ...] = ()  # every layer's sliding window (0: it attends to the whole context)
+    rope_types: tuple = ()  # every layer's rotary table (Gemma 3's layer type; None: the model's one table)
+    softcap: float = 0.0  # attention-logit soft-capping (Gemma 2; 0: none)
 
 
 def text_config(model):
@@ -70,38 +73,50 @@ def inspect(model) -> ModelAttention:
         _refuse(kind, "an encoder-decoder model (cross attention)")
     if getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", None) == "alibi":
         _refuse(kind, "ALiBi position bias")
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        _refuse(kind, f"attention-logit soft-capping (attn_logit_softcapping={cfg.attn_logit_softcapping})")
     modules = attention_modules(model)
-    windows = {getattr(m, "sliding_window", None) for m in modules} - {None}
-    if windows or uses_sliding_window(getattr(cfg, "layer_types", None), getattr(cfg, "sliding_window", None),
-                                      getattr(cfg, "use_sliding_window", True)):
-        _refuse(kind, f"sliding-window attention (sliding_window={getattr(cfg, 'sliding_window', None)})")
-    base = getattr(model, "base_model", model)
-    rotary = getattr(base, "rotary_emb", None)
-    if rotary is not None:
-        rope_type = str(getattr(rotary, "rope_type", None) or (getattr(cfg, "rope_parameters", None) or {}).get(
-            "rope_type", "default"))
-        if rope_type.startswith(LENGTH_DEPENDENT_ROPE):
-            _refuse(kind, f"rope_type {rope_type!r} (its table changes with the sequence length; pre-RoPE storage "
-                          "needs a fixed table)")
-        if len(getattr(rotary, "layer_types", ()) or ()) > 1:
-            _refuse(kind, "per-layer RoPE tables (local and global layers)")
-        if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
-            _refuse(kind, f"the rotary table of {type(rotary).__name__}")
     if [getattr(m, "layer_idx", None) for m in modules] != list(range(cfg.num_hidden_layers)):
         _refuse(kind, "a model whose attention modules are not one self-attention per layer (none found, "
                       "cross-attention layers, or no layer_idx)")
+    layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    window = getattr(cfg, "sliding_window", None)
+    if not uses_sliding_window(layer_types, window, getattr(cfg, "use_sliding_window", True)):
+        windows = [0] * len(modules)
+    elif "sliding_attention" in layer_types:  # Gemma 2 / 3, Qwen2 with use_sliding_window: the types say which
+        windows = [window if t == "sliding_attention" else 0 for t in layer_types]
+    else:  # Mistral v0.1, Phi-3: every layer masks by the config's window
+        windows = [window] * len(modules)
+    for m, w in zip(modules, windows):  # where a module names its window, it must be the one the mask uses
+        if getattr(m, "sliding_window", None) not in (None, w):
+            _refuse(kind, f"layer {m.layer_idx}'s sliding window {m.sliding_window} that differs from its mask's {w}")
+    base = getattr(model, "base_model", model)
+    rotary = getattr(base, "rotary_emb", None)
+    rope_types = [None] * len(modules)
+    if rotary is not None:
+        tables = getattr(rotary, "layer_types", None) or []
+        kinds = getattr(rotary, "rope_type", None) or (getattr(cfg, "rope_parameters", None) or {}).get(
+            "rope_type", "default")
+        for rope_type in (kinds.values() if isinstance(kinds, dict) else [kinds]):
+            if str(rope_type).startswith(LENGTH_DEPENDENT_ROPE):
+                _refuse(kind, f"rope_type {rope_type!r} (its table changes with the sequence length; pre-RoPE "
+                              "storage needs a fixed table)")
+        if len(tables) > 1:  # Gemma 3: a table per layer type, as the model's forward picks them
+            rope_types = list(layer_types)
+        if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
+            _refuse(kind, f"the rotary table of {type(rotary).__name__}")
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelAttention(kind, cfg.num_hidden_layers, kv_heads, head_dim, rotary,
-                          interleaved=kind in _INTERLEAVED, modules=modules)
+    return ModelAttention(kind, cfg.num_hidden_layers, kv_heads, head_dim, rotary, interleaved=kind in _INTERLEAVED,
+                          modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),
+                          softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0))
 
 
-def rope_tables(model, positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(model, positions: int, device=None, rope_type=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of shape (positions, rot_dim / 2), float32, from the model's own rotary module (its
-    scaling variant and attention scaling included) for the pairing inspect() reports."""
+    scaling variant and attention scaling included) for the pairing inspect() reports; rope_type: the
+    table of one layer type (Gemma 3; inspect().rope_types says each layer's)."""
     att = inspect(model)
+    if rope_type is None and len(set(att.rope_types)) > 1:
+        _refuse(att.model_type, "one RoPE table for a model with a table per layer type (pass rope_type)")
     rotary = att.rotary
     if rotary is None:
         _refuse(att.model_type, "a pre-RoPE scheme on a model without rotary embeddings")
@@ -116,7 +131,8 @@ def rope_tables(model, positions: int, device=None) -> tuple[torch.Tensor, torch
     dev = next((b.device for b in rotary.buffers()), torch.device("cpu"))
     x = torch.zeros(1, dtype=torch.float32, device=dev)
     with torch.no_grad():
-        cos, sin = rotary(x, torch.arange(positions, device=dev)[None])
+        pos = torch.arange(positions, device=dev)[None]
+        cos, sin = rotary(x, pos) if rope_type is None else rotary(x, pos, rope_type)
     cos, sin = cos[0].float(), sin[0].float()
     half = cos.shape[-1] // 2
     if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):

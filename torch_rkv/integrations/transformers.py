@@ -7,13 +7,16 @@
 Prefill runs the model's ordinary (SDPA) attention on the fresh keys and values while they are written
 into the quantized cache; every decode step (one new token) runs rkv::decode_attention on the quantized
 cache, and every later chunk of several tokens (a second turn, chunked prefill, speculative
-verification) rkv::paged_prefill_attention: the cache as stored, the chunk itself in full precision. Pre-RoPE storage needs no model change: keys arrive post-RoPE, the cache undoes the rotation
+verification) rkv::paged_prefill_attention: the cache as stored, the chunk itself in full precision
+(soft-capped models take that path for the prefill too: SDPA cannot cap). Sliding-window layers keep a
+ring of their window (QuantizedKVCache(sliding_window=)). Pre-RoPE storage needs no model change: keys
+arrive post-RoPE, the cache undoes the rotation
 with a table built from the model's own rotary module (so its RoPE scaling variant matches) and the
 kernel re-applies it. The model families of integrations/models.py (Llama, Qwen2/3, Mistral, Phi-3,
-GPT-NeoX, Phi-2, StableLM, GPT-J: GQA, partial and interleaved rotary); transformers 5.x (tested with
-5.24). Not supported, each an error on every device (a device-side check, no host sync per step):
-left-padded batches and position offsets; also the model features models.py names (sliding windows,
-soft-capping, dynamic / LongRoPE scaling...) and beam-search cropping.
+GPT-NeoX, Phi-2, StableLM, GPT-J, Gemma 2 and 3: GQA, partial and interleaved rotary, sliding windows,
+soft-capping, per-layer RoPE tables); transformers 5.x (tested with 5.24). Not supported, each an error
+on every device (a device-side check, no host sync per step): left-padded batches and position offsets;
+also the model features models.py names (dynamic / LongRoPE scaling...) and beam-search cropping.
 """
 
 from __future__ import annotations
@@ -52,23 +55,48 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
     """The "rkv" attention: the fused kernels for a step the cache marked (a decode token, or a chunk
     after the prefill), SDPA otherwise (the prefill itself, on its fresh keys and values)."""
     layer = getattr(key, "_rkv_layer", None)
+    if layer is None and kwargs.get("softcap"):
+        return _capped_attention(query, key, value, attention_mask, scaling, kwargs["softcap"])
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     chunk, layer.chunk, layer.pending = layer.chunk, None, False
     m = query.shape[2]
+    window = layer.cache.sliding_window
+    for name, want, got in (("sliding_window", window, kwargs.get("sliding_window")),
+                            ("softcap", layer.cache.softcap, kwargs.get("softcap"))):
+        if (got or 0) != want and not (name == "sliding_window" and window == 0 and (got or 0) >= layer.cache.capacity):
+            raise ValueError(f"torch_rkv: layer {layer.index}'s attention asks for {name}={got}, but its cache was "
+                             f"built for {want} (from the model's config)")
     if attention_mask is not None:  # checked on the mask's device: no host sync per step
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         n = allowed.shape[-1]  # cached + new tokens
-        causal = torch.arange(n, device=allowed.device)[None, :] <= n - m + torch.arange(m, device=allowed.device)[:, None]
-        torch._assert_async((allowed[..., -m:, :] == causal).all(), "torch_rkv: the fused attention attends "
-                            "causally to every cached token; padded batches (an attention mask with masked "
-                            "positions) are not supported")
+        kv = torch.arange(n, device=allowed.device)[None, :]
+        last = n - m + torch.arange(m, device=allowed.device)[:, None]  # each query's position
+        visible = (kv <= last) & ((kv > last - window) if window else True)
+        torch._assert_async((allowed[..., -m:, :] == visible).all(), "torch_rkv: the fused attention attends "
+                            "causally to every cached token (of its sliding window); padded batches (an attention "
+                            "mask with masked positions) are not supported")
     if chunk is not None:  # several new tokens over the cache: rkv::paged_prefill_attention, then the append
         out = layer.cache.prefill(layer.index, query, *chunk, scale=scaling)  # (B, Hq, m, D)
         return out.transpose(1, 2).to(query.dtype), None
     out = layer.cache.attend(layer.index, query[:, :, 0], scale=scaling)  # (B, Hq, D)
     return out[:, None].to(query.dtype), None  # (B, 1, Hq, D)
+
+
+def _capped_attention(query, key, value, attention_mask, scaling, softcap):
+    """Attention with soft-capped scores, for a forward without the cache (SDPA cannot cap): Gemma 2's
+    own eager computation, (B, m, Hq, D)."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = softcap * torch.tanh(query @ key.transpose(-1, -2) * scaling / softcap)
+    if attention_mask is None:  # the mask function left a purely causal mask to SDPA's is_causal
+        m, n = query.shape[-2], key.shape[-2]
+        attention_mask = torch.ones(m, n, dtype=torch.bool, device=query.device).tril(n - m)
+    mask = attention_mask[..., : key.shape[-2]]
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return (probs @ value).transpose(1, 2).contiguous(), probs
 
 
 def enable(model) -> None:
@@ -109,7 +137,8 @@ class RKVLayer(CacheLayerMixin):
             self.pending = True
             return key, value_states
         n_before = self.cache.seq_length(self.index)  # a host read per chunk of several tokens, never per step
-        if n_before == 0:  # prefill: ordinary attention on the fresh keys and values
+        if n_before == 0 and self.cache.softcap == 0:  # prefill: ordinary attention on the fresh keys and values
+            # (SDPA cannot soft-cap: then the fused prefill runs over the empty cache, as for a later chunk)
             self.cache.append(self.index, key_states, value_states)
             return key_states, value_states
         # a later chunk (a second turn, chunked prefill, speculative verification): the attention reads the
@@ -167,24 +196,38 @@ class RKVCache(Cache):
         device = device if device is not None else next(model.parameters()).device
         dtype = dtype if dtype is not None else next(model.parameters()).dtype
         scheme.check_head_dim(att.head_dim)
-        rope = None
-        if scheme.pre_rope:
-            rope = models.rope_tables(model, max_tokens(scheme, capacity), device)
-        self.quantized = QuantizedKVCache(scheme, att.layers, batch, att.kv_heads, att.head_dim, capacity, dtype=dtype,
-                                          device=device, rope=rope, rope_interleaved=att.interleaved)
-        super().__init__(layers=[RKVLayer(self.quantized, i) for i in range(att.layers)])
+        # one QuantizedKVCache per kind of layer: sliding-window layers keep a ring of their window (a window
+        # as long as the capacity never binds), and Gemma 3's local and global layers rotate by their tables
+        kinds: dict[tuple, list[int]] = {}
+        for i in range(att.layers):
+            window = att.windows[i] if 0 < att.windows[i] < capacity else 0
+            kinds.setdefault((window, att.rope_types[i]), []).append(i)
+        layers: list[RKVLayer | None] = [None] * att.layers
+        self.caches: list[QuantizedKVCache] = []
+        for (window, rope_type), ids in kinds.items():
+            rope = None
+            if scheme.pre_rope:
+                rope = models.rope_tables(model, max_tokens(scheme, capacity), device, rope_type)
+            cache = QuantizedKVCache(scheme, len(ids), batch, att.kv_heads, att.head_dim, capacity, dtype=dtype,
+                                     device=device, rope=rope, rope_interleaved=att.interleaved,
+                                     sliding_window=window, softcap=att.softcap)
+            self.caches.append(cache)
+            for j, i in enumerate(ids):
+                layers[i] = RKVLayer(cache, j)
+        super().__init__(layers=layers)
         if enable_attention:
             enable(model)
 
     @property
     def scheme(self) -> Scheme:
-        return self.quantized.scheme
+        return self.caches[0].scheme
 
     def nbytes(self) -> int:
-        """Exact bytes of the quantized KV buffers."""
-        return self.quantized.nbytes()
+        """Exact bytes of the quantized KV buffers (every kind of layer)."""
+        return sum(c.nbytes() for c in self.caches)
 
     def reset(self) -> None:
-        self.quantized.reset()
+        for cache in self.caches:
+            cache.reset()
         for layer in self.layers:
             layer.reset()
