@@ -265,6 +265,35 @@ def test_paged_equals_contiguous(device, scheme):
             assert torch.equal(getattr(contiguous, name)[1, b], getattr(paged, name)[1, slot]), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [5, 70])
+def test_paged_sliding_window_attends_as_the_contiguous_ring(device, window):
+    """Pages with a sliding window and soft-capping against QuantizedKVCache's ring with the same: decode
+    and chunk outputs to float tolerance (only the tiles' page boundaries differ)."""
+    scheme = presets.recommended(4).replace(k_block_tokens=16, recent=8)
+    gen = torch.Generator().manual_seed(window)
+    ring = QuantizedKVCache(scheme, 2, 2, H, D, 400, dtype=torch.float32, device=device, rope=tables_for(),
+                            sliding_window=window, softcap=3.0)
+    paged = PagedQuantizedKVCache(scheme, 2, H, D, 64, 4, dtype=torch.float32, device=device, rope=tables_for(),
+                                  max_pages_per_seq=24, sliding_window=window, softcap=3.0)
+    seqs = [paged.add(), paged.add()]
+    assert ring.layout.packed_capacity < 400
+    for m in (13, 1, 40, 1, 70, 1):
+        k = torch.randn(2, H, m, D, generator=gen).to(device)
+        v = torch.randn(2, H, m, D, generator=gen).to(device)
+        q = torch.randn(2, 6, m, D, generator=gen).to(device)
+        batch = paged.schedule(seqs, [m, m])
+        if m == 1:
+            ring.append(1, k, v)
+            paged.append(1, batch, token_rows(k, m), token_rows(v, m))
+            got, want = paged.attend(1, batch, q[:, :, 0]), ring.attend(1, q[:, :, 0])
+        else:
+            got = paged.prefill(1, batch, token_rows(q, m), token_rows(k, m), token_rows(v, m))
+            want = token_rows(ring.prefill(1, q, k, v), m)
+        paged.commit(batch)
+        assert (got - want).abs().max().item() <= float_tolerance(q, k, v, torch.float32)
+
+
 @pytest.mark.parametrize("scheme", PRESETS, ids=lambda s: s.name)
 def test_chunked_prefill_leaves_the_same_cache(scheme):
     """Prefilling in chunks of 1, 7, 64 or all at once gives the same pages, side rows and page counts,

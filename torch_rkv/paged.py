@@ -66,12 +66,15 @@ class PagedQuantizedKVCache(torch.nn.Module):
     max_pages_per_seq: the block tables' width (default: every page), which bounds a sequence's length.
     rope: (cos, sin) (positions, rot_dim / 2), the model's table, for pre-RoPE schemes; it must cover
     max_pages_per_seq * page_size positions. dtype: of the side rows and of appended tokens.
+    sliding_window / softcap: every layer's attention sees only the newest sliding_window tokens / soft-caps
+    its scores (the ops' arguments; pages before the window are never read, but this cache keeps them:
+    an engine such as vLLM frees them; a model mixing sliding and global layers takes a cache per kind).
     """
 
     def __init__(self, scheme: Scheme, num_layers: int, kv_heads: int, head_dim: int, num_pages: int, max_seqs: int,
                  page_size: Optional[int] = None, dtype: torch.dtype = torch.float16, device=None,
                  rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, rope_interleaved: bool = False,
-                 max_pages_per_seq: Optional[int] = None):
+                 max_pages_per_seq: Optional[int] = None, sliding_window: int = 0, softcap: float = 0.0):
         super().__init__()
         if num_layers < 1 or num_pages < 1 or max_seqs < 1:
             raise ValueError(f"PagedQuantizedKVCache: num_layers ({num_layers}), num_pages ({num_pages}) and max_seqs "
@@ -82,6 +85,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         self.num_pages, self.max_seqs = num_pages, max_seqs
         self.max_pages_per_seq = max_pages_per_seq or num_pages
         self.rope_interleaved = rope_interleaved
+        self.sliding_window, self.softcap = sliding_window, float(softcap)
         # each region of the page format in its own tensor (layers, pages, kv_heads, rows, last dim): the same
         # bytes per page as PageLayout's one-buffer page (page_bytes() packs them), but typed, so that
         # torch.compile can trace appends (aot_autograd cannot mutate dtype views of one byte buffer)
@@ -280,7 +284,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         return paged_decode_attention(q, *self.layer_tensors(layer), batch.block_tables, batch.side_slots,
                                       batch.lengths_after, s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
-                                      split_tokens)
+                                      split_tokens, self.sliding_window, self.softcap)
 
     def prefill(self, layer: int, batch: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
@@ -292,7 +296,8 @@ class PagedQuantizedKVCache(torch.nn.Module):
         out = paged_prefill_attention(q, ks, vs, batch.query_start_loc, batch.max_query_len,
                                       *self.layer_tensors(layer), batch.block_tables, batch.side_slots, batch.lengths,
                                       s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos, self.rope_sin,
-                                      self.rope_interleaved, self.k_signs, self.v_signs, scale, split_tokens)
+                                      self.rope_interleaved, self.k_signs, self.v_signs, scale, split_tokens,
+                                      self.sliding_window, self.softcap)
         self._append_storage(layer, batch, ks, vs)
         return out
 

@@ -151,6 +151,39 @@ def test_a_qwen3_model_agrees_at_8_bits_with_vllms_own_cache(tiny_qwen3):
                                              skip_tokenizer_init=True, max_model_len=512)
 
 
+TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a tiny random model
+    # GPT-J: interleaved pairs over a partial rotary (16 of 64 channels)
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"n_embd": 256, "n_head": 4, "n_layer": 2, "rotary_dim": 16,
+                                               "n_positions": 1024}),
+    # Gemma 2: sliding-window layers (64 tokens) interleaved with global ones (vLLM's hybrid allocator),
+    # attention-logit soft-capping, query_pre_attn_scalar
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
+                                                     "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                     "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 64,
+                                                     "query_pre_attn_scalar": 48, "attn_logit_softcapping": 20.0,
+                                                     "max_position_embeddings": 1024}),
+}
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, family):
+    """GPT-J's interleaved partial rotary (un-rotated with the table and pairing vLLM builds for it), and
+    Gemma 2's sliding windows (300-token prompts over 64-token windows: the kernel masks, vLLM frees the
+    pages before the window) and soft-capping: rkv-8 against vLLM's own float32 cache."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, kw = TINY_FAMILIES[family]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(vocab_size=512, tie_word_embeddings=False, **kw)
+    path = tmp_path_factory.mktemp(f"tiny-{family}")
+    getattr(transformers, model_cls)(cfg).save_pretrained(path)
+    gen = __import__("random").Random(0)
+    prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
+    assert_8_bits_agree_with_vllms_own_cache(family, str(path), prompts, TINY_SENSITIVITY,
+                                             skip_tokenizer_init=True, max_model_len=512)
+
+
 def chunked_job(model_dir, alice, with_prefix_prompts=False, prefix_caching=False):
     """alice29's 2048 tokens in chunks of 256; with_prefix_prompts: also the shared-prefix requests (one,
     then the others) and, with prefix caching off, the preemption test's requests with room for all."""
@@ -320,19 +353,23 @@ def test_without_a_scheme_the_plugin_is_inert(monkeypatch):
         plugin.register()
 
 
-@pytest.mark.parametrize("config, refused", [("LlamaConfig", None), ("Qwen3Config", None),
-                                             ("GPTJConfig", "not 'gptj'"), ("GPTNeoXConfig", "not 'gpt_neox'")])
-def test_pre_rope_schemes_take_only_the_rotary_layout_they_invert(monkeypatch, config, refused):
-    """The backend un-rotates new keys with a rotate-half table over every channel: a model whose vLLM
-    rotary differs (GPT-J's interleaved pairs, GPT-NeoX's partial rotary) is refused by name, not served
-    wrong."""
+@pytest.mark.parametrize("config, kw, refused, half, interleaved", [
+    ("LlamaConfig", {}, None, 32, False), ("Qwen3Config", {}, None, 32, False),
+    ("GPTJConfig", {"rotary_dim": 16}, None, 8, True),
+    ("GPTNeoXConfig", {}, "not 'gpt_neox'", 0, False),  # (vLLM 0.32 has no model code of its own for it)
+    ("Gemma3TextConfig", {}, "not 'gemma3_text'", 0, False)])  # a local and a global table
+def test_pre_rope_schemes_take_only_the_rotary_layout_they_invert(monkeypatch, config, kw, refused, half,
+                                                                   interleaved):
+    """The backend un-rotates new keys with the table and pairing vLLM builds for the model (rotate-half or
+    GPT-J's interleaved pairs, over the rotary channels); a family whose rotary it cannot reproduce is
+    refused by name, not served wrong."""
     from types import SimpleNamespace
 
     import transformers
 
     from torch_rkv.integrations.vllm_backend import model_rope_tables
 
-    hf = getattr(transformers, config)()
+    hf = getattr(transformers, config)(**kw)
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, max_model_len=256))
     head = 64
     if refused:
@@ -342,6 +379,6 @@ def test_pre_rope_schemes_take_only_the_rotary_layout_they_invert(monkeypatch, c
         from vllm.config import VllmConfig, set_current_vllm_config
 
         with set_current_vllm_config(VllmConfig()):  # (get_rope builds a vLLM custom op)
-            cos, sin = model_rope_tables(vllm_config, head)
-        assert cos.shape[1] == sin.shape[1] == head // 2 and cos.shape[0] >= 256
+            cos, sin, pairs = model_rope_tables(vllm_config, head)
+        assert cos.shape[1] == sin.shape[1] == half and cos.shape[0] >= 256 and pairs == interleaved
         assert (cos[0] == 1).all() and (sin[0] == 0).all()  # position 0: the identity rotation

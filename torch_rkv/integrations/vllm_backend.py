@@ -76,6 +76,10 @@ class RKVAttentionBackend(AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True  # the paged ops take sliding_window; vLLM frees the pages before the window
+
+    @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         if spec.state_content_bytes is not None:
             return spec
@@ -179,8 +183,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
-        for feature, present in (("ALiBi", alibi_slopes is not None), ("sliding-window attention", sliding_window),
-                                 ("attention-logit soft-capping", logits_soft_cap),
+        for feature, present in (("ALiBi", alibi_slopes is not None),
                                  ("learned attention sinks", sinks is not None),
                                  ("KV cache sharing between layers", kv_sharing_target_layer_name),
                                  (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it 'auto')",
@@ -190,11 +193,14 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             if present:
                 raise NotImplementedError(f"torch_rkv's vLLM backend: {feature} is not supported")
         self.scheme.check_head_dim(head_size)
+        self.sliding_window = int(sliding_window or 0)  # each query sees the newest sliding_window keys
+        self.softcap = float(logits_soft_cap or 0.0)  # Gemma 2's attention-logit soft-capping
         config = get_current_vllm_config()
         self.vllm_config = config
         self.rope_cos = self.rope_sin = None
+        self.rope_interleaved = False
         if self.scheme.pre_rope:
-            self.rope_cos, self.rope_sin = model_rope_tables(config, head_size)
+            self.rope_cos, self.rope_sin, self.rope_interleaved = model_rope_tables(config, head_size)
         self._tensors = None  # per-layer side pool and signs, made on the first forward
 
     def _layer_state(self, query: torch.Tensor, slots: int):
@@ -243,15 +249,16 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         s = self.scheme
         k, v = key[:t], value[:t]
         if s.pre_rope:
-            k = rope(k, cos, sin, md.positions[:, None], inverse=True)
+            k = rope(k, cos, sin, md.positions[:, None], self.rope_interleaved, inverse=True)
         if k_signs is not None:
             k = hadamard(k, k_signs)
         if v_signs is not None:
             v = hadamard(v, v_signs)
         k, v = k.to(query.dtype).contiguous(), v.to(query.dtype).contiguous()
         out = paged_prefill_attention(query[:t], k, v, md.query_start_loc, md.max_query_len, *cache, md.block_tables,
-                                      md.side_slots, md.lengths, s.k_bits, s.v_bits, s.block, s.recent, cos, sin, False,
-                                      k_signs, v_signs, self.scale)
+                                      md.side_slots, md.lengths, s.k_bits, s.v_bits, s.block, s.recent, cos, sin,
+                                      self.rope_interleaved, k_signs, v_signs, self.scale, 0, self.sliding_window,
+                                      self.softcap)
         output[:t].copy_(out.view_as(output[:t]))
         paged_append(*cache, None, md.block_tables, md.side_slots, md.lengths, md.query_start_loc, k, v, s.k_bits,
                      s.v_bits, s.block, s.recent, s.k_clip, s.v_clip)
@@ -285,37 +292,38 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                 window[init.dst, :, t % w] = read_rows(codes, scale, zero, bits, pages[t // p], t % p).to(window.dtype)
 
 
-# vLLM models whose rotary embedding is rotate-half over every channel (get_rope(..., is_neox_style=True),
-# no partial rotary): the table below is theirs. Another family's pre-RoPE keys (GPT-J's interleaved pairs,
-# GPT-NeoX's partial rotary) would be un-rotated wrongly, so a pre-RoPE scheme refuses them by name.
-ROTATE_HALF_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# vLLM models whose rotary embedding is one get_rope(...) table for every layer, built from the config
+# the way each model builds it: rotate-half pairs (is_neox_style) over rotary_dim = head_size x
+# partial_rotary_factor channels, or GPT-J's interleaved pairs over its rotary_dim. Another family (Gemma 3's
+# local and global tables, ...) would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme
+# refuses it by name.
+PRE_ROPE_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "stablelm", "gemma", "gemma2", "gptj")
+INTERLEAVED_MODELS = ("gptj",)
 
 
-def model_rope_tables(vllm_config, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of shape (positions, head_size / 2), float32, from the rotary embedding vLLM builds for
-    the model (get_rope with the model's own parameters; rotate-half pairing, Llama's)."""
+def model_rope_tables(vllm_config, head_size: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(cos, sin, interleaved): tables of shape (positions, rotary_dim / 2), float32, from the rotary
+    embedding vLLM builds for the model (get_rope with the model's own parameters), and its pairing."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     hf = vllm_config.model_config.hf_config
     hf = getattr(hf, "text_config", None) or hf
-    params = getattr(hf, "rope_parameters", None) or {}
     kind = getattr(hf, "model_type", "?")
-    if kind not in ROTATE_HALF_MODELS:
+    if kind not in PRE_ROPE_MODELS:
         raise NotImplementedError(f"torch_rkv's vLLM backend: pre-RoPE schemes are supported for "
-                                  f"{', '.join(ROTATE_HALF_MODELS)} models (rotate-half RoPE on every channel), not "
+                                  f"{', '.join(PRE_ROPE_MODELS)} models (one rotary table for every layer), not "
                                   f"{kind!r}; a post-RoPE scheme (kivi-2, per-token-4, quarot-4, ...) serves any decoder")
+    params = dict(getattr(hf, "rope_parameters", None) or {})
     rope_type = str(params.get("rope_type", "default"))
     if rope_type.startswith(LENGTH_DEPENDENT_ROPE):
         raise NotImplementedError(f"torch_rkv's vLLM backend: rope_type {rope_type!r} changes its table with the "
                                   "sequence length; pre-RoPE storage needs a fixed table")
-    if params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) != 1.0:
-        raise NotImplementedError("torch_rkv's vLLM backend: partial rotary embeddings are not supported yet")
+    interleaved = kind in INTERLEAVED_MODELS
+    if interleaved:  # (vllm/model_executor/models/gpt_j.py)
+        params["partial_rotary_factor"] = hf.rotary_dim / head_size
     max_pos = vllm_config.model_config.max_model_len
     rotary = get_rope(head_size, max_position=max(max_pos, getattr(hf, "max_position_embeddings", max_pos)),
-                      rope_parameters=getattr(hf, "rope_parameters", None), is_neox_style=True)
+                      rope_parameters=params or None, is_neox_style=not interleaved)
     table = rotary.cos_sin_cache.float()
     half = table.shape[-1] // 2
-    if 2 * half != head_size:
-        raise NotImplementedError(f"torch_rkv's vLLM backend: a rotary table of {2 * half} channels for head size "
-                                  f"{head_size} (partial rotary) is not supported yet")
-    return table[:, :half].contiguous(), table[:, half:].contiguous()
+    return table[:, :half].contiguous(), table[:, half:].contiguous(), interleaved
