@@ -230,3 +230,33 @@ def test_windowed_simulation_without_quantization_equals_the_stock_forward(name)
         install(model, Simulation(S.per_token(8), quantize_keys=False, quantize_values=False))
         got = model(ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+
+
+def test_the_simulation_quantizes_each_gemma3_layers_pre_rope_keys(monkeypatch):
+    """Gemma 3's local and global layers rotate by different tables: what the report's simulation hands its
+    quantizer for each layer's keys is that layer's pre-RoPE keys (its k_norm's output), which one table
+    for both layers would not give."""
+    from torch_rkv.eval.report import Report
+
+    model = windowed("gemma3")
+    att = models.inspect(model)
+    ids = prompt(48)
+    pre = {}
+    for i, m in enumerate(att.modules):  # the normed keys, before RoPE, (B, Hkv, n, D)
+        m.k_norm.register_forward_hook(lambda mod, args, out, i=i: pre.__setitem__(i, out.float()))
+    seen = []
+    round_trip = Simulation.round_trip
+    monkeypatch.setattr(Simulation, "round_trip",
+                        lambda self, x, side: (seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side))
+    report = Report.__new__(Report)  # only the tables and the simulation it builds
+    report.attention = att
+    tables = {t: models.rope_tables(model, 64, rope_type=t) for t in set(att.rope_types)}
+    report.layer_rope = {i: tables[t] for i, t in enumerate(att.rope_types)}
+    report.cos, report.sin = report.layer_rope[0]
+    with torch.no_grad():
+        install(model, Report.simulation(report, S.recommended(8).replace(k_block_tokens=16, sinks=0), view="all"))
+        model(ids)
+        install(model, None)
+    assert len(seen) == 2
+    for i in (0, 1):
+        assert torch.allclose(seen[i], pre[i], atol=1e-5, rtol=1e-5), (i, (seen[i] - pre[i]).abs().max())

@@ -108,7 +108,10 @@ class Report:
             raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than --tokens {opts.tokens}")
         self.ids = all_ids[:, : opts.tokens]
         positions = max([opts.tokens, opts.decode_tokens + 8] + [n + 64 for n in opts.loc_lengths])
-        self.cos, self.sin = models.rope_tables(model, positions)
+        # each layer's RoPE table (Gemma 3: local and global ones); cos / sin: the first layer's
+        tables = {t: models.rope_tables(model, positions, rope_type=t) for t in set(self.attention.rope_types)}
+        self.layer_rope = {i: tables[t] for i, t in enumerate(self.attention.rope_types)}
+        self.cos, self.sin = self.layer_rope[0]
         self.results: dict = {}
 
     def _timed(self, name, fn):
@@ -118,7 +121,8 @@ class Report:
         return out
 
     def simulation(self, scheme: Scheme, **kw) -> Simulation:
-        return Simulation(scheme, self.cos, self.sin, rope_interleaved=self.attention.interleaved, **kw)
+        return Simulation(scheme, self.cos, self.sin, rope_interleaved=self.attention.interleaved,
+                          layer_rope=self.layer_rope if len(set(self.attention.rope_types)) > 1 else None, **kw)
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -299,7 +303,7 @@ class Report:
         from ..ops.rope import rope
 
         pos = torch.arange(n)
-        return {i: (rope(store[i], self.cos, self.sin, pos, self.attention.interleaved, inverse=True), store[i])
+        return {i: (rope(store[i], *self.layer_rope[i], pos, self.attention.interleaved, inverse=True), store[i])
                 for i in chosen}
 
 

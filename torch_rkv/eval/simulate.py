@@ -62,6 +62,9 @@ class Simulation:
     rope_cos: Optional[torch.Tensor] = None  # the model's table (positions, rot/2), for pre-RoPE keys
     rope_sin: Optional[torch.Tensor] = None
     rope_interleaved: bool = False  # the model's pairing (GPT-J's interleaved pairs; else rotate-half)
+    # per layer index, its own (cos, sin) where layers differ (Gemma 3's local and global tables); the
+    # others use rope_cos / rope_sin
+    layer_rope: Optional[dict] = None
     view: str = "cache"
     quantize_keys: bool = True  # False: keys stay in full precision (the "values only" rows)
     quantize_values: bool = True
@@ -90,9 +93,9 @@ class Simulation:
             return 0, n
         return 0, quantized_count(n, s.recent, s.block)
 
-    def fake_quantize(self, x: torch.Tensor, side: str) -> torch.Tensor:
-        """x (B, H, n, D) in the model's space -> the same tokens after the cache's store/load round
-        trip, float32; tokens outside the quantized region unchanged."""
+    def fake_quantize(self, x: torch.Tensor, side: str, layer: Optional[int] = None) -> torch.Tensor:
+        """x (B, H, n, D) in the model's space (of layer `layer`) -> the same tokens after the cache's
+        store/load round trip, float32; tokens outside the quantized region unchanged."""
         s = self.scheme
         n, d = x.shape[-2], x.shape[-1]
         lo, hi = self.quantized_region(n)
@@ -101,8 +104,9 @@ class Simulation:
             return out
         part = out[:, :, lo:hi]
         pos = torch.arange(lo, hi, device=x.device)
+        cos, sin = (self.layer_rope or {}).get(layer, (self.rope_cos, self.rope_sin))
         if side == "k" and s.pre_rope:
-            part = rope(part, self.rope_cos, self.rope_sin, pos, self.rope_interleaved, inverse=True)
+            part = rope(part, cos, sin, pos, self.rope_interleaved, inverse=True)
         rotated = s.k_hadamard if side == "k" else s.v_hadamard
         if rotated:
             part = hadamard(part, self.signs(d, side, x.device))
@@ -113,7 +117,7 @@ class Simulation:
         if rotated:
             back = hadamard(back, self.signs(d, side, x.device), inverse=True)
         if side == "k" and s.pre_rope:
-            back = rope(back, self.rope_cos, self.rope_sin, pos, self.rope_interleaved)
+            back = rope(back, cos, sin, pos, self.rope_interleaved)
         out[:, :, lo:hi] = back
         return out
 
@@ -140,16 +144,17 @@ class Simulation:
         return (t[None, :] >= s.sinks) & (t[None, :] < q_end[:, None])
 
     # ------------------------------------------------------------------------------------------
-    def attention(self, query, key, value, scaling: float, attention_mask=None, softcap: float = 0.0) -> torch.Tensor:
+    def attention(self, query, key, value, scaling: float, attention_mask=None, softcap: float = 0.0,
+                  layer: Optional[int] = None) -> torch.Tensor:
         """Causal attention (B, N, Hq, D) of the last N positions, with quantized pairs reading the
         fake-quantized keys and values. Keys are laid out twice, [quantized | full precision], and a
         mask picks one copy per (query, key): one fused SDPA call. attention_mask: the model's mask
         for this layer (bool, True = attend, or additive), honoured on top of causality: a
         sliding-window layer sees its window, a padded position nothing. softcap > 0: Gemma 2's
-        soft-capped scores."""
+        soft-capped scores. layer: the layer's index (its RoPE table, layer_rope)."""
         self.softcap = softcap
         nq, n = query.shape[2], key.shape[2]
-        kq, vq = self.fake_quantize(key, "k"), self.fake_quantize(value, "v")
+        kq, vq = self.fake_quantize(key, "k", layer), self.fake_quantize(value, "v", layer)
         pos = n - nq + torch.arange(nq, device=query.device)
         causal = torch.arange(n, device=query.device)[None, :] <= pos[:, None]
         if attention_mask is not None:
@@ -220,7 +225,7 @@ def simulated_attention(module, query, key, value, attention_mask, scaling=None,
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     return sim.attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5,
-                         attention_mask, kwargs.get("softcap") or 0.0), None
+                         attention_mask, kwargs.get("softcap") or 0.0, getattr(module, "layer_idx", None)), None
 
 
 def model_mask(mask: torch.Tensor, nq: int, n: int) -> torch.Tensor:
