@@ -154,14 +154,15 @@ def test_a_qwen3_model_agrees_at_8_bits_with_vllms_own_cache(tiny_qwen3):
 TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a tiny random model
     # GPT-J: interleaved pairs over a partial rotary (16 of 64 channels)
     "gptj": ("GPTJConfig", "GPTJForCausalLM", {"n_embd": 256, "n_head": 4, "n_layer": 2, "rotary_dim": 16,
-                                               "n_positions": 1024}),
+                                               "n_positions": 1024, "tie_word_embeddings": False}),
     # Gemma 2: sliding-window layers (64 tokens) interleaved with global ones (vLLM's hybrid allocator),
     # attention-logit soft-capping, query_pre_attn_scalar
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
                                                      "num_hidden_layers": 2, "num_attention_heads": 4,
                                                      "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 64,
                                                      "query_pre_attn_scalar": 48, "attn_logit_softcapping": 20.0,
-                                                     "max_position_embeddings": 1024}),
+                                                     "max_position_embeddings": 1024,
+                                                     "tie_word_embeddings": True}),  # (vLLM's Gemma 2 ties them)
 }
 
 
@@ -175,7 +176,7 @@ def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, f
 
     config_cls, model_cls, kw = TINY_FAMILIES[family]
     torch.manual_seed(0)
-    cfg = getattr(transformers, config_cls)(vocab_size=512, tie_word_embeddings=False, **kw)
+    cfg = getattr(transformers, config_cls)(vocab_size=512, **kw)
     path = tmp_path_factory.mktemp(f"tiny-{family}")
     getattr(transformers, model_cls)(cfg).save_pretrained(path)
     gen = __import__("random").Random(0)
