@@ -88,7 +88,7 @@ def test_rkv_cache_at_8_bits_generates_as_transformers_cache(name, scheme):
     assert_agrees(model, ids, want, got, scheme, 8, TINY_SENSITIVITY, 128)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gpt_neox", "gptj"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_simulation_without_quantization_equals_the_stock_forward(name):
     """The report's simulation path with nothing quantized gives the stock model's logits (fp32)."""
     model = family(name)
@@ -260,3 +260,27 @@ def test_the_simulation_quantizes_each_gemma3_layers_pre_rope_keys(monkeypatch):
     assert len(seen) == 2
     for i in (0, 1):
         assert torch.allclose(seen[i], pre[i], atol=1e-5, rtol=1e-5), (i, (seen[i] - pre[i]).abs().max())
+
+
+def test_gemma3s_cache_round_trips_each_layers_keys_with_its_table():
+    """RKVCache on Gemma 3: each kind of layer's cache un-rotates the model's post-RoPE keys to its
+    pre-RoPE ones (k_norm's output) with its own table, and rotates them back, to float rounding."""
+    model = windowed("gemma3")
+    att = models.inspect(model)
+    ids = prompt(40)
+    pre = {}
+    for i, m in enumerate(att.modules):
+        m.k_norm.register_forward_hook(lambda mod, args, out, i=i: pre.__setitem__(i, out.float()))
+    with torch.no_grad():
+        full = T.DynamicCache()  # (without the config: every layer keeps every key)
+        post = [layer.keys.float() for layer in model(ids, past_key_values=full, use_cache=True).past_key_values.layers]
+    cache = RKVCache(model, S.recommended(8).replace(k_block_tokens=16), capacity=64)
+    pos = torch.arange(40)
+    for i in range(att.layers):
+        q = cache.layers[i].cache
+        stored, _ = q.to_storage(cache.layers[i].index, post[i], post[i])
+        assert torch.allclose(stored.float(), pre[i], atol=1e-5, rtol=1e-5), i
+        back = torch_rkv.rope(pre[i], q.rope_cos, q.rope_sin, pos)
+        assert torch.allclose(back, post[i], atol=1e-5, rtol=1e-5), i
+    a, b = (cache.layers[i].cache for i in (0, 1))
+    assert a is not b and not torch.allclose(a.rope_cos[:40], b.rope_cos[:40])  # two tables
