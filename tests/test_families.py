@@ -273,7 +273,7 @@ def test_gemma3s_cache_round_trips_each_layers_keys_with_its_table():
         m.k_norm.register_forward_hook(lambda mod, args, out, i=i: pre.__setitem__(i, out.float()))
     with torch.no_grad():
         full = T.DynamicCache()  # (without the config: every layer keeps every key)
-        post = [layer.keys.float() for layer in model(ids, past_key_values=full, use_cache=True).past_key_values.layers]
+        post = [layer.keys.float() for layer in model(ids, cache=full, use_cache=True).past_key_values.layers]
     cache = RKVCache(model, S.recommended(8).replace(k_block_tokens=16), capacity=64)
     pos = torch.arange(40)
     for i in range(att.layers):

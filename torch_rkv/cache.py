@@ -55,6 +55,7 @@ class QuantizedKVCache(torch.nn.Module):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"QuantizedKVCache: num_layers must be >= 1 (got {num_layers})")
+        scheme.check_served()
         self.scheme = scheme
         self.num_layers = num_layers
         self.layout = CacheLayout(scheme, batch, kv_heads, head_dim, capacity, dtype, sliding_window)

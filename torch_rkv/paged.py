@@ -79,6 +79,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         if num_layers < 1 or num_pages < 1 or max_seqs < 1:
             raise ValueError(f"PagedQuantizedKVCache: num_layers ({num_layers}), num_pages ({num_pages}) and max_seqs "
                              f"({max_seqs}) must be >= 1")
+        scheme.check_served()
         self.scheme = scheme
         self.num_layers = num_layers
         self.layout = PageLayout(scheme, kv_heads, head_dim, page_size or default_page_size(scheme), dtype)

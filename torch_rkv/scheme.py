@@ -20,7 +20,9 @@ class Scheme:
     stored before RoPE and rotated inside attention. k_clip / v_clip: each group's range is the
     least-squared-error shrinkage of [min, max] (rkv.quantize's clip; asymmetric only). k_hadamard / v_hadamard: stored after a random
     Hadamard rotation (keys only post-RoPE). sinks: the first tokens in full precision; recent: at least
-    this many newest tokens in full precision (KIVI's residual).
+    this many newest tokens in full precision (KIVI's residual). levels: "uniform" (the kernels' codes),
+    or "gaussian": Lloyd-Max levels of a Gaussian with one norm per token row (torch_rkv.codebook, the
+    TurboQuant-style peer; simulation only, Scheme.check_served).
     """
 
     name: str = "custom"
@@ -41,6 +43,7 @@ class Scheme:
     sinks: int = 0
     recent: int = 0
     meta_dtype: torch.dtype = torch.float16
+    levels: str = "uniform"
 
     def __post_init__(self):
         for arg in ("k_bits", "v_bits"):
@@ -62,6 +65,13 @@ class Scheme:
             raise ValueError("Scheme: sinks and recent must be >= 0")
         if self.meta_dtype not in _DTYPE_NAMES:
             raise TypeError(f"Scheme.meta_dtype must be float16, bfloat16 or float32 (got {self.meta_dtype})")
+        if self.levels not in ("uniform", "gaussian"):
+            raise ValueError(f"Scheme.levels must be 'uniform' or 'gaussian' (got {self.levels!r})")
+        if self.levels == "gaussian" and not (
+                self.k_hadamard and self.v_hadamard and self.k_symmetric and self.v_symmetric
+                and self.k_group_size is None and self.v_group_size is None and self.block == 1):
+            raise ValueError("Scheme: levels='gaussian' codes Hadamard-rotated rows with one norm each: it needs "
+                             "k_hadamard, v_hadamard, symmetric per-token groups on both sides")
 
     @property
     def block(self) -> int:
@@ -82,6 +92,12 @@ class Scheme:
                 raise ValueError(f"Scheme {self.name}: head_dim {head_dim} at {bits} bits does not fill whole bytes")
             if had and (head_dim % 2 or head_dim > 8192):
                 raise ValueError(f"Scheme {self.name}: Hadamard needs an even head_dim <= 8192 (got {head_dim})")
+
+    def check_served(self) -> None:
+        """Raise if the caches and kernels cannot store this scheme (the report can still simulate it)."""
+        if self.levels != "uniform":
+            raise NotImplementedError(f"Scheme {self.name}: {self.levels} levels are simulated only (the report's "
+                                      "peer); the cache kernels store uniform codes")
 
     def meta_bits(self, head_dim: int, side: str) -> float:
         """Metadata bits per element of keys ('k') or values ('v')."""
@@ -114,6 +130,8 @@ class Scheme:
             return f"{s.upper()}{bits} {how}{extra}"
 
         parts = [side("k") + (" pre-RoPE" if self.pre_rope else ""), side("v")]
+        if self.levels != "uniform":
+            parts.append(f"{self.levels} Lloyd-Max levels + norm")
         if self.sinks:
             parts.append(f"sinks {self.sinks}")
         if self.recent:
@@ -154,6 +172,15 @@ def quarot(bits: int = 4) -> Scheme:
     return Scheme(name=f"quarot-{bits}", k_bits=bits, v_bits=bits, k_hadamard=True, v_hadamard=True)
 
 
+def turboquant(bits: int = 4) -> Scheme:
+    """TurboQuant-style (vLLM's TurboQuant presets; arXiv 2504.19874): a random Hadamard rotation, then
+    every coordinate of a token's keys and values coded with the Lloyd-Max levels of a Gaussian and one
+    fp16 norm per row, rescaled to that norm when read (bits + 16 / head_dim per element). Nothing kept in
+    full precision. Simulated only (torch_rkv.codebook)."""
+    return Scheme(name=f"turboquant-{bits}", k_bits=bits, v_bits=bits, k_symmetric=True, v_symmetric=True,
+                  k_hadamard=True, v_hadamard=True, levels="gaussian")
+
+
 def recommended(bits: int = 4) -> Scheme:
     """The library's default: pre-RoPE per-channel keys (blocks of 128 tokens; at 2 bits with clipped
     ranges), Hadamard-rotated per-token values, the first 4 tokens and the newest 64 (128 at 2 bits) in
@@ -176,7 +203,7 @@ def recommended_mixed(v_bits: int = 2) -> Scheme:
 
 
 PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "quarot": quarot, "rkv": recommended,
-           "rkv-mixed": recommended_mixed}
+           "rkv-mixed": recommended_mixed, "turboquant": turboquant}
 
 
 def by_name(spec: str) -> Scheme:

@@ -61,6 +61,7 @@ FAMILIES = {
     "QuaRot-style (Hadamard)": S.quarot,
     "rkv (recommended)": S.recommended,
     "rkv mixed (K one step above V)": lambda b: S.recommended_mixed(b) if b in (2, 3) else None,
+    "TurboQuant-style (Hadamard + Lloyd-Max + norm)": S.turboquant,
 }
 
 

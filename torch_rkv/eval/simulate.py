@@ -24,6 +24,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from ..codebook import gaussian_round_trip
 from ..integrations.models import attention_modules
 from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.quant import Quantized, dequantize, quantize
@@ -125,6 +126,8 @@ class Simulation:
         """x (B, H, n, D) in the storage space (pre-RoPE / rotated) -> quantized and dequantized, float32."""
         s = self.scheme
         bits = getattr(s, f"{side}_bits")
+        if s.levels == "gaussian":
+            return gaussian_round_trip(x, bits, s.meta_dtype)
         group = getattr(s, f"{side}_group_size") or x.shape[-1]
         # the cache's sinks are encoded in block 0 but do not set its ranges (view "all": no sinks)
         sinks = s.sinks if self.view == "cache" else 0

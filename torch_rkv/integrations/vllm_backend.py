@@ -35,6 +35,7 @@ def _scheme() -> Scheme:
     s = configured_scheme()
     if s is None:
         raise RuntimeError(f"torch_rkv's vLLM backend is in use but {ENV} is not set")
+    s.check_served()
     return s
 
 

@@ -1,0 +1,56 @@
+"""Non-uniform levels (torch_rkv.codebook) and the TurboQuant-style preset: the Lloyd-Max levels of a
+Gaussian as published, the round trip's distortion and norm, and the caches' refusal."""
+
+import math
+
+import pytest
+import torch
+
+from torch_rkv import scheme as S
+from torch_rkv.cache import QuantizedKVCache
+from torch_rkv.codebook import gaussian_levels, gaussian_round_trip
+from torch_rkv.paged import PagedQuantizedKVCache
+
+# Max (1960), "Quantizing for minimum distortion", table I: the positive levels and the mean squared
+# error of the N(0, 1) quantizer with 2^bits levels
+MAX_1960 = {1: ((0.7979,), 0.3634), 2: ((0.4528, 1.510), 0.1175), 3: ((0.2451, 0.7560, 1.344, 2.152), 0.03454),
+            4: ((0.1284, 0.3881, 0.6568, 0.9424, 1.256, 1.618, 2.069, 2.733), 0.009497)}
+
+
+@pytest.mark.parametrize("bits", sorted(MAX_1960))
+def test_the_levels_are_max_1960s(bits):
+    levels = gaussian_levels(bits)
+    want, _ = MAX_1960[bits]
+    assert torch.allclose(levels[len(levels) // 2:], torch.tensor(want), atol=1.5e-3)
+    assert torch.allclose(levels, -levels.flip(0), atol=1e-6)  # symmetric
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_rotated_rows_lose_what_the_gaussian_quantizer_loses(bits):
+    """Rows whose coordinates are Gaussian (as a Hadamard rotation makes them): the relative squared error
+    is the codebook's distortion (Max's MSE), the norm survives in fp16, and the direction is coded."""
+    x = torch.randn(4096, 128, generator=torch.Generator().manual_seed(bits)) * 3.0
+    back = gaussian_round_trip(x, bits)
+    assert torch.allclose(back.norm(dim=-1), x.norm(dim=-1), rtol=1e-3)  # norm correction, fp16 norm
+    rel = ((back - x) ** 2).sum() / (x**2).sum()
+    _, mse = MAX_1960[bits]
+    assert 0.8 * mse < rel < 1.25 * mse, rel
+    coarser = gaussian_round_trip(x, bits - 1)
+    assert ((coarser - x) ** 2).sum() > ((back - x) ** 2).sum()
+
+
+def test_the_turboquant_preset_and_its_bits():
+    s = S.by_name("turboquant-3")
+    assert (s.levels, s.k_hadamard, s.v_hadamard, s.sinks, s.recent) == ("gaussian", True, True, 0, 0)
+    assert math.isclose(s.effective_bits(128), 3 + 16 / 128)  # one fp16 norm per row
+    assert "Lloyd-Max" in s.describe(128)
+    with pytest.raises(ValueError, match="levels='gaussian'"):
+        S.quarot(4).replace(levels="gaussian", v_hadamard=False)
+
+
+def test_the_caches_refuse_simulated_levels():
+    s = S.turboquant(4)
+    for make in (lambda: QuantizedKVCache(s, 1, 1, 2, 64, 32),
+                 lambda: PagedQuantizedKVCache(s, 1, 2, 64, 4, 1)):
+        with pytest.raises(NotImplementedError, match="simulated only"):
+            make()
