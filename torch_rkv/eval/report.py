@@ -84,7 +84,8 @@ class Options:
     @classmethod
     def quick(cls) -> "Options":
         return cls(tokens=1024, bits=(4, 2), families=("per-token (baseline)", "KIVI (per-channel post-RoPE)",
-                                                      "QuaRot-style (Hadamard)", "rkv (recommended)"),
+                                                      "QuaRot-style (Hadamard)", "rkv (recommended)",
+                                                      "TurboQuant-style (Hadamard + Lloyd-Max + norm)"),
                    noise=False, loc_lengths=(1024,), loc_schemes=("per-token-2", "rkv-2"), decode_tokens=96,
                    decode_schemes=("per-token-4",), chunk_sizes=(256,), chunk_schemes=("rkv-2",), peers=False)
 
