@@ -145,7 +145,7 @@ def test_pre_rope_uses_the_models_own_rope_scaling(rope_parameters):
 def test_every_preset_generates_at_low_bits():
     model = tiny_llama()
     ids = torch.randint(0, 160, (1, 30), generator=torch.Generator().manual_seed(4))
-    for make in S.PRESETS.values():
+    for make in S.SERVED_PRESETS.values():
         scheme = make(2)
         if scheme.k_group_size == 1:
             scheme = scheme.replace(k_block_tokens=8)
@@ -243,7 +243,7 @@ def smollm2(smollm2_alice):
 @pytest.mark.slow
 def test_smollm2_agrees_with_full_precision_at_8_bits_with_every_preset(smollm2):
     model, _, ids, ref, ref_logprobs = smollm2
-    for name, make in S.PRESETS.items():
+    for name, make in S.SERVED_PRESETS.items():
         if name == "rkv-mixed":  # keys one step above values: no 8-bit variant
             continue
         cache = RKVCache(model, make(8), capacity=1100)
