@@ -137,3 +137,35 @@ def test_reproduces_the_4_bit_reference_rows(smollm2_alice):
         scheme, keys = reference_scheme(row, 4)
         ppl = perplexity.simulated(model, ids, Simulation(scheme, cos, sin, view="all", quantize_keys=keys))
         assert abs(ppl / refs[4] - 1) <= TOLERANCE[4], (row, ppl, refs[4])
+
+
+def test_wilson_interval():
+    """The 95% Wilson interval: known values (Newcombe 1998's examples: 81/263 -> 0.2553-0.3662), and
+    sound at the edges, where the normal approximation collapses to a point."""
+    lo, hi = localization.wilson(81, 263)
+    assert abs(lo - 0.2553) < 5e-4 and abs(hi - 0.3662) < 5e-4
+    assert localization.wilson(0, 24)[0] == 0.0 and 0.1 < localization.wilson(0, 24)[1] < 0.16
+    assert localization.wilson(24, 24)[1] == 1.0 and localization.wilson(24, 24)[0] > 0.85
+
+
+@pytest.mark.slow
+def test_the_full_modes_rows_on_smollm2(smollm2_alice):
+    """--full's long-context row and several localization documents per length (CI-sized: 1024 and 512
+    tokens, 2 documents): full precision first, each scheme's bits counted at the window, 12 needles a
+    length, and the table prints the exact rate's interval and the log-probability gap."""
+    from torch_rkv.eval.report import Options, Report, format_tables
+
+    model, tok, text = smollm2_alice
+    opts = Options(tokens=512, long_tokens=1024, long_schemes=("rkv-4",), loc_lengths=(512,),
+                   loc_schemes=("rkv-4",), loc_documents=2)
+    report = Report(model, tok, text, opts, log=lambda s: None)
+    report.results["full_precision_ppl"] = 0.0
+    long = report.long_context()
+    assert [x["scheme"] for x in long] == ["full precision", "rkv-4"] and long[0]["tokens"] == 1024
+    assert 0 < long[1]["delta"] < 0.5 and long[1]["bits_at_window"] > S.by_name("rkv-4").effective_bits(64)
+    loc = report.localization()
+    assert len([x for x in loc if x["scheme"] == "rkv-4"]) == 12
+    assert len({(x["depth"], x["article"]) for x in loc if x["scheme"] == "full precision"}) == 12  # distinct
+    text = format_tables({**{k: [] for k in ("reproduction", "schemes", "decode_protocol")},
+                          "full_precision_ppl": 0.0, "long_context": long, "localization": loc})
+    assert "Long context (1024 tokens" in text and "[0." in text

@@ -15,7 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--gguf", help="a local GGUF file")
     report.add_argument("--text", help="a local text file (default: alice29.txt of the Canterbury corpus)")
     report.add_argument("--tokens", type=int, default=None, help="perplexity window (default 2048; up to 8192)")
-    report.add_argument("--quick", action="store_true", help="a smaller run (1024 tokens, fewer schemes)")
+    mode = report.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a smaller run (1024 tokens, fewer schemes)")
+    mode.add_argument("--full", action="store_true", help="also the heavy rows: perplexity and localization at 8192 "
+                                                          "tokens")
     report.add_argument("--json", help="write every number to this file")
     report.add_argument("--out", default="out/report", help="directory for the PNG plots")
 

@@ -3,12 +3,15 @@
 A long document (haystack text with numbered articles inserted at several depths, each with a distinct
 penalty rate) is followed by a question about one article: "What is the penalty rate under Article 37?".
 The metrics are the log-probability of the right rate and whether greedy decoding reproduces it
-exactly, for several needle depths and context lengths, with full precision as the reference. The
-document is run once per length; every question reuses its keys and values (cropped back after each).
+exactly, for several needle depths and context lengths, with full precision as the reference. Each
+document is run once; every question reuses its keys and values (cropped back after each). Several
+documents per length (different haystack slices, articles and depths) give enough needles for the exact
+rate's binomial interval (wilson) to say something: 6 needles a length cannot tell 2 of 6 from 5 of 6.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -59,6 +62,21 @@ def build_document(tok, haystack: str, length: int, needles: int = 6, seed: int 
     parts.append(tok.decode(hay[prev:]))
     ids = tok("".join(parts), return_tensors="pt").input_ids
     return Document(length, ids, placed)
+
+
+def build_documents(tok, haystack: str, length: int, count: int, needles: int = 6) -> list[Document]:
+    """`count` documents of about `length` tokens, each with its own slice, articles and depths."""
+    return [build_document(tok, haystack, length, needles, seed) for seed in range(count)]
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial rate k / n (sound at 0 and n, unlike the normal one)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @torch.no_grad()

@@ -73,6 +73,9 @@ class Options:
     noise: bool = True  # rows off their reference are rerun with eager attention: how much the kernel moves them
     loc_lengths: tuple = (1024, 2048, 4096)
     loc_schemes: tuple = ("per-token-3", "kvquant-3", "rkv-3", "rkv-2")
+    loc_documents: int = 4  # per length, 6 needles each: 24 needles a length
+    long_tokens: int = 0  # > 0 (--full): a long-context perplexity row at this many tokens
+    long_schemes: tuple = ("rkv-4", "rkv-3", "rkv-2", "turboquant-4")
     decode_tokens: int = 384  # long enough that every decode scheme quantizes a block
     decode_schemes: tuple = ("rkv-4", "rkv-3", "rkv-2", "kivi-2")
     chunk_sizes: tuple = (256, 1024)  # chunked prefill over the whole text, served through RKVCache
@@ -82,11 +85,18 @@ class Options:
     timings: dict = field(default_factory=dict)
 
     @classmethod
+    def full(cls) -> "Options":
+        """The heavy rows too: perplexity at 8192 tokens (SmolLM2's window, where the full-precision
+        tokens cost little) and localization at 8192."""
+        return cls(long_tokens=8192, loc_lengths=(1024, 2048, 4096, 8192))
+
+    @classmethod
     def quick(cls) -> "Options":
         return cls(tokens=1024, bits=(4, 2), families=("per-token (baseline)", "KIVI (per-channel post-RoPE)",
                                                       "QuaRot-style (Hadamard)", "rkv (recommended)",
                                                       "TurboQuant-style (Hadamard + Lloyd-Max + norm)"),
-                   noise=False, loc_lengths=(1024,), loc_schemes=("per-token-2", "rkv-2"), decode_tokens=96,
+                   noise=False, loc_lengths=(1024,), loc_schemes=("per-token-2", "rkv-2"), loc_documents=1,
+                   decode_tokens=96,
                    decode_schemes=("per-token-4",), chunk_sizes=(256,), chunk_schemes=("rkv-2",), peers=False)
 
 
@@ -109,7 +119,10 @@ class Report:
         if all_ids.shape[1] < opts.tokens:
             raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than --tokens {opts.tokens}")
         self.ids = all_ids[:, : opts.tokens]
-        positions = max([opts.tokens, opts.decode_tokens + 8] + [n + 64 for n in opts.loc_lengths])
+        positions = max([opts.tokens, opts.long_tokens, opts.decode_tokens + 8] + [n + 64 for n in opts.loc_lengths])
+        self.long_ids = all_ids[:, : opts.long_tokens]
+        if opts.long_tokens and all_ids.shape[1] < opts.long_tokens:
+            raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than {opts.long_tokens}")
         # each layer's RoPE table (Gemma 3: local and global ones); cos / sin: the first layer's
         tables = {t: models.rope_tables(model, positions, rope_type=t) for t in set(self.attention.rope_types)}
         self.layer_rope = {i: tables[t] for i, t in enumerate(self.attention.rope_types)}
@@ -134,6 +147,7 @@ class Report:
         self.log(f"full precision perplexity on {o.tokens} tokens: {r['full_precision_ppl']:.3f}")
         r["reproduction"] = self._timed("reproduction", self.reproduction)
         r["schemes"] = self._timed("schemes", self.schemes)
+        r["long_context"] = self._timed("long context", self.long_context) if o.long_tokens else []
         r["localization"] = self._timed("localization", self.localization)
         r["decode_protocol"] = self._timed("decode protocol", self.decode_protocol)
         r["chunked_prefill"] = self._timed("chunked prefill", self.chunked_prefill)
@@ -184,9 +198,26 @@ class Report:
                          f"bits  cos {sim.fidelity.cosine:.4f}  top8 {sim.fidelity.recall:.3f}")
         return rows
 
+    def long_context(self) -> list[dict]:
+        """Perplexity at long_tokens (--full): where sinks, recent window and open block are a small share,
+        so the bits at the window approach the scheme's own."""
+        n = self.opts.long_tokens
+        fp = perplexity.simulated(self.model, self.long_ids, None)
+        rows = [{"scheme": "full precision", "tokens": n, "ppl": fp, "delta": 0.0, "bits_at_window": 16.0}]
+        self.log(f"  long context: full precision perplexity on {n} tokens {fp:.3f}")
+        for name in self.opts.long_schemes:
+            scheme = S.by_name(name)
+            ppl = perplexity.simulated(self.model, self.long_ids, self.simulation(scheme))
+            rows.append({"scheme": name, "tokens": n, "ppl": ppl, "delta": ppl - fp,
+                         "bits_at_window": effective_bits_at(scheme, self.head_dim, n)})
+            self.log(f"  long context {name:14s} ppl {ppl:8.3f} ({ppl - fp:+.3f}) at {rows[-1]['bits_at_window']:.2f} "
+                     "bits at the window")
+        return rows
+
     def localization(self) -> list[dict]:
         rows = []
-        docs = [localization.build_document(self.tok, self.text, n) for n in self.opts.loc_lengths]
+        docs = [d for n in self.opts.loc_lengths
+                for d in localization.build_documents(self.tok, self.text, n, self.opts.loc_documents)]
         for name in ("full precision",) + tuple(self.opts.loc_schemes):
             sim = None if name == "full precision" else self.simulation(S.by_name(name))
             for doc in docs:
@@ -334,16 +365,26 @@ def format_tables(r: dict) -> str:
         lines.append(f"{x['scheme']:14s} {x['bits_per_element']:7.2f} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} "
                      f"{x['delta']:+8.3f} {x['attention_cosine']:7.4f} {x['top8_recall']:6.3f}  "
                      f"{x['description'].split(': ', 1)[1].split(' = ')[0]}")
+    if r.get("long_context"):
+        lines.append(f"\nLong context ({r['long_context'][0]['tokens']} tokens; bits at the window count the "
+                     "full-precision tokens)")
+        for x in r["long_context"]:
+            lines.append(f"{x['scheme']:14s} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} {x['delta']:+8.3f}")
     if r["localization"]:
-        lines.append("\nLocalization (penalty rate of Article k): exact answers and mean log p(right rate)")
+        lines.append("\nLocalization (penalty rate of Article k): exact answers with their 95% Wilson interval, "
+                     "mean log p(right rate) and its change from full precision (nats)")
         lengths = sorted({x["length"] for x in r["localization"]})
-        lines.append(f"{'scheme':16s} " + " ".join(f"{n:>12d}" for n in lengths))
+        lines.append(f"{'scheme':16s} " + " ".join(f"{n:>30d}" for n in lengths))
+        mean = lambda xs: sum(x["logprob"] for x in xs) / len(xs)  # noqa: E731
+        rows = lambda name, n: [x for x in r["localization"] if x["scheme"] == name and x["length"] == n]  # noqa: E731
         for name in dict.fromkeys(x["scheme"] for x in r["localization"]):
             cells = []
             for n in lengths:
-                xs = [x for x in r["localization"] if x["scheme"] == name and x["length"] == n]
-                cells.append(f"{sum(x['exact'] for x in xs)}/{len(xs)} {sum(x['logprob'] for x in xs) / len(xs):6.2f}")
-            lines.append(f"{name:16s} " + " ".join(f"{c:>12s}" for c in cells))
+                xs, fp = rows(name, n), rows("full precision", n)
+                k = sum(x["exact"] for x in xs)
+                lo, hi = localization.wilson(k, len(xs))
+                cells.append(f"{k:2d}/{len(xs)} [{lo:.2f},{hi:.2f}] {mean(xs):6.2f} {mean(xs) - mean(fp):+5.2f}")
+            lines.append(f"{name:16s} " + " ".join(f"{c:>30s}" for c in cells))
     if r["decode_protocol"]:
         lines.append("\nDecode protocol (token by token through the real cache and fused kernel) vs simulation; "
                      f"full precision on this window: {r['decode_window_full_precision_ppl']:.4f}")
@@ -366,7 +407,7 @@ def format_tables(r: dict) -> str:
 
 
 def main(args) -> int:
-    opts = Options.quick() if args.quick else Options()
+    opts = Options.quick() if args.quick else Options.full() if getattr(args, "full", False) else Options()
     if args.tokens:
         opts.tokens = args.tokens
     opts.out_dir = args.out
@@ -377,6 +418,9 @@ def main(args) -> int:
     except data.MissingMaterial as e:
         print(f"torch_rkv report: {e}", file=sys.stderr)
         return 2
+    if opts.long_tokens > model.config.max_position_embeddings:  # the long row at the model's own window
+        opts.long_tokens = model.config.max_position_embeddings
+        opts.loc_lengths = tuple(min(n, opts.long_tokens) for n in opts.loc_lengths)
     if opts.tokens > model.config.max_position_embeddings:
         print(f"torch_rkv report: --tokens {opts.tokens} exceeds the model's {model.config.max_position_embeddings}",
               file=sys.stderr)
