@@ -92,12 +92,15 @@ def test_rkv_cache_at_8_bits_generates_as_transformers_cache(name, scheme):
 def test_simulation_without_quantization_equals_the_stock_forward(name):
     """The report's simulation path with nothing quantized gives the stock model's logits (fp32)."""
     model = family(name)
-    ids = prompt(50)
+    cos, sin = models.rope_tables(model, 64)
+    assert_simulation_is_stock(model, prompt(50), Simulation(S.recommended(4), cos, sin, quantize_keys=False,
+                                                             rope_interleaved=models.inspect(model).interleaved,
+                                                             quantize_values=False))
+
+
+def assert_simulation_is_stock(model, ids, sim):
     with torch.no_grad():
         want = model(ids).logits
-        cos, sin = models.rope_tables(model, 64)
-        sim = Simulation(S.recommended(4), cos, sin, rope_interleaved=models.inspect(model).interleaved,
-                         quantize_keys=False, quantize_values=False)
         install(model, sim)
         got = model(ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
@@ -223,13 +226,8 @@ def test_sliding_layers_hold_their_window_whatever_the_capacity():
 @pytest.mark.parametrize("name", list(WINDOWED))
 def test_windowed_simulation_without_quantization_equals_the_stock_forward(name):
     """The report's simulation with nothing quantized: the stock logits, windows and soft-capping included."""
-    model = windowed(name)
-    ids = prompt(40)
-    with torch.no_grad():
-        want = model(ids).logits
-        install(model, Simulation(S.per_token(8), quantize_keys=False, quantize_values=False))
-        got = model(ids).logits
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+    assert_simulation_is_stock(windowed(name), prompt(40),
+                               Simulation(S.per_token(8), quantize_keys=False, quantize_values=False))
 
 
 def test_the_simulation_quantizes_each_gemma3_layers_pre_rope_keys(monkeypatch):
