@@ -202,7 +202,7 @@ def test_windowed_families_are_inspected_layer_by_layer(name):
 @pytest.mark.parametrize("scheme", [S.recommended(8).replace(k_block_tokens=16), S.per_token(8)], ids=lambda s: s.name)
 def test_windowed_rkv_cache_at_8_bits_generates_as_transformers_cache(name, scheme):
     """Prompts of 60 tokens over windows of 16: the sliding layers' rings wrap, the soft-capped prefill
-    runs the fused kernel, each layer rotates by its own table, by the portable criterion."""
+    runs the fused kernel, by the portable criterion (each layer's table: the round-trip test)."""
     model = windowed(name)
     ids = prompt(60, batch=2)
     want = model.generate(ids, max_new_tokens=16, do_sample=False)

@@ -163,14 +163,23 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
                                                      "query_pre_attn_scalar": 48, "attn_logit_softcapping": 20.0,
                                                      "max_position_embeddings": 1024,
                                                      "tie_word_embeddings": True}),  # (vLLM's Gemma 2 ties them)
+    # Gemma 3: sliding layers rotated by a local table (base 1e4), global ones by a global table (1e6)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
+                                                         "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                         "num_key_value_heads": 2, "head_dim": 64,
+                                                         "sliding_window": 64, "max_position_embeddings": 1024,
+                                                         "layer_types": ["sliding_attention", "full_attention"],
+                                                         "tie_word_embeddings": True}),
 }
 
 
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, family):
-    """GPT-J's interleaved partial rotary (un-rotated with the table and pairing vLLM builds for it), and
+    """GPT-J's interleaved partial rotary (un-rotated with the table and pairing vLLM builds for it),
     Gemma 2's sliding windows (300-token prompts over 64-token windows: the kernel masks, vLLM frees the
-    pages before the window) and soft-capping: rkv-8 against vLLM's own float32 cache."""
+    pages before the window) and soft-capping, Gemma 3's local and global layers: rkv-8 against vLLM's
+    own float32 cache. (Which table a layer un-rotates with shows in quantization error only: its own
+    test checks the tables.)"""
     import torch
     import transformers
 
@@ -358,7 +367,8 @@ def test_without_a_scheme_the_plugin_is_inert(monkeypatch):
     ("LlamaConfig", {}, None, 32, False), ("Qwen3Config", {}, None, 32, False),
     ("GPTJConfig", {"rotary_dim": 16}, None, 8, True),
     ("GPTNeoXConfig", {}, "not 'gpt_neox'", 0, False),  # (vLLM 0.32 has no model code of its own for it)
-    ("Gemma3TextConfig", {}, "not 'gemma3_text'", 0, False)])  # a local and a global table
+    ("Gemma3TextConfig", {"head_dim": 64}, None, 32, False),  # (its global table; the local one: the family test)
+    ("BloomConfig", {}, "not 'bloom'", 0, False)])  # ALiBi, no rotary
 def test_pre_rope_schemes_take_only_the_rotary_layout_they_invert(monkeypatch, config, kw, refused, half,
                                                                    interleaved):
     """The backend un-rotates new keys with the table and pairing vLLM builds for the model (rotate-half or
@@ -383,3 +393,24 @@ def test_pre_rope_schemes_take_only_the_rotary_layout_they_invert(monkeypatch, c
             cos, sin, pairs = model_rope_tables(vllm_config, head)
         assert cos.shape[1] == sin.shape[1] == half and cos.shape[0] >= 256 and pairs == interleaved
         assert (cos[0] == 1).all() and (sin[0] == 0).all()  # position 0: the identity rotation
+
+
+def test_gemma3s_local_and_global_layers_take_their_own_tables():
+    """A layer's table only changes how well its pre-RoPE keys quantize (the kernel re-applies the same
+    table it un-rotated with), so the agreement test cannot see it: check the tables themselves, the
+    local one with base 1e4 and the global one with 1e6, as vLLM's Gemma 3 builds them."""
+    import math
+    from types import SimpleNamespace
+
+    import transformers
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from torch_rkv.integrations.vllm_backend import model_rope_tables
+
+    hf = transformers.Gemma3TextConfig(num_hidden_layers=2, head_dim=64, sliding_window=64,
+                                       layer_types=["sliding_attention", "full_attention"])
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, max_model_len=256))
+    with set_current_vllm_config(VllmConfig()):
+        for layer_type, base in (("sliding_attention", 1e4), ("full_attention", 1e6)):
+            cos, _, _ = model_rope_tables(vllm_config, 64, layer_type)
+            assert math.isclose(cos[1, 1].item(), math.cos(base ** (-2 / 64)), rel_tol=1e-6), layer_type

@@ -201,7 +201,9 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.rope_cos = self.rope_sin = None
         self.rope_interleaved = False
         if self.scheme.pre_rope:
-            self.rope_cos, self.rope_sin, self.rope_interleaved = model_rope_tables(config, head_size)
+            # (Gemma 3 keys its RoPE parameters by layer type, and its sliding layers are the local ones)
+            layer_type = "sliding_attention" if self.sliding_window else "full_attention"
+            self.rope_cos, self.rope_sin, self.rope_interleaved = model_rope_tables(config, head_size, layer_type)
         self._tensors = None  # per-layer side pool and signs, made on the first forward
 
     def _layer_state(self, query: torch.Tensor, slots: int):
@@ -293,18 +295,20 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                 window[init.dst, :, t % w] = read_rows(codes, scale, zero, bits, pages[t // p], t % p).to(window.dtype)
 
 
-# vLLM models whose rotary embedding is one get_rope(...) table for every layer, built from the config
-# the way each model builds it: rotate-half pairs (is_neox_style) over rotary_dim = head_size x
-# partial_rotary_factor channels, or GPT-J's interleaved pairs over its rotary_dim. Another family (Gemma 3's
-# local and global tables, ...) would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme
-# refuses it by name.
-PRE_ROPE_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "stablelm", "gemma", "gemma2", "gptj")
+# vLLM models whose rotary embedding is a get_rope(...) table built from the config the way each model
+# builds it: rotate-half pairs (is_neox_style) over rotary_dim = head_size x partial_rotary_factor
+# channels, or GPT-J's interleaved pairs over its rotary_dim; Gemma 3 one table per layer type (its
+# rope_parameters keyed by "sliding_attention" / "full_attention"). Another family would have its pre-RoPE
+# keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name.
+PRE_ROPE_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "stablelm", "gemma", "gemma2", "gemma3_text", "gptj")
 INTERLEAVED_MODELS = ("gptj",)
 
 
-def model_rope_tables(vllm_config, head_size: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_attention"
+                      ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(cos, sin, interleaved): tables of shape (positions, rotary_dim / 2), float32, from the rotary
-    embedding vLLM builds for the model (get_rope with the model's own parameters), and its pairing."""
+    embedding vLLM builds for the model's layers of `layer_type` (get_rope with the model's own
+    parameters), and its pairing."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     hf = vllm_config.model_config.hf_config
@@ -315,6 +319,8 @@ def model_rope_tables(vllm_config, head_size: int) -> tuple[torch.Tensor, torch.
                                   f"{', '.join(PRE_ROPE_MODELS)} models (one rotary table for every layer), not "
                                   f"{kind!r}; a post-RoPE scheme (kivi-2, per-token-4, quarot-4, ...) serves any decoder")
     params = dict(getattr(hf, "rope_parameters", None) or {})
+    if isinstance(params.get(layer_type), dict):  # parameters per layer type (vllm/model_executor/models/gemma3.py)
+        params = dict(params[layer_type])
     rope_type = str(params.get("rope_type", "default"))
     if rope_type.startswith(LENGTH_DEPENDENT_ROPE):
         raise NotImplementedError(f"torch_rkv's vLLM backend: rope_type {rope_type!r} changes its table with the "
