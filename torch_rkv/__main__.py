@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--tokens", type=int, default=None, help="perplexity window (default 2048; up to 8192)")
     mode = report.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="a smaller run (1024 tokens, fewer schemes)")
-    mode.add_argument("--full", action="store_true", help="also the heavy rows: perplexity and localization at 8192 "
-                                                          "tokens")
+    mode.add_argument("--full", action="store_true", help="also the heavy rows: perplexity at 8192 tokens, "
+                                                          "localization at 8192 and 24 needles a length")
     report.add_argument("--json", help="write every number to this file")
     report.add_argument("--out", default="out/report", help="directory for the PNG plots")
 

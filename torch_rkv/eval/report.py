@@ -73,7 +73,7 @@ class Options:
     noise: bool = True  # rows off their reference are rerun with eager attention: how much the kernel moves them
     loc_lengths: tuple = (1024, 2048, 4096)
     loc_schemes: tuple = ("per-token-3", "kvquant-3", "rkv-3", "rkv-2")
-    loc_documents: int = 4  # per length, 6 needles each: 24 needles a length
+    loc_documents: int = 1  # per length, 6 needles each (--full: 4, 24 needles a length; 3.5 minutes a scheme)
     long_tokens: int = 0  # > 0 (--full): a long-context perplexity row at this many tokens
     long_schemes: tuple = ("rkv-4", "rkv-3", "rkv-2", "turboquant-4")
     decode_tokens: int = 384  # long enough that every decode scheme quantizes a block
@@ -87,8 +87,8 @@ class Options:
     @classmethod
     def full(cls) -> "Options":
         """The heavy rows too: perplexity at 8192 tokens (SmolLM2's window, where the full-precision
-        tokens cost little) and localization at 8192."""
-        return cls(long_tokens=8192, loc_lengths=(1024, 2048, 4096, 8192))
+        tokens cost little), and localization at 8192 with 24 needles a length."""
+        return cls(long_tokens=8192, loc_lengths=(1024, 2048, 4096, 8192), loc_documents=4)
 
     @classmethod
     def quick(cls) -> "Options":
