@@ -169,3 +169,19 @@ def test_the_full_modes_rows_on_smollm2(smollm2_alice):
     text = format_tables({**{k: [] for k in ("reproduction", "schemes", "decode_protocol")},
                           "full_precision_ppl": 0.0, "long_context": long, "localization": loc})
     assert "Long context (1024 tokens" in text and "[0." in text
+
+
+@pytest.mark.slow
+def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
+    """Every section of the report, plots included, in a CI-sized run (the main job must not break where
+    no other test looks: its key-magnitude capture once fell behind the simulation's arguments)."""
+    from torch_rkv.eval.report import Options, Report, format_tables
+
+    model, tok, text = smollm2_alice
+    opts = Options(tokens=256, bits=(4,), families=("rkv (recommended)",), noise=False, loc_lengths=(512,),
+                   loc_schemes=("rkv-4",), decode_tokens=96, decode_schemes=("rkv-4",), chunk_sizes=(128,),
+                   chunk_schemes=("rkv-4",), peers=False, out_dir=str(tmp_path))
+    results = Report(model, tok, text, opts, log=lambda s: None).run()
+    assert set(results["plots"]) == {"ppl_vs_bits", "localization", "key_magnitudes"}
+    assert all((tmp_path / f"{name}.png").exists() for name in results["plots"])
+    assert "Schemes as served" in format_tables(results)

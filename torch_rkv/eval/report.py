@@ -20,7 +20,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .. import scheme as S
 from ..reference import full_precision_count
@@ -317,15 +316,15 @@ class Report:
         chosen = sorted({(n_layers // 2 if i is None else i % n_layers) for i in layers})
         store = {}
 
+        exact = Simulation(S.per_token(8), quantize_keys=False, quantize_values=False)  # the model's own attention
+
         class Capture:
             def __init__(self, idx):
                 self.idx = idx
 
-            def attention(self, query, key, value, scaling, attention_mask=None):
+            def attention(self, query, key, value, *args, **kwargs):  # Simulation.attention's arguments
                 store[self.idx] = key[0, 0].float().clone()
-                out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                                     enable_gqa=True)
-                return out.transpose(1, 2)
+                return exact.attention(query, key, value, *args, **kwargs)
 
         install(self.model, None)
         for i, module in enumerate(self.attention.modules):
