@@ -80,12 +80,17 @@ def test_the_rotary_table_and_pairing_are_the_models_own(name):
 def test_rkv_cache_at_8_bits_generates_as_transformers_cache(name, scheme):
     """Prefill, then decode through the fused kernel (pre-RoPE keys with the family's own table, or
     per-token keys), and a second turn through the paged prefill kernel: the portable criterion."""
-    model = family(name)
+    assert_generates_as_transformers_cache(family(name), scheme)
+
+
+def assert_generates_as_transformers_cache(model, scheme) -> RKVCache:
+    """60-token prompts, 16 new tokens, batch 2: RKVCache at 8 bits by the portable criterion; the cache."""
     ids = prompt(60, batch=2)
     want = model.generate(ids, max_new_tokens=16, do_sample=False)
     cache = RKVCache(model, scheme, capacity=128, batch=2)
     got = model.generate(ids, max_new_tokens=16, do_sample=False, cache=cache)
     assert_agrees(model, ids, want, got, scheme, 8, TINY_SENSITIVITY, 128)
+    return cache
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -203,12 +208,7 @@ def test_windowed_families_are_inspected_layer_by_layer(name):
 def test_windowed_rkv_cache_at_8_bits_generates_as_transformers_cache(name, scheme):
     """Prompts of 60 tokens over windows of 16: the sliding layers' rings wrap, the soft-capped prefill
     runs the fused kernel, by the portable criterion (each layer's table: the round-trip test)."""
-    model = windowed(name)
-    ids = prompt(60, batch=2)
-    want = model.generate(ids, max_new_tokens=16, do_sample=False)
-    cache = RKVCache(model, scheme, capacity=128, batch=2)
-    got = model.generate(ids, max_new_tokens=16, do_sample=False, cache=cache)
-    assert_agrees(model, ids, want, got, scheme, 8, TINY_SENSITIVITY, 128)
+    cache = assert_generates_as_transformers_cache(windowed(name), scheme)
     sliding = [c for c in cache.caches if c.sliding_window]
     assert sliding and all(c.layout.packed_capacity < 128 for c in sliding)
 
@@ -248,8 +248,7 @@ def test_the_simulation_quantizes_each_gemma3_layers_pre_rope_keys(monkeypatch):
                         lambda self, x, side: (seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side))
     report = Report.__new__(Report)  # only the tables and the simulation it builds
     report.attention = att
-    tables = {t: models.rope_tables(model, 64, rope_type=t) for t in set(att.rope_types)}
-    report.layer_rope = {i: tables[t] for i, t in enumerate(att.rope_types)}
+    report.layer_rope = models.layer_rope_tables(model, 64)
     report.cos, report.sin = report.layer_rope[0]
     with torch.no_grad():
         install(model, Report.simulation(report, S.recommended(8).replace(k_block_tokens=16, sinks=0), view="all"))

@@ -65,11 +65,12 @@ void check_cache(const char* op, const at::Tensor& ref, const CacheTensors& c, c
                  const at::Tensor& lengths, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
                  CacheGeometry& g);
 
-// The query-side arguments of the attention ops (q's shape is the op's to check): rope tables, signs,
-// split_tokens. Fills the rope fields of g.
 // sliding_window (>= 0; 0: none) and softcap (finite, >= 0; 0: none) into g. Before check_cache, which
 // makes a contiguous cache with a sliding window a ring.
 void check_window_and_cap(const char* op, int64_t sliding_window, double softcap, CacheGeometry& g);
+
+// The query-side arguments of the attention ops (q's shape is the op's to check): rope tables, signs,
+// split_tokens. Fills the rope fields of g.
 void check_attention_extras(const char* op, const at::Tensor& q, const std::optional<at::Tensor>& rope_cos,
                             const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
                             const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,

@@ -123,8 +123,7 @@ class Report:
         if opts.long_tokens and all_ids.shape[1] < opts.long_tokens:
             raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than {opts.long_tokens}")
         # each layer's RoPE table (Gemma 3: local and global ones); cos / sin: the first layer's
-        tables = {t: models.rope_tables(model, positions, rope_type=t) for t in set(self.attention.rope_types)}
-        self.layer_rope = {i: tables[t] for i, t in enumerate(self.attention.rope_types)}
+        self.layer_rope = models.layer_rope_tables(model, positions)
         self.cos, self.sin = self.layer_rope[0]
         self.results: dict = {}
 
@@ -136,7 +135,7 @@ class Report:
 
     def simulation(self, scheme: Scheme, **kw) -> Simulation:
         return Simulation(scheme, self.cos, self.sin, rope_interleaved=self.attention.interleaved,
-                          layer_rope=self.layer_rope if len(set(self.attention.rope_types)) > 1 else None, **kw)
+                          layer_rope=self.layer_rope, **kw)
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict:

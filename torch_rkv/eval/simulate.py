@@ -155,7 +155,6 @@ class Simulation:
         for this layer (bool, True = attend, or additive), honoured on top of causality: a
         sliding-window layer sees its window, a padded position nothing. softcap > 0: Gemma 2's
         soft-capped scores. layer: the layer's index (its RoPE table, layer_rope)."""
-        self.softcap = softcap
         nq, n = query.shape[2], key.shape[2]
         kq, vq = self.fake_quantize(key, "k", layer), self.fake_quantize(value, "v", layer)
         pos = n - nq + torch.arange(nq, device=query.device)
@@ -165,7 +164,7 @@ class Simulation:
         pairs = self.quantized_pairs(pos, n)
         q = query.float()
         if bool(pairs[causal].all()):  # every visible key is quantized (view "all", per-token caches)
-            out = self._attend(q, kq, vq, causal, scaling)
+            out = self._attend(q, kq, vq, causal, scaling, softcap)
         else:
             # queries that see the same quantized range form groups (one per block of queries): one
             # SDPA call per group over keys spliced from both copies; too many groups: keys laid out
@@ -180,18 +179,18 @@ class Simulation:
                     keys = torch.where(row[:, None], kq, key.float())
                     values = torch.where(row[:, None], vq, value.float())
                     rows = slice(start, start + count)
-                    out[:, :, rows] = self._attend(q[:, :, rows], keys, values, causal[rows], scaling)
+                    out[:, :, rows] = self._attend(q[:, :, rows], keys, values, causal[rows], scaling, softcap)
                     start += count
             else:
                 keys = torch.cat([kq, key.float()], dim=2)
                 values = torch.cat([vq, value.float()], dim=2)
-                out = self._attend(q, keys, values, torch.cat([causal & pairs, causal & ~pairs], dim=1), scaling)
+                out = self._attend(q, keys, values, torch.cat([causal & pairs, causal & ~pairs], dim=1), scaling,
+                                   softcap)
         if self.fidelity_queries:
             self._measure(q, key.float(), value.float(), kq, vq, causal, pairs, scaling, out)
         return out.transpose(1, 2).to(query.dtype)
 
-    def _attend(self, q, k, v, mask, scaling):
-        softcap = getattr(self, "softcap", 0.0)
+    def _attend(self, q, k, v, mask, scaling, softcap=0.0):
         if self.kernel == "sdpa" and not softcap:  # (SDPA cannot soft-cap)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
         g = q.shape[1] // k.shape[1]

@@ -140,3 +140,10 @@ def rope_tables(model, positions: int, device=None, rope_type=None) -> tuple[tor
     if 2 * half > att.head_dim:
         _refuse(att.model_type, f"a rotary table of {2 * half} channels for head_dim {att.head_dim}")
     return cos[:, :half].contiguous().to(device), sin[:, :half].contiguous().to(device)
+
+
+def layer_rope_tables(model, positions: int, device=None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (cos, sin) (rope_tables of its rope type; layers of one type share the tensors)."""
+    types = inspect(model).rope_types
+    tables = {t: rope_tables(model, positions, device, rope_type=t) for t in set(types)}
+    return {i: tables[t] for i, t in enumerate(types)}

@@ -63,11 +63,11 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
     chunk, layer.chunk, layer.pending = layer.chunk, None, False
     m = query.shape[2]
     window = layer.cache.sliding_window
-    for name, want, got in (("sliding_window", window, kwargs.get("sliding_window")),
+    for name, want, got in (("sliding_window", layer.window, kwargs.get("sliding_window")),
                             ("softcap", layer.cache.softcap, kwargs.get("softcap"))):
-        if (got or 0) != want and not (name == "sliding_window" and window == 0 and (got or 0) >= layer.cache.capacity):
-            raise ValueError(f"torch_rkv: layer {layer.index}'s attention asks for {name}={got}, but its cache was "
-                             f"built for {want} (from the model's config)")
+        if (got or 0) != want:
+            raise ValueError(f"torch_rkv: layer {getattr(module, 'layer_idx', '?')}'s attention asks for {name}={got}, "
+                             f"but its cache was built for {want} (from the model's config)")
     if attention_mask is not None:  # checked on the mask's device: no host sync per step
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         n = allowed.shape[-1]  # cached + new tokens
@@ -113,10 +113,11 @@ class RKVLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, cache: QuantizedKVCache, index: int):
+    def __init__(self, cache: QuantizedKVCache, index: int, window: int = 0):
         super().__init__()
         self.cache = cache
         self.index = index
+        self.window = window  # the model's sliding window for this layer (the cache's, or one it never reaches)
         self.pending = False  # a step awaits the fused attention
         self.chunk = None  # the keys / values of a chunk it appends after attending
         self.is_initialized = True
@@ -213,7 +214,7 @@ class RKVCache(Cache):
                                      sliding_window=window, softcap=att.softcap)
             self.caches.append(cache)
             for j, i in enumerate(ids):
-                layers[i] = RKVLayer(cache, j)
+                layers[i] = RKVLayer(cache, j, att.windows[i])
         super().__init__(layers=layers)
         if enable_attention:
             enable(model)

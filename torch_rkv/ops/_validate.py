@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..reference import ring_rows
+
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 BITS = (2, 3, 4, 8)
 
@@ -263,13 +265,18 @@ def paged_prefill_attention(q, k_new, v_new, qsl, max_query_len, k_codes, v_code
     attention_extras(op, rope_cos, rope_sin, k_signs)
 
 
-def window_and_cap(op: str, sliding_window, softcap, packed_rows=None, recent=0, block=1) -> None:
+def window_and_cap(op: str, sliding_window, softcap, packed_rows=None, block=1, append_tokens=None) -> None:
     """sliding_window >= 0 and softcap finite >= 0 (0: none); packed_rows: a contiguous cache, which a
-    sliding window makes a ring of at least layout.ring_rows packed rows."""
+    sliding window makes a ring of at least ring_rows packed rows; append_tokens: the tokens cache_append
+    writes into it at once (at most its rows - block + 1)."""
     value(sliding_window >= 0, op, f"sliding_window must be >= 0 (0: none), got {sliding_window}")
     value(softcap >= 0 and softcap != float("inf"), op, f"softcap must be finite and >= 0 (0: none), got {softcap}")
-    if packed_rows is not None and sliding_window > 0:
-        from ..layout import ring_rows
-        need = ring_rows(sliding_window, block)
-        value(packed_rows >= need, op, f"a sliding window of {sliding_window} tokens needs a ring of at least {need} "
-                                       f"packed rows (k_packed has {packed_rows})")
+    if packed_rows is None or sliding_window == 0:
+        return
+    need = ring_rows(sliding_window, block)
+    value(packed_rows >= need, op, f"a sliding window of {sliding_window} tokens needs a ring of at least {need} "
+                                   f"packed rows (k_packed has {packed_rows})")
+    if append_tokens is not None:
+        most = packed_rows - block + 1
+        value(append_tokens <= most, op, f"a ring of {packed_rows} packed rows (sliding_window={sliding_window}) takes "
+                                         f"at most {most} tokens per append (k_new has {append_tokens}); append in pieces")

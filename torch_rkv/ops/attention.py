@@ -71,7 +71,7 @@ def _decode_attention_fake(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_ze
                            k_signs, v_signs, scale, split_tokens, sliding_window=0, softcap=0.0):
     _validate.decode_attention(q, k_packed, v_packed, k_window, lengths, k_bits, v_bits, block, recent,
                                rope_cos, rope_sin, k_signs)
-    _validate.window_and_cap("decode_attention", sliding_window, softcap, k_packed.shape[2], recent, block)
+    _validate.window_and_cap("decode_attention", sliding_window, softcap, k_packed.shape[2], block)
     _validate.devices("decode_attention", q, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, lengths=lengths, rope_cos=rope_cos, rope_sin=rope_sin, k_signs=k_signs,

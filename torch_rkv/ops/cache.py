@@ -55,12 +55,7 @@ def _cache_append_fake(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_w
                        sliding_window=0):
     _validate.cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent,
                            k_zero, v_zero, k_clip, v_clip)
-    _validate.window_and_cap("cache_append", sliding_window, 0.0, k_packed.shape[2], recent, block)
-    if sliding_window > 0:
-        most = k_packed.shape[2] - block + 1
-        _validate.value(k_new.shape[2] <= most, "cache_append",
-                        f"a ring of {k_packed.shape[2]} packed rows (sliding_window={sliding_window}) takes at most "
-                        f"{most} tokens per append (k_new has {k_new.shape[2]}); append in pieces")
+    _validate.window_and_cap("cache_append", sliding_window, 0.0, k_packed.shape[2], block, k_new.shape[2])
     _validate.devices("cache_append", k_new, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, lengths=lengths, v_new=v_new)

@@ -73,7 +73,7 @@ def _paged_decode_attention_fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, 
     _validate.decode_attention(q, k_codes, v_codes, k_window, lengths, k_bits, v_bits, block, recent, rope_cos,
                                rope_sin, k_signs, block_tables, side_slots, op="paged_decode_attention")
     _validate.window_and_cap("paged_decode_attention", sliding_window, softcap,
-                             None if block_tables is not None else k_codes.shape[2], recent, block)
+                             None if block_tables is not None else k_codes.shape[2], block)
     _validate.devices("paged_decode_attention", q, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, block_tables=block_tables, side_slots=side_slots, lengths=lengths,
@@ -110,7 +110,7 @@ def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_le
                                       block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
                                       rope_sin, k_signs)
     _validate.window_and_cap("paged_prefill_attention", sliding_window, softcap,
-                             None if block_tables is not None else k_codes.shape[2], recent, block)
+                             None if block_tables is not None else k_codes.shape[2], block)
     _validate.devices("paged_prefill_attention", q, k_new=k_new, v_new=v_new, query_start_loc=query_start_loc,
                       k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale,
                       v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink, v_sink=v_sink,

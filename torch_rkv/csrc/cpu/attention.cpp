@@ -109,8 +109,7 @@ at::Tensor run_attention(AttentionCall& call) {
     max_total = std::max(max_total, len[b] + (prefill ? counts[b] : 0));
     if (prefill) max_m = std::max(max_m, counts[b]);
   }
-  // the keys a sequence's splits cover, from its split_base: a sliding window bounds them
-  if (g.sliding_window > 0) max_total = std::min(max_total, g.sliding_window + std::max<int64_t>(max_m, 1) - 1);
+  max_total = split_span(max_total, max_m, g.sliding_window);  // the keys a sequence's splits cover
   AttentionArgs a;
   a.q_block = prefill ? std::max<int64_t>(1, prefill_rows(g.dim) / g.group_size()) : 1;
   a.q_blocks = std::max<int64_t>(1, (max_m + a.q_block - 1) / a.q_block);

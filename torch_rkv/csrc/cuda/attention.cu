@@ -268,8 +268,7 @@ at::Tensor run_attention(AttentionCall& call) {
   const int64_t row_chunks = std::max<int64_t>(1, (g.group_size() * max_q + kMaxHeads - 1) / kMaxHeads);
   // splits cover the tokens the tables address (not the data-dependent lengths): no host synchronization;
   // with a sliding window, the window and the chunk from each sequence's split_base
-  int64_t max_tokens = g.max_tokens();
-  if (g.sliding_window > 0) max_tokens = std::min(max_tokens, g.sliding_window + max_q - 1);
+  const int64_t max_tokens = split_span(g.max_tokens(), max_q, g.sliding_window);
   if (g.split_tokens == 0) {
     // enough splits to fill the GPU a few times over, never more: the partial results (and the merge)
     // grow with the number of splits

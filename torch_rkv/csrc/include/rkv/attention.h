@@ -27,9 +27,15 @@ RKV_HD int64_t window_slot(int64_t t, int64_t window) { return t % window; }
 RKV_HD int64_t window_start(int64_t end, int64_t window) { return window > 0 && end > window ? end - window : 0; }
 
 // The first key the splits of a sequence with n cached tokens cover: the earliest any of its query
-// rows sees (decode: keys [0, n); prefill: the chunk's first token sees [0, n + 1)). Splits cover at
-// most window + (query tokens - 1) keys from there.
+// rows sees (decode: keys [0, n); prefill: the chunk's first token sees [0, n + 1)).
 RKV_HD int64_t split_base(int64_t n, bool prefill, int64_t window) { return window_start(n + (prefill ? 1 : 0), window); }
+
+// How many keys from split_base the splits must cover, for sequences of at most `tokens` keys (cached and
+// new) and chunks of at most `max_query` tokens: a sliding window bounds it by window + max_query - 1.
+RKV_HD int64_t split_span(int64_t tokens, int64_t max_query, int64_t window) {
+  const int64_t bound = window + (max_query > 1 ? max_query : 1) - 1;
+  return window > 0 && bound < tokens ? bound : tokens;
+}
 
 // Quantized rows of a ring (a sliding-window layer's contiguous cache): an append writes each block's
 // rows once the block is complete (while its tokens are still read from the full-precision ring), so the
