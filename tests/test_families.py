@@ -121,8 +121,8 @@ def test_the_simulation_quantizes_the_models_pre_rope_keys(name, monkeypatch):
     cos, sin = models.rope_tables(model, 64)
     seen = []
     round_trip = Simulation.round_trip
-    monkeypatch.setattr(Simulation, "round_trip",
-                        lambda self, x, side: (seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side))
+    monkeypatch.setattr(Simulation, "round_trip", lambda self, x, side, s: (
+        seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side, s))
     with torch.no_grad():
         pre = model(ids, position_ids=torch.zeros_like(ids), use_cache=True).past_key_values.layers[0].keys.float()
         scheme = S.recommended(8).replace(k_block_tokens=16, sinks=0)
@@ -234,7 +234,7 @@ def test_the_simulation_quantizes_each_gemma3_layers_pre_rope_keys(monkeypatch):
     """Gemma 3's local and global layers rotate by different tables: what the report's simulation hands its
     quantizer for each layer's keys is that layer's pre-RoPE keys (its k_norm's output), which one table
     for both layers would not give."""
-    from torch_rkv.eval.report import Report
+    from torch_rkv.eval.sensitivity import simulations_for
 
     model = windowed("gemma3")
     att = models.inspect(model)
@@ -244,14 +244,11 @@ def test_the_simulation_quantizes_each_gemma3_layers_pre_rope_keys(monkeypatch):
         m.k_norm.register_forward_hook(lambda mod, args, out, i=i: pre.__setitem__(i, out.float()))
     seen = []
     round_trip = Simulation.round_trip
-    monkeypatch.setattr(Simulation, "round_trip",
-                        lambda self, x, side: (seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side))
-    report = Report.__new__(Report)  # only the tables and the simulation it builds
-    report.attention = att
-    report.layer_rope = models.layer_rope_tables(model, 64)
-    report.cos, report.sin = report.layer_rope[0]
+    monkeypatch.setattr(Simulation, "round_trip", lambda self, x, side, s: (
+        seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side, s))
+    simulation = simulations_for(model, 64)  # the report's and the calibration's simulations
     with torch.no_grad():
-        install(model, Report.simulation(report, S.recommended(8).replace(k_block_tokens=16, sinks=0), view="all"))
+        install(model, simulation(S.recommended(8).replace(k_block_tokens=16, sinks=0), view="all"))
         model(ids)
         install(model, None)
     assert len(seen) == 2

@@ -30,7 +30,7 @@ def tiny_llama():
 def test_cache_view_pairs_follow_the_cache_layout(scheme):
     sim = Simulation(scheme, *model_rope_tables(tiny_llama(), 64))
     n = 60
-    pairs = sim.quantized_pairs(torch.arange(n), n)
+    pairs = sim.quantized_pairs(torch.arange(n), n, scheme)
     for i in range(n):
         q = ref.quantized_count(i + 1, scheme.recent, scheme.block)
         want = [scheme.sinks <= t < q for t in range(n)]
@@ -52,6 +52,52 @@ def test_decode_protocol_equals_the_simulation(scheme):
     assert abs(decoded / simulated - 1) < 1e-4, (simulated, decoded, full)
 
 
+def test_a_per_layer_cache_decodes_what_the_per_layer_simulation_measures():
+    """RKVCache with one scheme per layer (an allocation; the layers here even differ in layout and window):
+    token by token through the fused kernel, each layer with its own bits, gives the simulation's
+    perplexity with the same layer_schemes; giving every layer the first layer's scheme does not."""
+    model = tiny_llama()
+    ids = torch.randint(0, 160, (1, 96), generator=torch.Generator().manual_seed(5))
+    cos, sin = model_rope_tables(model, 128)
+    schemes = [S.recommended(4).replace(k_block_tokens=16, recent=8), S.per_token(2),
+               S.recommended(3).replace(k_block_tokens=16, recent=16, v_bits=2, sinks=2)]
+    simulated = perplexity.simulated(model, ids, Simulation(schemes[0], cos, sin, layer_schemes=dict(enumerate(schemes))))
+    cache = RKVCache(model, schemes, capacity=96)
+    assert cache.schemes == schemes and len(cache.caches) == 3
+    with pytest.raises(ValueError, match="different schemes"):
+        cache.scheme
+    decoded = perplexity.decoded(model, ids, lambda n: RKVCache(model, schemes, capacity=n))
+    assert abs(decoded / simulated - 1) < 1e-4, (simulated, decoded)
+    uniform = perplexity.simulated(model, ids, Simulation(schemes[0], cos, sin))
+    assert abs(uniform / simulated - 1) > 5e-4  # (a tiny random model moves little)
+    with pytest.raises(ValueError, match="2 schemes for a model of 3 layers"):
+        RKVCache(model, schemes[:2], capacity=96)
+
+
+def test_sensitivity_on_a_tiny_model():
+    """One KL and one perplexity change per (layer, side) and base; the KL is never negative, and a layer
+    whose keys are stored at 8 bits in every run costs nothing to "drop" (its runs are the base's)."""
+    from torch_rkv.eval.sensitivity import measure, simulations_for
+
+    model = tiny_llama()
+    ids = torch.randint(0, 160, (1, 320), generator=torch.Generator().manual_seed(7))  # a block of 128 quantized
+    make = simulations_for(model, 320)
+    calls = []
+    prof = measure(model, ids, (2, 3, 4), make, 3, progress=lambda *a: calls.append(a))
+    assert sorted(prof.drops) == [3, 4] and all(len(prof.drops[b]) == 3 for b in (3, 4))
+    assert all(x >= -1e-6 for b in (3, 4) for pair in prof.drops[b] for x in pair)  # (float rounding)
+    assert any(x > 1e-6 for pair in prof.drops[3] for x in pair)
+    assert calls[-1] == (4, 3, 3) and len(calls) == 6
+
+    def frozen(scheme, layer_schemes=None, **kw):  # layer 1's keys never change width
+        layer_schemes = {**(layer_schemes or {})}
+        layer_schemes[1] = layer_schemes.get(1, scheme).replace(k_bits=8, k_clip=False)
+        return make(scheme, layer_schemes=layer_schemes, **kw)
+
+    again = measure(model, ids, (2, 3), frozen, 3)
+    assert again.drops[3][1][0] == 0.0 and again.drops[3][1][1] > 0
+
+
 def test_simulation_at_8_bits_is_close_to_full_precision_and_all_view_quantizes_everything():
     model = tiny_llama()
     ids = torch.randint(0, 160, (1, 128), generator=torch.Generator().manual_seed(6))
@@ -61,7 +107,7 @@ def test_simulation_at_8_bits_is_close_to_full_precision_and_all_view_quantizes_
     two = perplexity.simulated(model, ids, Simulation(S.per_token(2), cos, sin, view="all"))
     assert abs(eight / full - 1) < 2e-3 < abs(two / full - 1)
     sim = Simulation(S.kivi(4, block=32, recent=8), cos, sin, view="all")
-    assert bool(sim.quantized_pairs(torch.arange(128), 128).all())
+    assert bool(sim.quantized_pairs(torch.arange(128), 128, sim.scheme).all())
 
 
 def test_effective_bits_count_full_precision_tokens():
@@ -180,8 +226,15 @@ def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     model, tok, text = smollm2_alice
     opts = Options(tokens=256, bits=(4,), families=("rkv (recommended)",), noise=False, loc_lengths=(512,),
                    loc_schemes=("rkv-4",), decode_tokens=96, decode_schemes=("rkv-4",), chunk_sizes=(128,),
-                   chunk_schemes=("rkv-4",), peers=False, out_dir=str(tmp_path))
-    results = Report(model, tok, text, opts, log=lambda s: None).run()
+                   chunk_schemes=("rkv-4",), alloc_levels=(2, 3), alloc_targets=(2.5,), alloc_tokens=256,
+                   second_text="asyoulik.txt", second_schemes=("rkv-4",), peers=False, out_dir=str(tmp_path))
+    lines = []
+    results = Report(model, tok, text, opts, log=lines.append).run()
     assert set(results["plots"]) == {"ppl_vs_bits", "localization", "key_magnitudes"}
     assert all((tmp_path / f"{name}.png").exists() for name in results["plots"])
-    assert "Schemes as served" in format_tables(results)
+    table = format_tables(results)
+    assert "Schemes as served" in table and "Per-layer allocation" in table and "same ranking" in table
+    alloc = results["allocation"][0]
+    assert len(alloc["bits"]) == 30 and sum(k + v for k, v in alloc["bits"]) == 150  # 2.5 bits on average
+    assert [x["scheme"] for x in results["second_text"]] == ["full precision", "rkv-4", "rkv-alloc-2.5"]
+    assert lines[0].startswith("[  0% ") and "ETA" in lines[-1]

@@ -1,4 +1,4 @@
-"""Command line: python -m torch_rkv {report, plan, demo, export-model}."""
+"""Command line: python -m torch_rkv {report, plan, calibrate, demo, export-model}."""
 
 from __future__ import annotations
 
@@ -26,6 +26,15 @@ def main(argv: list[str] | None = None) -> int:
 
     plan_arguments(sub.add_parser("plan", help="KV-cache memory ledger: bytes per token, fit, longest context"))
 
+    cal = sub.add_parser("calibrate", help="measure a model's per-layer sensitivity on a calibration text (cached): "
+                         "the profile plan --sensitivity and per-layer allocations use")
+    cal.add_argument("--model", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
+    cal.add_argument("--gguf", help="a local GGUF file")
+    cal.add_argument("--text", default="lcet10.txt", help="calibration text: a file, or a Canterbury-corpus name "
+                     "(default lcet10.txt; never an evaluation text)")
+    cal.add_argument("--tokens", type=int, default=512)
+    cal.add_argument("--levels", type=int, nargs="+", default=[2, 3, 4], help="bit widths to choose among")
+
     demo = sub.add_parser("demo", help="quantize synthetic RoPE'd keys with each scheme; print error and bytes")
     demo.add_argument("--tokens", type=int, default=1024)
     demo.add_argument("--dim", type=int, default=128)
@@ -43,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"torch_rkv export-model: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "calibrate":
+        from .eval import sensitivity
+
+        return sensitivity.main(args)
     if args.command == "report":
         from .eval.report import main as report_main
 

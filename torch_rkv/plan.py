@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import scheme as S
+from .allocate import Allocation, Sensitivity, allocate, layer_scheme
 from .integrations.models import uses_sliding_window
 from .layout import CacheLayout, PageLayout, default_page_size
 from .scheme import Scheme
@@ -33,11 +34,23 @@ class ModelShape:
     params: float  # number of weights
     sliding_layers: int = 0
     sliding_window: int | None = None
+    sliding: tuple[bool, ...] | None = None  # which layers slide, where only some do (a per-layer allocation)
 
     def __post_init__(self):
         if not 0 <= self.sliding_layers <= self.layers or (self.sliding_layers > 0) != bool(self.sliding_window):
             raise ValueError(f"ModelShape {self.name}: sliding_layers={self.sliding_layers} of {self.layers} needs a "
                              f"sliding_window > 0 exactly when some layer slides (got {self.sliding_window})")
+        if self.sliding is not None and (len(self.sliding) != self.layers or sum(self.sliding) != self.sliding_layers):
+            raise ValueError(f"ModelShape {self.name}: `sliding` must flag {self.sliding_layers} of {self.layers} layers")
+
+    def window_of(self, layer: int) -> int:
+        """The layer's sliding window (0: it attends to the whole context)."""
+        if self.sliding_layers in (0, self.layers):
+            return self.sliding_window or 0
+        if self.sliding is None:
+            raise ValueError(f"ModelShape {self.name}: which of its layers slide is unknown; give --config with the "
+                             "model's config.json")
+        return self.sliding_window if self.sliding[layer] else 0
 
     @property
     def full_layers(self) -> int:
@@ -56,7 +69,8 @@ MODELS = {
     "mistral-7b": ModelShape("Mistral-7B-v0.3", 32, 8, 128, 7.24e9),  # v0.2 and v0.3: sliding_window null
     "mistral-7b-v0.1": ModelShape("Mistral-7B-v0.1", 32, 8, 128, 7.24e9, sliding_layers=32, sliding_window=4096),
     # layer i attends to the whole context when (i + 1) % 6 == 0 (sliding_window_pattern 6): 10 of 62
-    "gemma-3-27b": ModelShape("Gemma-3-27B", 62, 16, 128, 27.4e9, sliding_layers=52, sliding_window=1024),
+    "gemma-3-27b": ModelShape("Gemma-3-27B", 62, 16, 128, 27.4e9, sliding_layers=52, sliding_window=1024,
+                              sliding=tuple(bool((i + 1) % 6) for i in range(62))),
     "qwen2.5-7b": ModelShape("Qwen2.5-7B", 28, 4, 128, 7.62e9),
     "qwen2.5-72b": ModelShape("Qwen2.5-72B", 80, 8, 128, 72.7e9),
     "smollm2-135m": ModelShape("SmolLM2-135M", 30, 3, 64, 0.135e9),
@@ -65,28 +79,28 @@ MODELS = {
 DEFAULT_SCHEMES = ("per-token-8", "per-token-4", "quarot-4", "kvquant-3", "kivi-2", "rkv-4", "rkv-3", "rkv-mixed-2", "rkv-2")
 
 
-def sliding_layer_count(cfg: dict) -> int:
-    """How many layers of a transformers config (its text part) attend to a sliding window, as transformers
+def sliding_layers_of(cfg: dict) -> list[bool]:
+    """Which layers of a transformers config (its text part) attend to a sliding window, as transformers
     builds them: layer_types when given; else Qwen2/3 (use_sliding_window present) layers i >=
     max_window_layers when switched on; else an alternating pattern (Gemma 2: every 2nd layer full,
     Gemma 3: sliding_window_pattern, 6); else a set sliding_window masks every layer (Mistral v0.1, Phi-3)."""
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if not uses_sliding_window(types, cfg.get("sliding_window"), cfg.get("use_sliding_window", True)):
-        return 0
+        return [False] * n
     if types and "sliding_attention" in types:
-        return sum(t == "sliding_attention" for t in types)
+        return [t == "sliding_attention" for t in types]
     if "use_sliding_window" in cfg:  # Qwen2Config / Qwen3Config: max_window_layers defaults to 28
-        return max(0, n - cfg.get("max_window_layers", 28))
+        return [i >= cfg.get("max_window_layers", 28) for i in range(n)]
     patterns = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}  # their configs' defaults
     pattern = cfg.get("sliding_window_pattern") or patterns.get(cfg.get("model_type"))
     if pattern:
-        return sum(1 for i in range(n) if (i + 1) % pattern)
-    return n
+        return [bool((i + 1) % pattern) for i in range(n)]
+    return [True] * n
 
 
 def from_config(path: str, params: float | None) -> ModelShape:
-    """A transformers config.json: layers (and which of them slide, sliding_layer_count), KV heads,
+    """A transformers config.json: layers (and which of them slide, sliding_layers_of), KV heads,
     head_dim; parameters from --params or estimated from the config (embeddings + attention + gated MLP)."""
     with open(path) as f:
         cfg = json.load(f)
@@ -96,7 +110,8 @@ def from_config(path: str, params: float | None) -> ModelShape:
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
     layers = cfg["num_hidden_layers"]
-    sliding = sliding_layer_count(cfg)
+    flags = sliding_layers_of(cfg)
+    sliding = sum(flags)
     if params is None:
         inter = cfg.get("intermediate_size", 4 * hidden)
         attn = hidden * head_dim * (heads * 2 + kv * 2)
@@ -104,7 +119,7 @@ def from_config(path: str, params: float | None) -> ModelShape:
         emb = cfg.get("vocab_size", 0) * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
         params = layers * (attn + mlp) + emb
     return ModelShape(cfg.get("_name_or_path") or path, layers, kv, head_dim, float(params), sliding,
-                      cfg.get("sliding_window") if sliding else None)
+                      cfg.get("sliding_window") if sliding else None, tuple(flags))
 
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
@@ -192,6 +207,36 @@ def paged_sequences(model: ModelShape, scheme: Scheme | None, budget: float, con
     return max(0, int(budget // paged_sequence_bytes(model, scheme, context, page_size)))
 
 
+def layer_layouts(model: ModelShape, schemes: list[Scheme], context: int, batch: int,
+                  dtype=torch.float16) -> list[CacheLayout]:
+    """Each layer's CacheLayout under a per-layer allocation (a sliding layer: its ring)."""
+    return [CacheLayout(s, batch, model.kv_heads, model.head_dim, context, dtype, sliding_window=model.window_of(i))
+            for i, s in enumerate(schemes)]
+
+
+def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int = 1,
+                          dtype=torch.float16) -> tuple[Allocation, int, list[int]]:
+    """(the per-layer K/V bits of least predicted cost whose cache of `batch` sequences of `context` tokens
+    fits in `budget` bytes, its exact bytes, each layer's packed rows). A choice changes only the layer's code bytes, rows x
+    head_dim x bits / 8 per kv head and side, so the knapsack weighs each layer by its rows (a sliding
+    layer's ring holds fewer) and everything else is a fixed cost, counted at the lowest level."""
+    if profile.layers != model.layers:
+        raise ValueError(f"plan: the sensitivity profile has {profile.layers} layers, {model.name} has {model.layers} "
+                         "layers")
+    low = layer_layouts(model, [layer_scheme(min(profile.levels), min(profile.levels), profile.levels)] * model.layers,
+                        context, batch, dtype)
+    rows = [lay.packed_capacity for lay in low]
+    per_unit = batch * model.kv_heads * model.head_dim  # bits of code per (row x bit)
+    fixed = sum(lay.nbytes() for lay in low) - 2 * min(profile.levels) * sum(rows) * per_unit // 8
+    if budget < sum(lay.nbytes() for lay in low):
+        raise ValueError(f"plan: {budget / GB:.2f} GB does not hold {batch} x {context:,} tokens even at "
+                         f"{min(profile.levels)} bits in every layer ({sum(lay.nbytes() for lay in low) / GB:.2f} GB)")
+    alloc = allocate(profile, int((budget - fixed) * 8 // per_unit), weights=rows)
+    exact = sum(lay.nbytes() for lay in layer_layouts(model, alloc.schemes(), context, batch, dtype))
+    assert exact <= budget, (exact, budget)  # the knapsack's weights are the layouts' code bytes
+    return alloc, exact, rows
+
+
 def plan(model: ModelShape, gpu_bytes: float, weight_bytes: float, reserve_bytes: float, context: int, batch: int,
          schemes: list[tuple[str, Scheme | None]]) -> list[dict]:
     budget = gpu_bytes - weight_bytes - reserve_bytes
@@ -224,6 +269,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), help="presets like rkv-3 or kivi-2")
+    p.add_argument("--budget-gb", type=float, help="KV-cache memory in GB (instead of GPU - weights - reserve); "
+                   "with --sensitivity, also the per-layer bit allocation that fits it")
+    p.add_argument("--sensitivity", help="a per-layer sensitivity profile of this model (JSON, written by "
+                   "python -m torch_rkv calibrate)")
     p.add_argument("--json", action="store_true")
 
 
@@ -238,14 +287,34 @@ def main(args) -> int:
     schemes: list[tuple[str, Scheme | None]] = [("fp16", None)]
     for spec in args.schemes:
         schemes.append((spec, S.by_name(spec)))
-    rows = plan(model, args.gpu_gb * GB, weight, args.reserve_gb * GB, args.context, args.batch, schemes)
+    if args.budget_gb is not None:  # the KV budget itself
+        gpu, weight, reserve = args.budget_gb * GB, 0.0, 0.0
+    else:
+        gpu, reserve = args.gpu_gb * GB, args.reserve_gb * GB
+    budget = gpu - weight - reserve
+    rows = plan(model, gpu, weight, reserve, args.context, args.batch, schemes)
+    allocation = None
+    if args.sensitivity:
+        with open(args.sensitivity) as f:
+            profile = Sensitivity.from_json(f.read())
+        try:
+            allocation = allocation_for_budget(model, profile, budget, args.context, args.batch)
+        except ValueError as e:
+            raise SystemExit(f"torch_rkv {e}")
     if args.json:
-        print(json.dumps({"model": model.__dict__, "rows": rows}, indent=1))
+        out = {"model": model.__dict__, "rows": rows}
+        if allocation:
+            out["allocation"] = {"bits": allocation[0].bits, "kv_bytes": allocation[1],
+                                 "predicted_kl": allocation[0].predicted, "profile": args.sensitivity}
+        print(json.dumps(out, indent=1))
         return 0
-    budget = args.gpu_gb * GB - weight - args.reserve_gb * GB
-    print(f"{model.name}: {model.layers} layers x {model.kv_heads} KV heads x head_dim {model.head_dim}, "
-          f"{model.params / 1e9:.2f}B weights = {weight / GB:.1f} GB; GPU {args.gpu_gb:.0f} GB, reserve "
-          f"{args.reserve_gb:.0f} GB -> {budget / GB:.1f} GB for the KV cache")
+    if args.budget_gb is not None:
+        print(f"{model.name}: {model.layers} layers x {model.kv_heads} KV heads x head_dim {model.head_dim}; "
+              f"{budget / GB:.1f} GB for the KV cache (--budget-gb)")
+    else:
+        print(f"{model.name}: {model.layers} layers x {model.kv_heads} KV heads x head_dim {model.head_dim}, "
+              f"{model.params / 1e9:.2f}B weights = {weight / GB:.1f} GB; GPU {args.gpu_gb:.0f} GB, reserve "
+              f"{args.reserve_gb:.0f} GB -> {budget / GB:.1f} GB for the KV cache")
     if model.sliding_layers:
         print(f"{model.sliding_layers} of {model.layers} layers slide: each keeps only its newest "
               f"{model.sliding_window:,} tokens (a fixed-size cache); {model.full_layers} attend to the whole context")
@@ -259,4 +328,12 @@ def main(args) -> int:
               f"{r['max_sequences_at_context']:11d} {r['paged_sequences_at_context']:6d}")
     print("\nseqs @ ctx: a contiguous cache of that batch; paged: PagedQuantizedKVCache, page rounding and each "
           "sequence's side slot (sinks and window) included")
+    if allocation:
+        alloc, nbytes, weights = allocation
+        print(f"\nper-layer allocation for {args.batch} x {args.context:,} tokens in {budget / GB:.2f} GB "
+              f"(profile {args.sensitivity}: {profile.model} on {profile.text}, levels {profile.levels}):")
+        print(f"  K/V bits by layer: {alloc.describe()}")
+        print(f"  {alloc.average_bits(weights):.2f} code bits ({alloc.effective_bits(model.head_dim, weights):.2f} "
+              f"with metadata) per element, {nbytes / GB:.2f} GB; predicted cost {alloc.predicted:.4f} nats/token "
+              "(the profile's KL, summed)")
     return 0

@@ -20,9 +20,24 @@ def nll_to_ppl(nll: float) -> float:
 def simulated(model, ids: torch.Tensor, simulation: Optional[Simulation]) -> float:
     """Perplexity of ids (1, N) with every attention layer routed through `simulation` (None: full
     precision through the same SDPA path)."""
+    return perplexity_of(simulated_logprobs(model, ids, simulation), ids)
+
+
+@torch.no_grad()
+def simulated_logprobs(model, ids: torch.Tensor, simulation: Optional[Simulation]) -> torch.Tensor:
+    """(N - 1, vocab) float32 log-probabilities of each next token of ids (1, N) under `simulation`."""
     install(model, simulation)
-    logits = model(ids).logits[0, :-1].float()
-    return nll_to_ppl(F.cross_entropy(logits, ids[0, 1:]).item())
+    return F.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+
+
+def perplexity_of(logprobs: torch.Tensor, ids: torch.Tensor) -> float:
+    return nll_to_ppl(-logprobs.gather(1, ids[0, 1:, None]).mean().item())
+
+
+def kl_divergence(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
+    """Mean KL(reference || logprobs) per position, nats: how far a quantized model's next-token
+    distribution moved from the reference's (never negative, unlike a perplexity difference)."""
+    return (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
 
 
 @torch.no_grad()

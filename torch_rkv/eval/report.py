@@ -6,8 +6,12 @@
 3. localization: the penalty rate of Article k in long documents, several depths and lengths;
 4. the decode protocol: token by token through the real cache and fused kernel, against the
    simulation on the same window (the proof that the served path is the measured one);
-5. peers when installed: transformers' QuantizedCache (quanto, HQQ) token by token on that window;
-6. plots (PNG) and every number in --json.
+5. per-layer bit allocation: a sensitivity profile measured on a calibration text (lcet10.txt, cached),
+   the allocation the knapsack picks at each target, measured here like the schemes;
+6. --full: peers when installed (transformers' QuantizedCache, quanto and HQQ, token by token on that
+   window), perplexity at 8192 tokens, 24 needles a length, and the ranking on a second text
+   (asyoulik.txt);
+7. plots (PNG) and every number in --json. Progress and an ETA on the terminal as it runs.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import torch
 
 from .. import scheme as S
 from ..reference import full_precision_count
+from ..allocate import allocate_average
 from ..scheme import Scheme
-from . import data, localization, perplexity, plots
+from . import data, localization, perplexity, plots, sensitivity
+from .progress import Progress, decode_units, forward_units
 from .simulate import Simulation, install
 
 # the reference points of the fake-quant protocol (SmolLM2-135M-Instruct, alice29, 2048 tokens, fp 19.874)
@@ -52,7 +58,7 @@ def reference_scheme(row: str, bits: int) -> tuple[Scheme, bool]:
     return Scheme(**base, **extra), row != "keys full precision, values only"
 
 
-FAMILIES = {
+FAMILIES = {  # name -> bits -> scheme (None: no such row)
     "per-token (baseline)": S.per_token,
     "grouped g32": lambda b: Scheme(name=f"grouped32-{b}", k_bits=b, v_bits=b, k_group_size=32, v_group_size=32),
     "KIVI (per-channel post-RoPE)": S.kivi,
@@ -64,30 +70,43 @@ FAMILIES = {
 }
 
 
+FULL_FAMILIES = tuple(FAMILIES)
+DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f != "grouped g32")
+
+
 @dataclass
 class Options:
     tokens: int = 2048
     bits: tuple = (4, 3, 2)
-    families: tuple = tuple(FAMILIES)
-    noise: bool = True  # rows off their reference are rerun with eager attention: how much the kernel moves them
+    families: tuple = DEFAULT_FAMILIES
+    noise: bool = False  # rows off their reference are rerun with eager attention: how much the kernel moves them
     loc_lengths: tuple = (1024, 2048, 4096)
-    loc_schemes: tuple = ("per-token-3", "kvquant-3", "rkv-3", "rkv-2")
+    loc_schemes: tuple = ("per-token-3", "rkv-3", "rkv-2")
     loc_documents: int = 1  # per length, 6 needles each (--full: 4, 24 needles a length; 3.5 minutes a scheme)
     long_tokens: int = 0  # > 0 (--full): a long-context perplexity row at this many tokens
     long_schemes: tuple = ("rkv-4", "rkv-3", "rkv-2", "turboquant-4")
     decode_tokens: int = 384  # long enough that every decode scheme quantizes a block
-    decode_schemes: tuple = ("rkv-4", "rkv-3", "rkv-2", "kivi-2")
+    decode_schemes: tuple = ("rkv-4", "rkv-2", "kivi-2")
     chunk_sizes: tuple = (256, 1024)  # chunked prefill over the whole text, served through RKVCache
     chunk_schemes: tuple = ("rkv-4", "rkv-3", "rkv-2")
-    peers: bool = True
+    alloc_levels: tuple = (2, 3, 4)  # per-layer allocation: widths to choose among, and average code bits
+    alloc_targets: tuple = (2.5, 3.0)
+    alloc_tokens: int = sensitivity.CALIBRATION_TOKENS  # of the calibration text
+    second_text: str = ""  # --full: asyoulik.txt, the same schemes ranked on a text the calibration never saw
+    second_schemes: tuple = ("rkv-4", "rkv-3", "rkv-mixed-2", "rkv-2")
+    peers: bool = False
     out_dir: str = "out/report"
     timings: dict = field(default_factory=dict)
 
     @classmethod
     def full(cls) -> "Options":
         """The heavy rows too: perplexity at 8192 tokens (SmolLM2's window, where the full-precision
-        tokens cost little), and localization at 8192 with 24 needles a length."""
-        return cls(long_tokens=8192, loc_lengths=(1024, 2048, 4096, 8192), loc_documents=4)
+        tokens cost little), localization at 8192 with 24 needles a length, the eager reruns, the grouped
+        family, more localization and decode schemes, the peers and the second text."""
+        return cls(long_tokens=8192, loc_lengths=(1024, 2048, 4096, 8192), loc_documents=4, noise=True,
+                   families=FULL_FAMILIES, loc_schemes=("per-token-3", "kvquant-3", "rkv-3", "rkv-2"),
+                   decode_schemes=("rkv-4", "rkv-3", "rkv-2", "kivi-2"), alloc_targets=(2.5, 3.0, 3.5),
+                   second_text="asyoulik.txt", peers=True)
 
     @classmethod
     def quick(cls) -> "Options":
@@ -122,10 +141,51 @@ class Report:
         self.long_ids = all_ids[:, : opts.long_tokens]
         if opts.long_tokens and all_ids.shape[1] < opts.long_tokens:
             raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than {opts.long_tokens}")
-        # each layer's RoPE table (Gemma 3: local and global ones); cos / sin: the first layer's
+        # each layer's RoPE table (Gemma 3: local and global ones), for the simulations and the key plot
         self.layer_rope = models.layer_rope_tables(model, positions)
-        self.cos, self.sin = self.layer_rope[0]
+        self.simulation = sensitivity.simulations_for(model, positions)
         self.results: dict = {}
+        self.progress = Progress(self.planned_work())
+        self.log = lambda line: log(f"{self.progress.prefix()} {line}")
+
+    def _simulated(self, ids, sim) -> float:
+        out = perplexity.simulated(self.model, ids, sim)
+        self.progress.advance(forward_units(ids.shape[1]))
+        return out
+
+    def _decoded(self, ids, make) -> float:
+        out = perplexity.decoded(self.model, ids, make)
+        self.progress.advance(decode_units(ids.shape[1]))
+        return out
+
+    def _chunked(self, ids, make, chunk) -> float:
+        out = perplexity.chunked(self.model, ids, make, chunk)
+        self.progress.advance(forward_units(ids.shape[1]))
+        return out
+
+    def planned_work(self) -> float:
+        """The whole run in progress units, from the options (the eager reruns, which depend on results,
+        excepted)."""
+        o = self.opts
+        fwd, n = forward_units, o.tokens
+        rows = sum(FAMILIES[f](b) is not None for f in o.families for b in o.bits)
+        levels = tuple(o.alloc_levels)
+        cached = sensitivity.cached_profile(self.model, levels, sensitivity.CALIBRATION_TEXT, o.alloc_tokens)
+        calibration = 0 if cached or not o.alloc_targets else \
+            (len(levels) - 1) * (2 * self.attention.layers + 1) * fwd(o.alloc_tokens)
+        loc_docs = sum(fwd(length + 64) * o.loc_documents for length in o.loc_lengths)
+        work = [fwd(n),
+                len(REFERENCE) * len(o.bits) * fwd(n) if n % 128 == 0 else 0,
+                rows * fwd(n),
+                calibration + len(o.alloc_targets) * fwd(n),
+                (2 + len(o.second_schemes) + len(o.alloc_targets)) * fwd(n) if o.second_text else 0,
+                (1 + len(o.long_schemes)) * fwd(o.long_tokens) if o.long_tokens else 0,
+                (1 + len(o.loc_schemes)) * loc_docs,
+                (1 + len(o.decode_schemes)) * fwd(o.decode_tokens) + len(o.decode_schemes) * decode_units(o.decode_tokens),
+                len(o.chunk_schemes) * (len(o.chunk_sizes) + 1) * fwd(n),
+                3 * decode_units(o.decode_tokens) if o.peers else 0,
+                fwd(min(512, n))]  # the plots' key capture
+        return sum(work)
 
     def _timed(self, name, fn):
         start = time.time()
@@ -133,19 +193,17 @@ class Report:
         self.opts.timings[name] = round(time.time() - start, 1)
         return out
 
-    def simulation(self, scheme: Scheme, **kw) -> Simulation:
-        return Simulation(scheme, self.cos, self.sin, rope_interleaved=self.attention.interleaved,
-                          layer_rope=self.layer_rope, **kw)
-
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict:
         o = self.opts
         r = self.results
-        r["full_precision_ppl"] = self._timed("full precision", lambda: perplexity.simulated(self.model, self.ids, None))
+        r["full_precision_ppl"] = self._timed("full precision", lambda: self._simulated(self.ids, None))
         self.log(f"full precision perplexity on {o.tokens} tokens: {r['full_precision_ppl']:.3f}")
         r["reproduction"] = self._timed("reproduction", self.reproduction)
         r["schemes"] = self._timed("schemes", self.schemes)
         r["long_context"] = self._timed("long context", self.long_context) if o.long_tokens else []
+        r["allocation"] = self._timed("allocation", self.allocation) if o.alloc_targets else []
+        r["second_text"] = self._timed("second text", self.second_text) if o.second_text else []
         r["localization"] = self._timed("localization", self.localization)
         r["decode_protocol"] = self._timed("decode protocol", self.decode_protocol)
         r["chunked_prefill"] = self._timed("chunked prefill", self.chunked_prefill)
@@ -162,7 +220,7 @@ class Report:
             for bits in self.opts.bits:
                 scheme, keys = reference_scheme(row, bits)
                 sim = self.simulation(scheme, view="all", quantize_keys=keys)
-                ppl = perplexity.simulated(self.model, self.ids, sim)
+                ppl = self._simulated(self.ids, sim)
                 rec = {"row": row, "bits": bits, "ppl": ppl, "reference": ref[bits] if self.opts.tokens == 2048 else None}
                 if rec["reference"]:
                     rec["deviation"] = ppl / rec["reference"] - 1
@@ -170,7 +228,7 @@ class Report:
                     if self.opts.noise and not rec["within_tolerance"]:
                         # the same quantization with another, equally exact attention kernel: low-bit
                         # perplexity amplifies fp32 rounding differences, this shows by how much
-                        rec["ppl_eager"] = perplexity.simulated(self.model, self.ids, self.simulation(
+                        rec["ppl_eager"] = self._simulated(self.ids, self.simulation(
                             scheme, view="all", quantize_keys=keys, kernel="eager"))
                 rows.append(rec)
                 self.log(f"  reproduction {row:34s} {bits}b  ppl {ppl:8.3f}" +
@@ -186,7 +244,7 @@ class Report:
                 if scheme is None:
                     continue
                 sim = self.simulation(scheme, fidelity_queries=64)
-                ppl = perplexity.simulated(self.model, self.ids, sim)
+                ppl = self._simulated(self.ids, sim)
                 rows.append({"family": family, "scheme": scheme.name, "description": scheme.describe(self.head_dim),
                              "bits": bits, "ppl": ppl, "delta": ppl - fp,
                              "bits_per_element": scheme.effective_bits(self.head_dim),
@@ -196,16 +254,71 @@ class Report:
                          f"bits  cos {sim.fidelity.cosine:.4f}  top8 {sim.fidelity.recall:.3f}")
         return rows
 
+    def allocation(self) -> list[dict]:
+        """Per-layer K/V bits (torch_rkv.allocate) at each target average, from the model's sensitivity on
+        the calibration text (measured once, cached), measured on this text like the schemes: beside
+        the uniform schemes of the same bits (the schemes table), is the allocation worth its bits?"""
+        o = self.opts
+        def step(base, layer, layers):
+            self.progress.advance(2 * forward_units(o.alloc_tokens))
+            if layer % 10 == 0 or layer == layers:
+                self.log(f"  sensitivity on the calibration text, from {base} bits: layer {layer}/{layers}")
+
+        profile = sensitivity.load_or_measure(self.model, self.tok, tuple(o.alloc_levels), tokens=o.alloc_tokens,
+                                              progress=step)
+        fp = self.results["full_precision_ppl"]
+        rows = []
+        for target in o.alloc_targets:
+            alloc = allocate_average(profile, target)
+            schemes = alloc.schemes()
+            sim = self.simulation(schemes[0], layer_schemes=dict(enumerate(schemes)), fidelity_queries=64)
+            ppl = self._simulated(self.ids, sim)
+            rows.append({"scheme": f"rkv-alloc-{target:g}", "target_bits": target, "bits": alloc.bits,
+                         "allocation": alloc.describe(), "predicted_kl": alloc.predicted, "ppl": ppl,
+                         "delta": ppl - fp, "bits_per_element": alloc.effective_bits(self.head_dim),
+                         "bits_at_window": sum(effective_bits_at(x, self.head_dim, o.tokens) for x in schemes) /
+                         len(schemes), "attention_cosine": sim.fidelity.cosine, "top8_recall": sim.fidelity.recall,
+                         "calibration": f"{profile.tokens} tokens of {profile.text}"})
+            self.log(f"  rkv-alloc-{target:g} ppl {ppl:8.3f} ({ppl - fp:+7.3f})  {rows[-1]['bits_per_element']:.2f} bits"
+                     f"  top8 {sim.fidelity.recall:.3f}  K/V bits by layer {alloc.describe()}")
+        return rows
+
+    def second_text(self) -> list[dict]:
+        """The schemes and the allocations (calibrated on lcet10.txt) ranked on a second text: the same
+        order, and relative losses within 1.5x of the first text's, say nothing was tuned to one text."""
+        o = self.opts
+        ids = self.tok(data.bos_text(self.tok) + data.read_text(str(data.text_path(o.second_text))),
+                       return_tensors="pt").input_ids[:, : o.tokens]
+        fp = self._simulated(ids, None)
+        first = {x["scheme"]: x["delta"] / self.results["full_precision_ppl"]
+                 for x in self.results["schemes"] + self.results["allocation"]}
+        rows = [{"scheme": "full precision", "text": o.second_text, "ppl": fp, "relative": 0.0, "first_relative": 0.0}]
+        profile = None
+        for name in o.second_schemes + tuple(f"rkv-alloc-{t:g}" for t in o.alloc_targets):
+            if name.startswith("rkv-alloc-"):
+                profile = profile or sensitivity.load_or_measure(self.model, self.tok, tuple(o.alloc_levels),
+                                                                 tokens=o.alloc_tokens)
+                schemes = allocate_average(profile, float(name.rsplit("-", 1)[1])).schemes()
+                sim = self.simulation(schemes[0], layer_schemes=dict(enumerate(schemes)))
+            else:
+                scheme = S.by_name(name)
+                name, sim = scheme.name, self.simulation(scheme)
+            ppl = self._simulated(ids, sim)
+            rows.append({"scheme": name, "text": o.second_text, "ppl": ppl, "relative": ppl / fp - 1,
+                         "first_relative": first.get(name)})
+            self.log(f"  {o.second_text} {name:14s} ppl {ppl:8.3f} ({ppl / fp - 1:+.2%}; {o.tokens} tokens)")
+        return rows
+
     def long_context(self) -> list[dict]:
         """Perplexity at long_tokens (--full): where sinks, recent window and open block are a small share,
         so the bits at the window approach the scheme's own."""
         n = self.opts.long_tokens
-        fp = perplexity.simulated(self.model, self.long_ids, None)
+        fp = self._simulated(self.long_ids, None)
         rows = [{"scheme": "full precision", "tokens": n, "ppl": fp, "delta": 0.0, "bits_at_window": 16.0}]
         self.log(f"  long context: full precision perplexity on {n} tokens {fp:.3f}")
         for name in self.opts.long_schemes:
             scheme = S.by_name(name)
-            ppl = perplexity.simulated(self.model, self.long_ids, self.simulation(scheme))
+            ppl = self._simulated(self.long_ids, self.simulation(scheme))
             rows.append({"scheme": name, "tokens": n, "ppl": ppl, "delta": ppl - fp,
                          "bits_at_window": effective_bits_at(scheme, self.head_dim, n)})
             self.log(f"  long context {name:14s} ppl {ppl:8.3f} ({ppl - fp:+.3f}) at {rows[-1]['bits_at_window']:.2f} "
@@ -221,6 +334,7 @@ class Report:
             for doc in docs:
                 for rec in localization.evaluate(self.model, self.tok, doc, sim):
                     rows.append({"scheme": name, **rec})
+                self.progress.advance(forward_units(doc.ids.shape[1]))
             mine = [x for x in rows if x["scheme"] == name]
             self.log(f"  localization {name:16s} exact {sum(x['exact'] for x in mine)}/{len(mine)}  "
                      f"mean log p {sum(x['logprob'] for x in mine) / len(mine):.2f}")
@@ -230,12 +344,12 @@ class Report:
         from ..integrations.transformers import RKVCache
 
         ids = self.ids[:, : self.opts.decode_tokens]
-        self.results["decode_window_full_precision_ppl"] = perplexity.simulated(self.model, ids, None)
+        self.results["decode_window_full_precision_ppl"] = self._simulated(ids, None)
         rows = []
         for name in self.opts.decode_schemes:
             scheme = S.by_name(name)
-            sim = perplexity.simulated(self.model, ids, self.simulation(scheme))
-            served = perplexity.decoded(self.model, ids, lambda n: RKVCache(self.model, scheme, capacity=n))
+            sim = self._simulated(ids, self.simulation(scheme))
+            served = self._decoded(ids, lambda n: RKVCache(self.model, scheme, capacity=n))
             quantized = ids.shape[1] - full_precision_count(ids.shape[1], scheme.sinks, scheme.recent, scheme.block)
             rows.append({"scheme": name, "tokens": ids.shape[1], "quantized_tokens": quantized, "simulated_ppl": sim,
                          "decoded_ppl": served, "relative_difference": served / sim - 1})
@@ -256,9 +370,9 @@ class Report:
         for name in self.opts.chunk_schemes:
             scheme = S.by_name(name)
             if name not in token_by_token:
-                token_by_token[name] = perplexity.simulated(self.model, self.ids, self.simulation(scheme)) - fp
+                token_by_token[name] = self._simulated(self.ids, self.simulation(scheme)) - fp
             for chunk in self.opts.chunk_sizes:
-                ppl = perplexity.chunked(self.model, self.ids, lambda n: RKVCache(self.model, scheme, capacity=n),
+                ppl = self._chunked(self.ids, lambda n: RKVCache(self.model, scheme, capacity=n),
                                          chunk)
                 tbt = token_by_token[name]
                 rows.append({"scheme": name, "chunk": chunk, "ppl": ppl, "delta": ppl - fp, "token_by_token": tbt,
@@ -287,7 +401,7 @@ class Report:
                 return QuantizedCache(backend=b, config=self.model.config, nbits=k)
 
             try:
-                ppl = perplexity.decoded(self.model, ids, make)
+                ppl = self._decoded(ids, make)
             except Exception as e:  # a peer's own limitation, reported rather than fatal
                 self.log(f"  peer QuantizedCache[{backend},{bits}b] failed: {type(e).__name__}: {e}")
                 rows.append({"peer": f"QuantizedCache[{backend},{bits}b]", "error": f"{type(e).__name__}: {e}"})
@@ -363,6 +477,27 @@ def format_tables(r: dict) -> str:
         lines.append(f"{x['scheme']:14s} {x['bits_per_element']:7.2f} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} "
                      f"{x['delta']:+8.3f} {x['attention_cosine']:7.4f} {x['top8_recall']:6.3f}  "
                      f"{x['description'].split(': ', 1)[1].split(' = ')[0]}")
+    if r.get("allocation"):
+        lines.append(f"\nPer-layer allocation (K/V bits by layer, solved on the sensitivity measured on "
+                     f"{r['allocation'][0]['calibration']}; rkv's layout at every layer)")
+        for x in r["allocation"]:
+            lines.append(f"{x['scheme']:14s} {x['bits_per_element']:7.2f} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} "
+                         f"{x['delta']:+8.3f} {x['attention_cosine']:7.4f} {x['top8_recall']:6.3f}  {x['allocation']}")
+    if r.get("second_text"):
+        rows = [x for x in r["second_text"] if x["scheme"] != "full precision"]
+        lines.append(f"\nA second text ({rows[0]['text']}, full precision {r['second_text'][0]['ppl']:.3f}): relative "
+                     "perplexity change beside the first text's")
+        for x in rows:
+            first = x["first_relative"]
+            lines.append(f"{x['scheme']:14s} {x['relative']:+8.2%} {first:+8.2%}" if first is not None else
+                         f"{x['scheme']:14s} {x['relative']:+8.2%}")
+        known = [x for x in rows if x["first_relative"] is not None]
+        same = [x["scheme"] for x in sorted(known, key=lambda x: x["relative"])] == \
+            [x["scheme"] for x in sorted(known, key=lambda x: x["first_relative"])]
+        within = all(max(x["relative"], x["first_relative"]) <= 1.5 * min(x["relative"], x["first_relative"])
+                     for x in known if x["relative"] > 0 and x["first_relative"] > 0)
+        lines.append(f"same ranking: {'yes' if same else 'NO'}; every relative loss within 1.5x of the first "
+                     f"text's: {'yes' if within else 'NO'}")
     if r.get("long_context"):
         lines.append(f"\nLong context ({r['long_context'][0]['tokens']} tokens; bits at the window count the "
                      "full-precision tokens)")

@@ -66,6 +66,9 @@ class Simulation:
     # per layer index, its own (cos, sin) where layers differ (Gemma 3's local and global tables); the
     # others use rope_cos / rope_sin
     layer_rope: Optional[dict] = None
+    # per layer index, its own scheme where layers differ (a per-layer bit allocation, allocate.py); the
+    # others use `scheme`
+    layer_schemes: Optional[dict] = None
     view: str = "cache"
     quantize_keys: bool = True  # False: keys stay in full precision (the "values only" rows)
     quantize_values: bool = True
@@ -74,22 +77,24 @@ class Simulation:
     fidelity: Fidelity = field(default_factory=Fidelity)
 
     def __post_init__(self):
-        self._signs: dict[tuple[int, str], torch.Tensor] = {}
-        if self.scheme.pre_rope and self.rope_cos is None:
+        self._signs: dict[tuple[int, int], torch.Tensor] = {}
+        schemes = [self.scheme, *(self.layer_schemes or {}).values()]
+        if any(s.pre_rope for s in schemes) and self.rope_cos is None:
             raise ValueError("Simulation: a pre-RoPE scheme needs the model's rope tables")
 
-    def signs(self, dim: int, side: str, device) -> torch.Tensor:
-        key = (dim, side)
+    def scheme_at(self, layer: Optional[int]) -> Scheme:
+        return (self.layer_schemes or {}).get(layer, self.scheme)
+
+    def signs(self, dim: int, side: str, s: Scheme, device) -> torch.Tensor:
+        key = (dim, s.hadamard_seed + (0 if side == "k" else 1))
         if key not in self._signs:
-            seed = self.scheme.hadamard_seed + (0 if side == "k" else 1)
-            self._signs[key] = hadamard_signs(dim, seed, device)  # the cache's signs
+            self._signs[key] = hadamard_signs(dim, key[1], device)  # the cache's signs
         return self._signs[key]
 
     # ------------------------------------------------------------------------------------------
-    def quantized_region(self, n: int) -> tuple[int, int]:
+    def quantized_region(self, n: int, s: Scheme) -> tuple[int, int]:
         """[0, end): the tokens whose blocks are quantized for the longest query of n tokens (the sinks
         among them are read in full precision, see quantized_pairs)."""
-        s = self.scheme
         if self.view == "all":
             return 0, n
         return 0, quantized_count(n, s.recent, s.block)
@@ -97,9 +102,9 @@ class Simulation:
     def fake_quantize(self, x: torch.Tensor, side: str, layer: Optional[int] = None) -> torch.Tensor:
         """x (B, H, n, D) in the model's space (of layer `layer`) -> the same tokens after the cache's
         store/load round trip, float32; tokens outside the quantized region unchanged."""
-        s = self.scheme
+        s = self.scheme_at(layer)
         n, d = x.shape[-2], x.shape[-1]
-        lo, hi = self.quantized_region(n)
+        lo, hi = self.quantized_region(n, s)
         out = x.float().clone()
         if hi <= lo or not (self.quantize_keys if side == "k" else self.quantize_values):
             return out
@@ -110,21 +115,20 @@ class Simulation:
             part = rope(part, cos, sin, pos, self.rope_interleaved, inverse=True)
         rotated = s.k_hadamard if side == "k" else s.v_hadamard
         if rotated:
-            part = hadamard(part, self.signs(d, side, x.device))
+            part = hadamard(part, self.signs(d, side, s, x.device))
         tokens = getattr(s, f"{side}_block_tokens")
         if self.view == "all" and (hi - lo) % tokens:
             raise ValueError(f"simulation view 'all': {hi - lo} tokens are not whole blocks of {tokens}")
-        back = self.round_trip(part, side)
+        back = self.round_trip(part, side, s)
         if rotated:
-            back = hadamard(back, self.signs(d, side, x.device), inverse=True)
+            back = hadamard(back, self.signs(d, side, s, x.device), inverse=True)
         if side == "k" and s.pre_rope:
             back = rope(back, cos, sin, pos, self.rope_interleaved)
         out[:, :, lo:hi] = back
         return out
 
-    def round_trip(self, x: torch.Tensor, side: str) -> torch.Tensor:
+    def round_trip(self, x: torch.Tensor, side: str, s: Scheme) -> torch.Tensor:
         """x (B, H, n, D) in the storage space (pre-RoPE / rotated) -> quantized and dequantized, float32."""
-        s = self.scheme
         bits = getattr(s, f"{side}_bits")
         if s.levels == "gaussian":
             return gaussian_round_trip(x, bits, s.meta_dtype)
@@ -135,9 +139,8 @@ class Simulation:
                      getattr(s, f"{side}_clip"), sinks)
         return dequantize(Quantized(q.packed, q.scale, q.zero, bits), torch.float32)
 
-    def quantized_pairs(self, q_pos: torch.Tensor, n: int) -> torch.Tensor:
+    def quantized_pairs(self, q_pos: torch.Tensor, n: int, s: Scheme) -> torch.Tensor:
         """(Nq, n) bool: whether query at position q_pos[i] sees key t in its quantized form."""
-        s = self.scheme
         t = torch.arange(n, device=q_pos.device)
         if self.view == "all":
             return torch.ones(len(q_pos), n, dtype=torch.bool, device=q_pos.device)
@@ -161,7 +164,7 @@ class Simulation:
         causal = torch.arange(n, device=query.device)[None, :] <= pos[:, None]
         if attention_mask is not None:
             causal = causal & model_mask(attention_mask, nq, n)
-        pairs = self.quantized_pairs(pos, n)
+        pairs = self.quantized_pairs(pos, n, self.scheme_at(layer))
         q = query.float()
         if bool(pairs[causal].all()):  # every visible key is quantized (view "all", per-token caches)
             out = self._attend(q, kq, vq, causal, scaling, softcap)

@@ -21,6 +21,8 @@ also the model features models.py names (dynamic / LongRoPE scaling...) and beam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 try:
@@ -187,25 +189,31 @@ class RKVCache(Cache):
 
     model: a model of a supported family (integrations/models.py; its config gives layers, KV heads and
     head_dim, its rotary module the pre-RoPE table and pairing; a feature it cannot honour is an
-    UnsupportedModelFeature naming it). capacity: tokens per sequence. dtype: full-precision dtype of
-    the sinks and window (default: the model's). Enables the "rkv" attention on the model.
+    UnsupportedModelFeature naming it). scheme: one for every layer, or a list of one per layer (a
+    per-layer bit allocation, torch_rkv.allocate). capacity: tokens per sequence. dtype: full-precision
+    dtype of the sinks and window (default: the model's). Enables the "rkv" attention on the model.
     """
 
-    def __init__(self, model, scheme: Scheme, capacity: int, batch: int = 1, dtype: torch.dtype | None = None,
-                 device=None, enable_attention: bool = True):
+    def __init__(self, model, scheme: Scheme | Sequence[Scheme], capacity: int, batch: int = 1,
+                 dtype: torch.dtype | None = None, device=None, enable_attention: bool = True):
         att = models.inspect(model)
         device = device if device is not None else next(model.parameters()).device
         dtype = dtype if dtype is not None else next(model.parameters()).dtype
-        scheme.check_head_dim(att.head_dim)
+        schemes = [scheme] * att.layers if isinstance(scheme, Scheme) else list(scheme)
+        if len(schemes) != att.layers:
+            raise ValueError(f"RKVCache: scheme lists {len(schemes)} schemes for a model of {att.layers} layers")
+        for s in set(schemes):
+            s.check_head_dim(att.head_dim)
         # one QuantizedKVCache per kind of layer: sliding-window layers keep a ring of their window (a window
-        # as long as the capacity never binds), and Gemma 3's local and global layers rotate by their tables
+        # as long as the capacity never binds), Gemma 3's local and global layers rotate by their tables,
+        # and layers of a per-layer allocation store their own bit widths
         kinds: dict[tuple, list[int]] = {}
         for i in range(att.layers):
             window = att.windows[i] if 0 < att.windows[i] < capacity else 0
-            kinds.setdefault((window, att.rope_types[i]), []).append(i)
+            kinds.setdefault((window, att.rope_types[i], schemes[i]), []).append(i)
         layers: list[RKVLayer | None] = [None] * att.layers
         self.caches: list[QuantizedKVCache] = []
-        for (window, rope_type), ids in kinds.items():
+        for (window, rope_type, scheme), ids in kinds.items():
             rope = None
             if scheme.pre_rope:
                 rope = models.rope_tables(model, max_tokens(scheme, capacity), device, rope_type)
@@ -221,7 +229,15 @@ class RKVCache(Cache):
 
     @property
     def scheme(self) -> Scheme:
+        """The scheme of every layer (an error for a per-layer allocation: see `schemes`)."""
+        if len({c.scheme for c in self.caches}) > 1:
+            raise ValueError("RKVCache: the layers store different schemes; read RKVCache.schemes")
         return self.caches[0].scheme
+
+    @property
+    def schemes(self) -> list[Scheme]:
+        """Each layer's scheme."""
+        return [layer.cache.scheme for layer in self.layers]
 
     def nbytes(self) -> int:
         """Exact bytes of the quantized KV buffers (every kind of layer)."""

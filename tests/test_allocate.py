@@ -1,0 +1,139 @@
+"""Per-layer bit allocation: the knapsack is exact, the allocation spends its budget where the profile
+says, the planner's bytes are the caches' bytes, and a per-layer cache serves what the simulation
+measures."""
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from torch_rkv import allocate as A
+from torch_rkv import plan
+from torch_rkv import scheme as S
+from torch_rkv.layout import CacheLayout
+
+
+def brute_force(groups, capacity):
+    best = (math.inf, None)
+    for picks in itertools.product(*[range(len(g)) for g in groups]):
+        if sum(g[i][0] for g, i in zip(groups, picks)) <= capacity:
+            best = min(best, (sum(g[i][1] for g, i in zip(groups, picks)), picks))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_knapsack_is_exact(seed):
+    rng = random.Random(seed)
+    groups = [[(rng.randint(0, 6), rng.uniform(-1, 3)) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 5))]
+    capacity = rng.randint(0, 20)
+    want, _ = brute_force(groups, capacity)
+    if want == math.inf:
+        with pytest.raises(ValueError, match="budget"):
+            A.solve(groups, capacity)
+        return
+    picks = A.solve(groups, capacity)
+    assert sum(g[i][0] for g, i in zip(groups, picks)) <= capacity
+    assert math.isclose(sum(g[i][1] for g, i in zip(groups, picks)), want, abs_tol=1e-9)
+
+
+def profile(layers, drops3, drops4=None):
+    drops = {3: drops3}
+    if drops4 is not None:
+        drops[4] = drops4
+    levels = (2, 3, 4) if drops4 is not None else (2, 3)
+    return A.Sensitivity("tiny", "calibration", 64, levels, 10.0, {b: 10.0 for b in drops}, drops,
+                         {b: [(0.0, 0.0)] * layers for b in drops})
+
+
+def test_costs_chain_down_from_the_top_level():
+    p = profile(2, [(0.1, 0.2), (0.3, 0.4)], [(1.0, 2.0), (3.0, 4.0)])
+    assert p.cost(1, "k", 4) == 0 and p.cost(1, "k", 3) == 3.0 and math.isclose(p.cost(1, "v", 2), 4.4)
+    with pytest.raises(ValueError, match="levels"):
+        p.cost(0, "k", 8)
+    again = A.Sensitivity.from_json(p.to_json())
+    assert again == p and again.restricted((2, 3)).drops == {3: p.drops[3]}
+
+
+def test_the_sensitive_sides_get_the_bits():
+    """Half a bit above 2 on average over 4 layers: the 4 most costly (layer, side) drops keep 3 bits."""
+    costs = [(0.5, 0.01), (0.02, 0.03), (0.9, 0.7), (0.04, 0.6)]
+    alloc = A.allocate_average(profile(4, costs), 2.5)
+    assert alloc.bits == ((3, 2), (2, 2), (3, 3), (2, 3))
+    assert alloc.average_bits() == 2.5 and math.isclose(alloc.predicted, 0.01 + 0.02 + 0.03 + 0.04)
+    assert [s.k_bits for s in alloc.schemes()] == [3, 2, 3, 2] and alloc.schemes()[1].k_clip  # rkv-2's keys
+    assert A.allocate_average(profile(4, costs), 3.0).bits == ((3, 3),) * 4
+    with pytest.raises(ValueError, match="outside"):
+        A.allocate_average(profile(4, costs), 1.5)
+
+
+def test_layers_of_one_allocation_differ_only_in_bits():
+    a, b = A.layer_scheme(2, 4, (2, 3, 4)), A.layer_scheme(4, 3, (2, 3, 4))
+    assert (a.k_bits, a.v_bits, a.k_clip, b.k_clip) == (2, 4, True, False)
+    fields = ("sinks", "recent", "k_block_tokens", "pre_rope", "v_hadamard", "k_group_size")
+    assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields] == \
+        [getattr(S.recommended(2), f) for f in fields]
+
+
+GEMMA_LIKE = plan.ModelShape("gemma-like", 6, 2, 64, 1e6, sliding_layers=4, sliding_window=256,
+                             sliding=(True, True, False, True, True, False))
+
+
+@pytest.mark.parametrize("context,batch", [(4096, 1), (1000, 3)])
+def test_planned_allocation_bytes_are_the_layouts_bytes(context, batch):
+    """Equal costs everywhere: the budget buys bits where they are cheapest, the sliding layers' small
+    rings first; the bytes it reports are the per-layer layouts' and fit the budget."""
+    p = profile(6, [(1.0, 1.0)] * 6, [(1.0, 1.0)] * 6)
+    low = sum(lay.nbytes() for lay in plan.layer_layouts(GEMMA_LIKE, [A.layer_scheme(2, 2, (2, 3, 4))] * 6, context,
+                                                          batch))
+    high = sum(lay.nbytes() for lay in plan.layer_layouts(GEMMA_LIKE, [A.layer_scheme(4, 4, (2, 3, 4))] * 6, context,
+                                                           batch))
+    budget = (low + high) // 2
+    alloc, nbytes, rows = plan.allocation_for_budget(GEMMA_LIKE, p, budget, context, batch)
+    assert nbytes == sum(lay.nbytes() for lay in plan.layer_layouts(GEMMA_LIKE, alloc.schemes(), context, batch))
+    assert nbytes <= budget
+    full = -(-context // 128) * 128  # whole blocks
+    assert rows == [256, 256, full, 256, 256, full]
+    sliding = [alloc.bits[i] for i in (0, 1, 3, 4)]
+    assert all(k == v == 4 for k, v in sliding), alloc.bits  # cheap bits first
+    assert nbytes > budget - 2 * batch * 2 * 64 * full // 8  # no full layer's step left unbought
+    with pytest.raises(ValueError, match="even at 2 bits"):
+        plan.allocation_for_budget(GEMMA_LIKE, p, low - 1, context, batch)
+
+
+def test_a_model_whose_sliding_layers_are_unknown_is_refused():
+    p = profile(6, [(1.0, 1.0)] * 6)
+    unknown = plan.ModelShape("unknown", 6, 2, 64, 1e6, sliding_layers=4, sliding_window=256)
+    with pytest.raises(ValueError, match="which of its layers slide"):
+        plan.allocation_for_budget(unknown, p, 1e9, 4096)
+    with pytest.raises(ValueError, match="5 layers"):
+        plan.allocation_for_budget(plan.ModelShape("x", 5, 2, 64, 1e6), p, 1e9, 4096)
+
+
+def test_plan_budget_gb_prints_the_allocation(tmp_path, capsys):
+    from torch_rkv.__main__ import main
+
+    costs = [(0.5 - 0.01 * i, 0.2) for i in range(30)]
+    path = tmp_path / "profile.json"
+    path.write_text(profile(30, costs, costs).to_json())
+    assert main(["plan", "--model", "smollm2-135m", "--budget-gb", "2.5", "--context", "131072", "--batch", "4",
+                 "--sensitivity", str(path), "--schemes", "rkv-3"]) == 0
+    out = capsys.readouterr().out
+    assert "2.5 GB for the KV cache (--budget-gb)" in out and "K/V bits by layer: " in out
+    assert main(["plan", "--model", "smollm2-135m", "--budget-gb", "2.5", "--batch", "4", "--sensitivity", str(path),
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["allocation"]
+    assert got["kv_bytes"] <= 2.5e9 and len(got["bits"]) == 30
+    assert got["bits"][0][0] >= got["bits"][-1][0]  # the first layers' keys cost the most here
+
+
+def test_kl_divergence_is_torch_kl():
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
+    other = logits + 0.3 * torch.randn(5, 11, generator=torch.Generator().manual_seed(1))
+    from torch_rkv.eval.perplexity import kl_divergence
+
+    ref, out = torch.log_softmax(logits, -1), torch.log_softmax(other, -1)
+    want = torch.nn.functional.kl_div(out, ref, log_target=True, reduction="batchmean").item()
+    assert math.isclose(kl_divergence(ref, out), want, rel_tol=1e-5) and kl_divergence(ref, ref) == 0

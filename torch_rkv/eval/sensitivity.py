@@ -1,0 +1,133 @@
+"""Measuring a model's per-layer sensitivity (torch_rkv.allocate.Sensitivity) on a calibration text.
+
+For each base level b above the lowest: the next-token distributions with every layer at b bits, then
+once per (layer, side) with only that side of that layer at b - 1 (2 x layers simulated forward passes
+per base), recording how far they moved (KL divergence, the solver's cost) and the perplexity change. The
+calibration text is lcet10.txt by default (the Canterbury corpus's other long prose text), never an
+evaluation text. Profiles are cached in the cache directory, keyed by model, text, tokens and base.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from ..allocate import SIDES, Sensitivity, layer_scheme
+from ..integrations import models
+from . import data, perplexity
+from .simulate import Simulation
+
+CALIBRATION_TEXT = "lcet10.txt"
+CALIBRATION_TOKENS = 512
+
+
+def simulations_for(model, positions: int) -> Callable[..., Simulation]:
+    """scheme, **options -> a Simulation of `model` (its RoPE tables for `positions` positions, its pairing)."""
+    att = models.inspect(model)  # an unsupported model feature stops here, named
+    layer_rope = models.layer_rope_tables(model, positions)
+    cos, sin = layer_rope[0]
+
+    def make(scheme, **options) -> Simulation:
+        return Simulation(scheme, cos, sin, rope_interleaved=att.interleaved, layer_rope=layer_rope, **options)
+
+    return make
+
+
+def model_key(model) -> str:
+    """A file-name key for a model: its name or path, and its layer count."""
+    name = getattr(model.config, "name_or_path", "") or model.config.model_type
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name.rstrip("/")).name or name) + f"-{model.config.num_hidden_layers}l"
+
+
+def profile_path(model, text: str, tokens: int) -> Path:
+    return data.cache_dir() / "calibration" / f"{model_key(model)}-{Path(text).name}-{tokens}.json"
+
+
+@torch.no_grad()
+def measure(model, ids: torch.Tensor, levels: tuple[int, ...], simulation: Callable, layers: int,
+            profile: Optional[Sensitivity] = None, progress: Callable[[int, int, int], None] = lambda *_: None
+            ) -> Sensitivity:
+    """The drops at every base of `levels` not yet in `profile` (a new one when None).
+    simulation(scheme, layer_schemes=...) builds the model's Simulation (simulations_for);
+    progress(base, layer, layers) after each layer's two passes."""
+    if profile is None:
+        profile = Sensitivity("", "", ids.shape[1], tuple(levels), perplexity.simulated(model, ids, None))
+    profile.levels = tuple(sorted(set(profile.levels) | set(levels)))
+    for base in levels[1:]:
+        if base in profile.drops:
+            continue
+        uniform = layer_scheme(base, base, levels)
+        reference = perplexity.simulated_logprobs(model, ids, simulation(uniform))
+        profile.base_ppl[base] = perplexity.perplexity_of(reference, ids)
+        kl, ppl = [], []
+        for layer in range(layers):
+            pair = []
+            for side in SIDES:
+                lower = layer_scheme(base - 1 if side == "k" else base, base - 1 if side == "v" else base, levels)
+                out = perplexity.simulated_logprobs(model, ids, simulation(uniform, layer_schemes={layer: lower}))
+                pair.append((perplexity.kl_divergence(reference, out),
+                             perplexity.perplexity_of(out, ids) - profile.base_ppl[base]))
+            kl.append((pair[0][0], pair[1][0]))
+            ppl.append((pair[0][1], pair[1][1]))
+            progress(base, layer + 1, layers)
+        profile.drops[base], profile.ppl_drops[base] = kl, ppl
+    return profile
+
+
+def cached_profile(model, levels: tuple[int, ...], text: str, tokens: int, partial: bool = False
+                   ) -> Optional[Sensitivity]:
+    """The cached profile of `model` on `text` if it covers `levels` (partial: whatever is cached)."""
+    path = profile_path(model, text, tokens)
+    cached = Sensitivity.from_json(path.read_text()) if path.exists() else None
+    if cached is not None and all(b in cached.drops for b in levels[1:]):
+        return cached.restricted(tuple(levels))
+    return cached if partial else None
+
+
+def load_or_measure(model, tok, levels: tuple[int, ...], text: str = CALIBRATION_TEXT,
+                    tokens: int = CALIBRATION_TOKENS, progress: Callable[[int, int, int], None] = lambda *_: None
+                    ) -> Sensitivity:
+    """The cached profile of `model` on `text` covering `levels`, measuring (and caching) what is missing."""
+    cached = cached_profile(model, levels, text, tokens, partial=True)
+    if cached is not None and all(b in cached.drops for b in levels[1:]):
+        return cached
+    source = Path(text) if Path(text).exists() else data.text_path(text)  # a file, or a corpus file's name
+    ids = tok(data.bos_text(tok) + data.read_text(str(source)), return_tensors="pt").input_ids
+    if ids.shape[1] < tokens:
+        raise data.MissingMaterial(f"the calibration text {text} has {ids.shape[1]} tokens, fewer than {tokens}")
+    profile = measure(model, ids[:, :tokens], levels, simulations_for(model, tokens), models.inspect(model).layers,
+                      cached, progress)
+    profile.model, profile.text = model_key(model), Path(text).name
+    path = profile_path(model, text, tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    return profile.restricted(tuple(levels))
+
+
+def main(args) -> int:
+    """python -m torch_rkv calibrate: measure (or read the cached) profile and print it and its path."""
+    levels = tuple(sorted(set(args.levels)))
+    if len(levels) < 2 or any(b not in (2, 3, 4) for b in levels) or levels[-1] - levels[0] != len(levels) - 1:
+        print("torch_rkv calibrate: --levels must be consecutive widths among 2, 3, 4 (e.g. 2 3 4)", file=sys.stderr)
+        return 2
+    try:
+        model, tok = data.load_model(args.model, args.gguf)
+        profile = load_or_measure(model, tok, levels, args.text, args.tokens,
+                                  progress=lambda base, layer, layers: print(
+                                      f"\r  from {base} bits: layer {layer}/{layers}", end="", file=sys.stderr,
+                                      flush=True))
+    except data.MissingMaterial as e:
+        print(f"torch_rkv calibrate: {e}", file=sys.stderr)
+        return 2
+    print(f"\n{profile.model} on {profile.tokens} tokens of {profile.text}: KL (nats/token) and perplexity change "
+          "when one layer's keys or values drop a bit")
+    for base in levels[1:]:
+        print(f"from {base} to {base - 1} bits (all at {base}: perplexity {profile.base_ppl[base]:.3f})")
+        for layer, ((kk, kv), (pk, pv)) in enumerate(zip(profile.drops[base], profile.ppl_drops[base])):
+            print(f"  layer {layer:3d}  K {kk:.5f} ({pk:+.3f})  V {kv:.5f} ({pv:+.3f})")
+    print(profile_path(model, args.text, args.tokens))
+    return 0
