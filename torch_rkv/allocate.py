@@ -120,7 +120,8 @@ class Allocation:
 
 def solve(groups: list[list[tuple[int, float]]], capacity: int) -> list[int]:
     """Multiple-choice knapsack: one (weight, cost) choice per group, total weight <= capacity, total cost
-    minimal. Exact dynamic programming over integer weights; returns the chosen index per group."""
+    minimal. Exact dynamic programming over integer weights; returns the chosen index per group. Among
+    equal costs it takes the later choice and the heavier total: bits the budget allows are spent."""
     if capacity < 0:
         raise ValueError("allocate: the budget does not hold even the lowest level everywhere")
     best = np.full(capacity + 1, math.inf)
@@ -134,13 +135,13 @@ def solve(groups: list[list[tuple[int, float]]], capacity: int) -> list[int]:
                 continue
             cand = np.full(capacity + 1, math.inf)
             cand[w:] = best[: capacity + 1 - w] + c
-            better = cand < new
+            better = cand <= new
             new[better], pick[better] = cand[better], i
         best = new
         picks.append(pick)
     if not np.isfinite(best).any():
         raise ValueError("allocate: the budget does not hold even the lowest level everywhere")
-    at = int(np.argmin(best))
+    at = capacity - int(np.argmin(best[::-1]))
     out = []
     for pick in reversed(picks):  # walk back from the cheapest reachable total
         i = int(pick[at])
