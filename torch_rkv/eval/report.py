@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import scheme as S
+from ..allocate import Sensitivity, allocate_average
 from ..reference import full_precision_count
-from ..allocate import allocate_average
 from ..scheme import Scheme
 from . import data, localization, perplexity, plots, sensitivity
 from .progress import Progress, decode_units, forward_units
@@ -74,6 +74,9 @@ FULL_FAMILIES = tuple(FAMILIES)
 DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f != "grouped g32")
 
 
+ALLOCATED = "rkv-alloc-"  # the report's name of a per-layer allocation: rkv-alloc-<average code bits>
+
+
 @dataclass
 class Options:
     tokens: int = 2048
@@ -104,8 +107,10 @@ class Options:
         tokens cost little), localization at 8192 with 24 needles a length, the eager reruns, the grouped
         family, more localization and decode schemes, the peers and the second text."""
         return cls(long_tokens=8192, loc_lengths=(1024, 2048, 4096, 8192), loc_documents=4, noise=True,
-                   families=FULL_FAMILIES, loc_schemes=("per-token-3", "kvquant-3", "rkv-3", "rkv-2"),
-                   decode_schemes=("rkv-4", "rkv-3", "rkv-2", "kivi-2"), alloc_targets=(2.5, 3.0, 3.5),
+                   families=FULL_FAMILIES, loc_schemes=("per-token-3", "kvquant-3", "rkv-3", "rkv-2", "rkv-alloc-2.5"),
+                   decode_schemes=("rkv-4", "rkv-3", "rkv-2", "kivi-2", "rkv-alloc-2.5"),
+                   long_schemes=("rkv-4", "rkv-3", "rkv-2", "rkv-alloc-2.5", "turboquant-4"),
+                   alloc_targets=(2.5, 3.0, 3.5),
                    second_text="asyoulik.txt", peers=True)
 
     @classmethod
@@ -145,6 +150,7 @@ class Report:
         self.layer_rope = models.layer_rope_tables(model, positions)
         self.simulation = sensitivity.simulations_for(model, positions)
         self.results: dict = {}
+        self._profile: Sensitivity | None = None
         self.progress = Progress(self.planned_work())
         self.log = lambda line: log(f"{self.progress.prefix()} {line}")
 
@@ -171,7 +177,9 @@ class Report:
         rows = sum(FAMILIES[f](b) is not None for f in o.families for b in o.bits)
         levels = tuple(o.alloc_levels)
         cached = sensitivity.cached_profile(self.model, levels, sensitivity.CALIBRATION_TEXT, o.alloc_tokens)
-        calibration = 0 if cached or not o.alloc_targets else \
+        named = o.loc_schemes + o.long_schemes + o.decode_schemes + o.chunk_schemes
+        used = o.alloc_targets or any(name.startswith(ALLOCATED) for name in named)
+        calibration = 0 if cached or not used else \
             (len(levels) - 1) * (2 * self.attention.layers + 1) * fwd(o.alloc_tokens)
         loc_docs = sum(fwd(length + 64) * o.loc_documents for length in o.loc_lengths)
         work = [fwd(n),
@@ -254,32 +262,55 @@ class Report:
                          f"bits  cos {sim.fidelity.cosine:.4f}  top8 {sim.fidelity.recall:.3f}")
         return rows
 
+    def profile(self) -> Sensitivity:
+        """The model's sensitivity profile on the calibration text (measured on first use, then cached)."""
+        if self._profile is None:
+            o = self.opts
+
+            def step(base, layer, layers):
+                self.progress.advance(2 * forward_units(o.alloc_tokens))
+                if layer % 10 == 0 or layer == layers:
+                    self.log(f"  sensitivity on the calibration text, from {base} bits: layer {layer}/{layers}")
+
+            self._profile = sensitivity.load_or_measure(self.model, self.tok, tuple(o.alloc_levels),
+                                                        tokens=o.alloc_tokens, progress=step)
+        return self._profile
+
+    def layer_schemes(self, name: str) -> list[Scheme]:
+        """A scheme as the report names it -> one per layer: a preset ("rkv-3", "rkv-mixed-2") in every
+        layer, or "rkv-alloc-<bits>", the per-layer allocation at that average code bits."""
+        if name.startswith(ALLOCATED):
+            return allocate_average(self.profile(), float(name[len(ALLOCATED):])).schemes()
+        return [S.by_name(name)] * self.attention.layers
+
+    def simulation_of(self, schemes: list[Scheme], **options) -> Simulation:
+        if len(set(schemes)) == 1:
+            return self.simulation(schemes[0], **options)
+        return self.simulation(schemes[0], layer_schemes=dict(enumerate(schemes)), **options)
+
+    def bits_at(self, schemes: list[Scheme], tokens: int) -> float:
+        """effective_bits_at, averaged over the layers."""
+        return sum(effective_bits_at(s, self.head_dim, tokens) for s in schemes) / len(schemes)
+
     def allocation(self) -> list[dict]:
         """Per-layer K/V bits (torch_rkv.allocate) at each target average, from the model's sensitivity on
         the calibration text (measured once, cached), measured on this text like the schemes: beside
         the uniform schemes of the same bits (the schemes table), is the allocation worth its bits?"""
         o = self.opts
-        def step(base, layer, layers):
-            self.progress.advance(2 * forward_units(o.alloc_tokens))
-            if layer % 10 == 0 or layer == layers:
-                self.log(f"  sensitivity on the calibration text, from {base} bits: layer {layer}/{layers}")
-
-        profile = sensitivity.load_or_measure(self.model, self.tok, tuple(o.alloc_levels), tokens=o.alloc_tokens,
-                                              progress=step)
+        profile = self.profile()
         fp = self.results["full_precision_ppl"]
         rows = []
         for target in o.alloc_targets:
             alloc = allocate_average(profile, target)
             schemes = alloc.schemes()
-            sim = self.simulation(schemes[0], layer_schemes=dict(enumerate(schemes)), fidelity_queries=64)
+            sim = self.simulation_of(schemes, fidelity_queries=64)
             ppl = self._simulated(self.ids, sim)
-            rows.append({"scheme": f"rkv-alloc-{target:g}", "target_bits": target, "bits": alloc.bits,
+            rows.append({"scheme": f"{ALLOCATED}{target:g}", "target_bits": target, "bits": alloc.bits,
                          "allocation": alloc.describe(), "predicted_kl": alloc.predicted, "ppl": ppl,
                          "delta": ppl - fp, "bits_per_element": alloc.effective_bits(self.head_dim),
-                         "bits_at_window": sum(effective_bits_at(x, self.head_dim, o.tokens) for x in schemes) /
-                         len(schemes), "attention_cosine": sim.fidelity.cosine, "top8_recall": sim.fidelity.recall,
+                         "bits_at_window": self.bits_at(schemes, o.tokens), "attention_cosine": sim.fidelity.cosine, "top8_recall": sim.fidelity.recall,
                          "calibration": f"{profile.tokens} tokens of {profile.text}"})
-            self.log(f"  rkv-alloc-{target:g} ppl {ppl:8.3f} ({ppl - fp:+7.3f})  {rows[-1]['bits_per_element']:.2f} bits"
+            self.log(f"  {ALLOCATED}{target:g} ppl {ppl:8.3f} ({ppl - fp:+7.3f})  {rows[-1]['bits_per_element']:.2f} bits"
                      f"  top8 {sim.fidelity.recall:.3f}  K/V bits by layer {alloc.describe()}")
         return rows
 
@@ -293,17 +324,10 @@ class Report:
         first = {x["scheme"]: x["delta"] / self.results["full_precision_ppl"]
                  for x in self.results["schemes"] + self.results["allocation"]}
         rows = [{"scheme": "full precision", "text": o.second_text, "ppl": fp, "relative": 0.0, "first_relative": 0.0}]
-        profile = None
-        for name in o.second_schemes + tuple(f"rkv-alloc-{t:g}" for t in o.alloc_targets):
-            if name.startswith("rkv-alloc-"):
-                profile = profile or sensitivity.load_or_measure(self.model, self.tok, tuple(o.alloc_levels),
-                                                                 tokens=o.alloc_tokens)
-                schemes = allocate_average(profile, float(name.rsplit("-", 1)[1])).schemes()
-                sim = self.simulation(schemes[0], layer_schemes=dict(enumerate(schemes)))
-            else:
-                scheme = S.by_name(name)
-                name, sim = scheme.name, self.simulation(scheme)
-            ppl = self._simulated(ids, sim)
+        for name in o.second_schemes + tuple(f"{ALLOCATED}{t:g}" for t in o.alloc_targets):
+            schemes = self.layer_schemes(name)
+            name = name if name.startswith(ALLOCATED) else schemes[0].name  # the schemes table's name
+            ppl = self._simulated(ids, self.simulation_of(schemes))
             rows.append({"scheme": name, "text": o.second_text, "ppl": ppl, "relative": ppl / fp - 1,
                          "first_relative": first.get(name)})
             self.log(f"  {o.second_text} {name:14s} ppl {ppl:8.3f} ({ppl / fp - 1:+.2%}; {o.tokens} tokens)")
@@ -317,10 +341,10 @@ class Report:
         rows = [{"scheme": "full precision", "tokens": n, "ppl": fp, "delta": 0.0, "bits_at_window": 16.0}]
         self.log(f"  long context: full precision perplexity on {n} tokens {fp:.3f}")
         for name in self.opts.long_schemes:
-            scheme = S.by_name(name)
-            ppl = self._simulated(self.long_ids, self.simulation(scheme))
+            schemes = self.layer_schemes(name)
+            ppl = self._simulated(self.long_ids, self.simulation_of(schemes))
             rows.append({"scheme": name, "tokens": n, "ppl": ppl, "delta": ppl - fp,
-                         "bits_at_window": effective_bits_at(scheme, self.head_dim, n)})
+                         "bits_at_window": self.bits_at(schemes, n)})
             self.log(f"  long context {name:14s} ppl {ppl:8.3f} ({ppl - fp:+.3f}) at {rows[-1]['bits_at_window']:.2f} "
                      "bits at the window")
         return rows
@@ -330,7 +354,7 @@ class Report:
         docs = [d for n in self.opts.loc_lengths
                 for d in localization.build_documents(self.tok, self.text, n, self.opts.loc_documents)]
         for name in ("full precision",) + tuple(self.opts.loc_schemes):
-            sim = None if name == "full precision" else self.simulation(S.by_name(name))
+            sim = None if name == "full precision" else self.simulation_of(self.layer_schemes(name))
             for doc in docs:
                 for rec in localization.evaluate(self.model, self.tok, doc, sim):
                     rows.append({"scheme": name, **rec})
@@ -347,9 +371,10 @@ class Report:
         self.results["decode_window_full_precision_ppl"] = self._simulated(ids, None)
         rows = []
         for name in self.opts.decode_schemes:
-            scheme = S.by_name(name)
-            sim = self._simulated(ids, self.simulation(scheme))
-            served = self._decoded(ids, lambda n: RKVCache(self.model, scheme, capacity=n))
+            schemes = self.layer_schemes(name)
+            scheme = schemes[0]  # (an allocation's layers share their sinks, window and block)
+            sim = self._simulated(ids, self.simulation_of(schemes))
+            served = self._decoded(ids, lambda n: RKVCache(self.model, schemes, capacity=n))
             quantized = ids.shape[1] - full_precision_count(ids.shape[1], scheme.sinks, scheme.recent, scheme.block)
             rows.append({"scheme": name, "tokens": ids.shape[1], "quantized_tokens": quantized, "simulated_ppl": sim,
                          "decoded_ppl": served, "relative_difference": served / sim - 1})
@@ -368,12 +393,11 @@ class Report:
         token_by_token = {x["scheme"]: x["delta"] for x in self.results.get("schemes", [])}
         rows = []
         for name in self.opts.chunk_schemes:
-            scheme = S.by_name(name)
+            schemes = self.layer_schemes(name)
             if name not in token_by_token:
-                token_by_token[name] = self._simulated(self.ids, self.simulation(scheme)) - fp
+                token_by_token[name] = self._simulated(self.ids, self.simulation_of(schemes)) - fp
             for chunk in self.opts.chunk_sizes:
-                ppl = self._chunked(self.ids, lambda n: RKVCache(self.model, scheme, capacity=n),
-                                         chunk)
+                ppl = self._chunked(self.ids, lambda n: RKVCache(self.model, schemes, capacity=n), chunk)
                 tbt = token_by_token[name]
                 rows.append({"scheme": name, "chunk": chunk, "ppl": ppl, "delta": ppl - fp, "token_by_token": tbt,
                              "within_goal": ppl - fp <= tbt + 0.1 * abs(tbt)})

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..allocate import SIDES, Sensitivity, layer_scheme
+from ..allocate import SIDES, Allocation, Sensitivity, allocate_average, layer_scheme
 from ..integrations import models
 from . import data, perplexity
 from .simulate import Simulation
@@ -131,3 +131,11 @@ def main(args) -> int:
             print(f"  layer {layer:3d}  K {kk:.5f} ({pk:+.3f})  V {kv:.5f} ({pv:+.3f})")
     print(profile_path(model, args.text, args.tokens))
     return 0
+
+
+def allocation_for(model, tok, bits: float, levels: tuple[int, ...] = (2, 3, 4), text: str = CALIBRATION_TEXT,
+                   tokens: int = CALIBRATION_TOKENS) -> Allocation:
+    """Per-layer K/V bits for `model` at `bits` average code bits (RKVCache(model, alloc.schemes(), ...)),
+    from its sensitivity on the calibration text: measured on first use (2 x layers forward passes of
+    `tokens` tokens per level above the lowest), then read from the cache."""
+    return allocate_average(load_or_measure(model, tok, levels, text, tokens), bits)
