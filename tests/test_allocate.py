@@ -27,7 +27,8 @@ def brute_force(groups, capacity):
 @pytest.mark.parametrize("seed", range(40))
 def test_the_knapsack_is_exact(seed):
     rng = random.Random(seed)
-    groups = [[(rng.randint(0, 6), rng.uniform(-1, 3)) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 5))]
+    groups = [[(rng.randint(0, 6), rng.uniform(-1, 3)) for _ in range(rng.randint(1, 3))]
+              for _ in range(rng.randint(1, 5))]
     capacity = rng.randint(0, 20)
     want, _ = brute_force(groups, capacity)
     if want == math.inf:

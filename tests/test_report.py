@@ -61,7 +61,8 @@ def test_a_per_layer_cache_decodes_what_the_per_layer_simulation_measures():
     cos, sin = model_rope_tables(model, 128)
     schemes = [S.recommended(4).replace(k_block_tokens=16, recent=8), S.per_token(2),
                S.recommended(3).replace(k_block_tokens=16, recent=16, v_bits=2, sinks=2)]
-    simulated = perplexity.simulated(model, ids, Simulation(schemes[0], cos, sin, layer_schemes=dict(enumerate(schemes))))
+    per_layer = Simulation(schemes[0], cos, sin, layer_schemes=dict(enumerate(schemes)))
+    simulated = perplexity.simulated(model, ids, per_layer)
     cache = RKVCache(model, schemes, capacity=96)
     assert cache.schemes == schemes and len(cache.caches) == 3
     with pytest.raises(ValueError, match="different schemes"):

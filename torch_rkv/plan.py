@@ -41,7 +41,8 @@ class ModelShape:
             raise ValueError(f"ModelShape {self.name}: sliding_layers={self.sliding_layers} of {self.layers} needs a "
                              f"sliding_window > 0 exactly when some layer slides (got {self.sliding_window})")
         if self.sliding is not None and (len(self.sliding) != self.layers or sum(self.sliding) != self.sliding_layers):
-            raise ValueError(f"ModelShape {self.name}: `sliding` must flag {self.sliding_layers} of {self.layers} layers")
+            raise ValueError(f"ModelShape {self.name}: `sliding` must flag {self.sliding_layers} of {self.layers} "
+                             "layers")
 
     def window_of(self, layer: int) -> int:
         """The layer's sliding window (0: it attends to the whole context)."""
@@ -217,9 +218,10 @@ def layer_layouts(model: ModelShape, schemes: list[Scheme], context: int, batch:
 def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int = 1,
                           dtype=torch.float16) -> tuple[Allocation, int, list[int]]:
     """(the per-layer K/V bits of least predicted cost whose cache of `batch` sequences of `context` tokens
-    fits in `budget` bytes, its exact bytes, each layer's packed rows). A choice changes only the layer's code bytes, rows x
-    head_dim x bits / 8 per kv head and side, so the knapsack weighs each layer by its rows (a sliding
-    layer's ring holds fewer) and everything else is a fixed cost, counted at the lowest level."""
+    fits in `budget` bytes, its exact bytes, each layer's packed rows). A choice changes only the layer's
+    code bytes, rows x head_dim x bits / 8 per kv head and side, so the knapsack weighs each layer by its
+    rows (a sliding layer's ring holds fewer) and everything else is a fixed cost, counted at the lowest
+    level."""
     if profile.layers != model.layers:
         raise ValueError(f"plan: the sensitivity profile has {profile.layers} layers, {model.name} has {model.layers} "
                          "layers")

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from .outliers import outlier_bits
+
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -22,7 +24,8 @@ class Scheme:
     Hadamard rotation (keys only post-RoPE). sinks: the first tokens in full precision; recent: at least
     this many newest tokens in full precision (KIVI's residual). levels: "uniform" (the kernels' codes),
     or "gaussian": Lloyd-Max levels of a Gaussian with one norm per token row (torch_rkv.codebook, the
-    TurboQuant-style peer; simulation only, Scheme.check_served).
+    TurboQuant-style peer; simulation only, Scheme.check_served). outliers: dense-and-sparse, this
+    fraction of each block's values of both sides kept in fp16 (torch_rkv.outliers; simulation only).
     """
 
     name: str = "custom"
@@ -44,6 +47,7 @@ class Scheme:
     recent: int = 0
     meta_dtype: torch.dtype = torch.float16
     levels: str = "uniform"
+    outliers: float = 0.0  # fraction of each block's values kept in fp16 beside the codes (torch_rkv.outliers)
 
     def __post_init__(self):
         for arg in ("k_bits", "v_bits"):
@@ -67,6 +71,10 @@ class Scheme:
             raise TypeError(f"Scheme.meta_dtype must be float16, bfloat16 or float32 (got {self.meta_dtype})")
         if self.levels not in ("uniform", "gaussian"):
             raise ValueError(f"Scheme.levels must be 'uniform' or 'gaussian' (got {self.levels!r})")
+        if not 0.0 <= self.outliers <= 0.1:
+            raise ValueError(f"Scheme.outliers must be a fraction in [0, 0.1] (got {self.outliers})")
+        if self.outliers and self.levels != "uniform":
+            raise ValueError("Scheme: outliers are kept beside uniform codes (levels='uniform')")
         if self.levels == "gaussian" and not (
                 self.k_hadamard and self.v_hadamard and self.k_symmetric and self.v_symmetric
                 and self.k_group_size is None and self.v_group_size is None and self.block == 1):
@@ -98,6 +106,9 @@ class Scheme:
         if self.levels != "uniform":
             raise NotImplementedError(f"Scheme {self.name}: {self.levels} levels are simulated only (the report's "
                                       "peer); the cache kernels store uniform codes")
+        if self.outliers:
+            raise NotImplementedError(f"Scheme {self.name}: sparse outliers are simulated only (the report); the "
+                                      "cache kernels do not read a sparse side buffer yet")
 
     def meta_bits(self, head_dim: int, side: str) -> float:
         """Metadata bits per element of keys ('k') or values ('v')."""
@@ -112,7 +123,7 @@ class Scheme:
         full-precision sink and recent tokens (their share vanishes as the context grows)."""
         k = self.k_bits + self.meta_bits(head_dim, "k")
         v = self.v_bits + self.meta_bits(head_dim, "v")
-        return (k + v) / 2
+        return (k + v) / 2 + outlier_bits(self.outliers, self.block, head_dim)
 
     def describe(self, head_dim: int = 128) -> str:
         def side(s):
@@ -132,6 +143,8 @@ class Scheme:
         parts = [side("k") + (" pre-RoPE" if self.pre_rope else ""), side("v")]
         if self.levels != "uniform":
             parts.append(f"{self.levels} Lloyd-Max levels + norm")
+        if self.outliers:
+            parts.append(f"{self.outliers:.1%} outliers in fp16")
         if self.sinks:
             parts.append(f"sinks {self.sinks}")
         if self.recent:
@@ -202,9 +215,17 @@ def recommended_mixed(v_bits: int = 2) -> Scheme:
     return base.replace(name=f"rkv-k{k_bits}v{v_bits}", k_bits=k_bits, k_clip=False)
 
 
+def recommended_sparse(bits: int = 2, fraction: float = 0.005) -> Scheme:
+    """rkv with dense-and-sparse outliers (KVQuant): each 128-token block keeps its most outlying 0.5% of
+    values in fp16 beside the codes (torch_rkv.outliers). Simulated only: the kernels do not read the
+    sparse buffer yet."""
+    return recommended(bits).replace(name=f"rkv-sparse-{bits}", outliers=fraction)
+
+
 SERVED_PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "quarot": quarot, "rkv": recommended,
                   "rkv-mixed": recommended_mixed}  # the caches and kernels store these
-PRESETS = {**SERVED_PRESETS, "turboquant": turboquant}  # and the report also simulates these
+# and the report also simulates these
+PRESETS = {**SERVED_PRESETS, "turboquant": turboquant, "rkv-sparse": recommended_sparse}
 
 
 def by_name(spec: str) -> Scheme:

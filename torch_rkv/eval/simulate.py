@@ -24,6 +24,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from .. import outliers
 from ..codebook import gaussian_round_trip
 from ..integrations.models import attention_modules
 from ..ops.hadamard import hadamard, hadamard_signs
@@ -133,11 +134,14 @@ class Simulation:
         if s.levels == "gaussian":
             return gaussian_round_trip(x, bits, s.meta_dtype)
         group = getattr(s, f"{side}_group_size") or x.shape[-1]
+        tokens = getattr(s, f"{side}_block_tokens")
         # the cache's sinks are encoded in block 0 but do not set its ranges (view "all": no sinks)
         sinks = s.sinks if self.view == "cache" else 0
-        q = quantize(x, bits, group, getattr(s, f"{side}_block_tokens"), getattr(s, f"{side}_symmetric"), s.meta_dtype,
+        dense, mask = (outliers.split(x, s.outliers, s.block, group, tokens, sinks) if s.outliers else (x, None))
+        q = quantize(dense, bits, group, tokens, getattr(s, f"{side}_symmetric"), s.meta_dtype,
                      getattr(s, f"{side}_clip"), sinks)
-        return dequantize(Quantized(q.packed, q.scale, q.zero, bits), torch.float32)
+        back = dequantize(Quantized(q.packed, q.scale, q.zero, bits), torch.float32)
+        return back if mask is None else outliers.merge(back, x, mask)
 
     def quantized_pairs(self, q_pos: torch.Tensor, n: int, s: Scheme) -> torch.Tensor:
         """(Nq, n) bool: whether query at position q_pos[i] sees key t in its quantized form."""
