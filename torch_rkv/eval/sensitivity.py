@@ -4,7 +4,8 @@ For each base level b above the lowest: the next-token distributions with every 
 once per (layer, side) with only that side of that layer at b - 1 (2 x layers simulated forward passes
 per base), recording how far they moved (KL divergence, the solver's cost) and the perplexity change. The
 calibration text is lcet10.txt by default (the Canterbury corpus's other long prose text), never an
-evaluation text. Profiles are cached in the cache directory, keyed by model, text, tokens and base.
+evaluation text. Profiles are cached in the cache directory, keyed by model, text, tokens and lowest
+level.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def model_key(model) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name.rstrip("/")).name or name) + f"-{model.config.num_hidden_layers}l"
 
 
-def profile_path(model, text: str, tokens: int) -> Path:
-    return data.cache_dir() / "calibration" / f"{model_key(model)}-{Path(text).name}-{tokens}.json"
+def profile_path(model, text: str, tokens: int, levels: tuple[int, ...]) -> Path:
+    """Keyed by the lowest level too: it sets the window every layer_scheme of the profile keeps."""
+    return data.cache_dir() / "calibration" / f"{model_key(model)}-{Path(text).name}-{tokens}-from{min(levels)}.json"
 
 
 @torch.no_grad()
@@ -81,7 +83,7 @@ def measure(model, ids: torch.Tensor, levels: tuple[int, ...], simulation: Calla
 def cached_profile(model, levels: tuple[int, ...], text: str, tokens: int, partial: bool = False
                    ) -> Optional[Sensitivity]:
     """The cached profile of `model` on `text` if it covers `levels` (partial: whatever is cached)."""
-    path = profile_path(model, text, tokens)
+    path = profile_path(model, text, tokens, levels)
     cached = Sensitivity.from_json(path.read_text()) if path.exists() else None
     if cached is not None and all(b in cached.drops for b in levels[1:]):
         return cached.restricted(tuple(levels))
@@ -102,7 +104,7 @@ def load_or_measure(model, tok, levels: tuple[int, ...], text: str = CALIBRATION
     profile = measure(model, ids[:, :tokens], levels, simulations_for(model, tokens), models.inspect(model).layers,
                       cached, progress)
     profile.model, profile.text = model_key(model), Path(text).name
-    path = profile_path(model, text, tokens)
+    path = profile_path(model, text, tokens, levels)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
     return profile.restricted(tuple(levels))
@@ -129,7 +131,7 @@ def main(args) -> int:
         print(f"from {base} to {base - 1} bits (all at {base}: perplexity {profile.base_ppl[base]:.3f})")
         for layer, ((kk, kv), (pk, pv)) in enumerate(zip(profile.drops[base], profile.ppl_drops[base])):
             print(f"  layer {layer:3d}  K {kk:.5f} ({pk:+.3f})  V {kv:.5f} ({pv:+.3f})")
-    print(profile_path(model, args.text, args.tokens))
+    print(profile_path(model, args.text, args.tokens, levels))
     return 0
 
 
