@@ -69,9 +69,13 @@ class Sensitivity:
         s = SIDES.index(side)
         return sum(self.drops[b][layer][s] for b in self.levels if bits < b)
 
+    def covers(self, levels: tuple[int, ...]) -> bool:
+        """Whether the drops of every base of `levels` were measured."""
+        return all(b in self.drops for b in levels[1:])
+
     def check(self) -> None:
-        missing = [b for b in self.levels[1:] if b not in self.drops]
-        if missing:
+        if not self.covers(self.levels):
+            missing = [b for b in self.levels[1:] if b not in self.drops]
             raise ValueError(f"Sensitivity: no drops measured at base {missing} for levels {self.levels}")
 
     def to_json(self) -> str:

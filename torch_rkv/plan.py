@@ -229,10 +229,11 @@ def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float
                         context, batch, dtype)
     rows = [lay.packed_capacity for lay in low]
     per_unit = batch * model.kv_heads * model.head_dim  # bits of code per (row x bit)
-    fixed = sum(lay.nbytes() for lay in low) - 2 * min(profile.levels) * sum(rows) * per_unit // 8
-    if budget < sum(lay.nbytes() for lay in low):
+    lowest = sum(lay.nbytes() for lay in low)
+    fixed = lowest - 2 * min(profile.levels) * sum(rows) * per_unit // 8
+    if budget < lowest:
         raise ValueError(f"plan: {budget / GB:.2f} GB does not hold {batch} x {context:,} tokens even at "
-                         f"{min(profile.levels)} bits in every layer ({sum(lay.nbytes() for lay in low) / GB:.2f} GB)")
+                         f"{min(profile.levels)} bits in every layer ({lowest / GB:.2f} GB)")
     alloc = allocate(profile, int((budget - fixed) * 8 // per_unit), weights=rows)
     exact = sum(lay.nbytes() for lay in layer_layouts(model, alloc.schemes(), context, batch, dtype))
     assert exact <= budget, (exact, budget)  # the knapsack's weights are the layouts' code bytes

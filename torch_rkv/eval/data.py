@@ -105,6 +105,11 @@ def bos_text(tok) -> str:
     return getattr(tok, "bos_token", None) or getattr(tok, "eos_token", None) or ""
 
 
+def encode(tok, text: str):
+    """(1, N) token ids of a document: its start (bos_text) and the text, as the report evaluates it."""
+    return tok(bos_text(tok) + text, return_tensors="pt").input_ids
+
+
 def read_text(path: Optional[str] = None) -> str:
     """A text file's content: latin-1 (the Canterbury files), CRLF normalized."""
     p = Path(path) if path else text_path()

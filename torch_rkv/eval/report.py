@@ -138,7 +138,7 @@ class Report:
         self.attention = models.inspect(model)  # an unsupported model feature stops here, named
         self.head_dim = self.attention.head_dim
         self.text = text
-        all_ids = tok(data.bos_text(tok) + text, return_tensors="pt").input_ids
+        all_ids = data.encode(tok, text)
         if all_ids.shape[1] < opts.tokens:
             raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than --tokens {opts.tokens}")
         self.ids = all_ids[:, : opts.tokens]
@@ -148,7 +148,7 @@ class Report:
             raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than {opts.long_tokens}")
         # each layer's RoPE table (Gemma 3: local and global ones), for the simulations and the key plot
         self.layer_rope = models.layer_rope_tables(model, positions)
-        self.simulation = sensitivity.simulations_for(model, positions)
+        self.simulation = sensitivity.simulations_for(model, positions, self.layer_rope)
         self.results: dict = {}
         self._profile: Sensitivity | None = None
         self.progress = Progress(self.planned_work())
@@ -176,7 +176,8 @@ class Report:
         fwd, n = forward_units, o.tokens
         rows = sum(FAMILIES[f](b) is not None for f in o.families for b in o.bits)
         levels = tuple(o.alloc_levels)
-        cached = sensitivity.cached_profile(self.model, levels, sensitivity.CALIBRATION_TEXT, o.alloc_tokens)
+        stored = sensitivity.stored_profile(self.model, levels, sensitivity.CALIBRATION_TEXT, o.alloc_tokens)
+        cached = stored is not None and stored.covers(levels)
         named = o.loc_schemes + o.long_schemes + o.decode_schemes + o.chunk_schemes
         used = o.alloc_targets or any(name.startswith(ALLOCATED) for name in named)
         calibration = 0 if cached or not used else \
@@ -321,8 +322,7 @@ class Report:
         """The schemes and the allocations (calibrated on lcet10.txt) ranked on a second text: the same
         order, and relative losses within 1.5x of the first text's, say nothing was tuned to one text."""
         o = self.opts
-        ids = self.tok(data.bos_text(self.tok) + data.read_text(str(data.text_path(o.second_text))),
-                       return_tensors="pt").input_ids[:, : o.tokens]
+        ids = data.encode(self.tok, data.read_text(str(data.text_path(o.second_text))))[:, : o.tokens]
         fp = self._simulated(ids, None)
         first = {x["scheme"]: x["delta"] / self.results["full_precision_ppl"]
                  for x in self.results["schemes"] + self.results["allocation"]}
@@ -500,16 +500,18 @@ def format_tables(r: dict) -> str:
             lines.append(line)
     lines.append("\nSchemes as served (cache view, fp16 metadata)")
     lines.append(f"{'scheme':14s} {'bits/el':>7s} {'@window':>7s} {'ppl':>9s} {'delta':>8s} {'cos':>7s} {'top8':>6s}  layout")
+
+    def measured(x, layout):  # a row of the schemes table (and of the allocations below it)
+        return (f"{x['scheme']:14s} {x['bits_per_element']:7.2f} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} "
+                f"{x['delta']:+8.3f} {x['attention_cosine']:7.4f} {x['top8_recall']:6.3f}  {layout}")
+
     for x in r["schemes"]:
-        lines.append(f"{x['scheme']:14s} {x['bits_per_element']:7.2f} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} "
-                     f"{x['delta']:+8.3f} {x['attention_cosine']:7.4f} {x['top8_recall']:6.3f}  "
-                     f"{x['description'].split(': ', 1)[1].split(' = ')[0]}")
+        lines.append(measured(x, x["description"].split(": ", 1)[1].split(" = ")[0]))
     if r.get("allocation"):
         lines.append(f"\nPer-layer allocation (K/V bits by layer, solved on the sensitivity measured on "
                      f"{r['allocation'][0]['calibration']}; rkv's layout at every layer)")
         for x in r["allocation"]:
-            lines.append(f"{x['scheme']:14s} {x['bits_per_element']:7.2f} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} "
-                         f"{x['delta']:+8.3f} {x['attention_cosine']:7.4f} {x['top8_recall']:6.3f}  {x['allocation']}")
+            lines.append(measured(x, x["allocation"]))
     if r.get("second_text"):
         rows = [x for x in r["second_text"] if x["scheme"] != "full precision"]
         lines.append(f"\nA second text ({rows[0]['text']}, full precision {r['second_text'][0]['ppl']:.3f}): relative "

@@ -26,10 +26,11 @@ CALIBRATION_TEXT = "lcet10.txt"
 CALIBRATION_TOKENS = 512
 
 
-def simulations_for(model, positions: int) -> Callable[..., Simulation]:
-    """scheme, **options -> a Simulation of `model` (its RoPE tables for `positions` positions, its pairing)."""
+def simulations_for(model, positions: int, layer_rope: Optional[dict] = None) -> Callable[..., Simulation]:
+    """scheme, **options -> a Simulation of `model` (its RoPE tables for `positions` positions, its pairing).
+    layer_rope: those tables when the caller has them (models.layer_rope_tables)."""
     att = models.inspect(model)  # an unsupported model feature stops here, named
-    layer_rope = models.layer_rope_tables(model, positions)
+    layer_rope = layer_rope or models.layer_rope_tables(model, positions)
     cos, sin = layer_rope[0]
 
     def make(scheme, **options) -> Simulation:
@@ -80,25 +81,21 @@ def measure(model, ids: torch.Tensor, levels: tuple[int, ...], simulation: Calla
     return profile
 
 
-def cached_profile(model, levels: tuple[int, ...], text: str, tokens: int, partial: bool = False
-                   ) -> Optional[Sensitivity]:
-    """The cached profile of `model` on `text` if it covers `levels` (partial: whatever is cached)."""
+def stored_profile(model, levels: tuple[int, ...], text: str, tokens: int) -> Optional[Sensitivity]:
+    """What the cache holds of `model`'s profile on `text` (it may not cover `levels`), or None."""
     path = profile_path(model, text, tokens, levels)
-    cached = Sensitivity.from_json(path.read_text()) if path.exists() else None
-    if cached is not None and all(b in cached.drops for b in levels[1:]):
-        return cached.restricted(tuple(levels))
-    return cached if partial else None
+    return Sensitivity.from_json(path.read_text()) if path.exists() else None
 
 
 def load_or_measure(model, tok, levels: tuple[int, ...], text: str = CALIBRATION_TEXT,
                     tokens: int = CALIBRATION_TOKENS, progress: Callable[[int, int, int], None] = lambda *_: None
                     ) -> Sensitivity:
     """The cached profile of `model` on `text` covering `levels`, measuring (and caching) what is missing."""
-    cached = cached_profile(model, levels, text, tokens, partial=True)
-    if cached is not None and all(b in cached.drops for b in levels[1:]):
-        return cached
+    cached = stored_profile(model, levels, text, tokens)
+    if cached is not None and cached.covers(levels):
+        return cached.restricted(tuple(levels))
     source = Path(text) if Path(text).exists() else data.text_path(text)  # a file, or a corpus file's name
-    ids = tok(data.bos_text(tok) + data.read_text(str(source)), return_tensors="pt").input_ids
+    ids = data.encode(tok, data.read_text(str(source)))
     if ids.shape[1] < tokens:
         raise data.MissingMaterial(f"the calibration text {text} has {ids.shape[1]} tokens, fewer than {tokens}")
     profile = measure(model, ids[:, :tokens], levels, simulations_for(model, tokens), models.inspect(model).layers,

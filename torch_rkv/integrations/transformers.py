@@ -213,10 +213,14 @@ class RKVCache(Cache):
             kinds.setdefault((window, att.rope_types[i], schemes[i]), []).append(i)
         layers: list[RKVLayer | None] = [None] * att.layers
         self.caches: list[QuantizedKVCache] = []
+        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # one per (table, length): kinds share them
         for (window, rope_type, scheme), ids in kinds.items():
             rope = None
             if scheme.pre_rope:
-                rope = models.rope_tables(model, max_tokens(scheme, capacity), device, rope_type)
+                key = (rope_type, max_tokens(scheme, capacity))
+                if key not in tables:
+                    tables[key] = models.rope_tables(model, key[1], device, rope_type)
+                rope = tables[key]
             cache = QuantizedKVCache(scheme, len(ids), batch, att.kv_heads, att.head_dim, capacity, dtype=dtype,
                                      device=device, rope=rope, rope_interleaved=att.interleaved,
                                      sliding_window=window, softcap=att.softcap)
