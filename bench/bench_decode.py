@@ -9,9 +9,12 @@ the same run:
 
     python bench/bench_decode.py [--json] [--contexts 4096 16384 65536] [--bits 8 4 3 2]
                                  [--values per-token grouped-32 grouped-16] [--cpu-levels avx2 default]
+                                 [--levels]
 
 --cpu-levels also times the fused kernel at each listed torch_rkv CPU level (csrc/cpu/capability.h) in the
-same run: ms_<level> and the first level's speedup over each other one.
+same run: ms_<level> and the first level's speedup over each other one. --levels also times the fused kernel
+reading the same cache through non-uniform codebooks on both sides (2-4 bits; torch_rkv.codebook):
+ms_levels and levels_vs_uniform, the codebook's time over the uniform grid's.
 
 Records: bits, key and value schemes, context, batch, heads, head_dim, ms of each, speedups, cache bytes read and
 the fused kernel's GB/s and its time relative to the read time for the same bytes. Correctness is
@@ -104,6 +107,8 @@ def main() -> int:
     ap.add_argument("--peak-gbps", type=float, default=None, help="device peak bandwidth, for the GPU report")
     ap.add_argument("--cpu-levels", nargs="+", default=[], choices=["avx2", "default"],
                     help="CPU device: also time the fused kernel at these torch_rkv CPU levels")
+    ap.add_argument("--levels", action="store_true",
+                    help="also time the fused kernel with non-uniform codebooks (levels_vs_uniform)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     chosen = torch_rkv.cpu_capability()
@@ -139,13 +144,13 @@ def main() -> int:
                 a = [bufs.get(k) for k in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero",
                                             "k_window", "v_window", "k_sink", "v_sink")]
 
-                def fused(bufs):
+                def fused(bufs, lv=None):
                     return torch_rkv.decode_attention(q, *bufs, lengths, bits, bits, scheme.block, scheme.recent,
-                                                      rope[0], rope[1])
+                                                      rope[0], rope[1], k_levels=lv, v_levels=lv)
 
-                def deq_sdpa(a=a):
-                    k = torch_rkv.dequantize(torch_rkv.Quantized(a[0], a[1], a[2], bits), torch.float32)
-                    v = torch_rkv.dequantize(torch_rkv.Quantized(a[3], a[4], a[5], bits), torch.float32)
+                def deq_sdpa(a=a, lv=None):
+                    k = torch_rkv.dequantize(torch_rkv.Quantized(a[0], a[1], a[2], bits, lv), torch.float32)
+                    v = torch_rkv.dequantize(torch_rkv.Quantized(a[3], a[4], a[5], bits, lv), torch.float32)
                     if rope[0] is not None:
                         k = torch_rkv.rope(k, cos, sin, torch.arange(n, device=dev))
                     return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)[:, :, 0]
@@ -168,6 +173,15 @@ def main() -> int:
                            time_vs_read=t_fused / t_read)
                 if args.peak_gbps:
                     rec["fraction_of_peak"] = rec["gbps"] / args.peak_gbps
+                if args.levels and bits < 8:  # a Gaussian-shaped codebook (denser in the middle), same bytes
+                    top = (1 << bits) - 1
+                    lv = (top / 2 + top / 2 * torch.linspace(-1, 1, top + 1).mul(1.2).sinh() / math.sinh(1.2))
+                    lv = lv.clamp(0, top).to(dev)
+                    want_lv = deq_sdpa(a, lv)
+                    err = (fused(a, lv) - want_lv).abs().max().item()
+                    assert err < 1e-3 * want_lv.abs().max().item() + 1e-4, f"fused with levels != dequantize+SDPA ({err})"
+                    rec["ms_levels"] = time_ms(cycled(lambda c: fused(c, lv), copies), args.min_run_time)
+                    rec["levels_vs_uniform"] = rec["ms_levels"] / t_fused
                 for level in args.cpu_levels:
                     torch_rkv._C._set_cpu_capability(level)
                     err = (fused(a) - want).abs().max().item()

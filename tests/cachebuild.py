@@ -28,10 +28,34 @@ def stored_keys(scheme: Scheme, keys_post: torch.Tensor, cos, sin, signs, interl
     return keys_post
 
 
-def fill(layout: CacheLayout, keys: torch.Tensor, values: torch.Tensor, lengths: list[int], device="cpu"):
+def random_levels(bits: int, seed: int) -> torch.Tensor:
+    """A non-uniform codebook: 2^bits strictly ascending code values within [0, 2^bits - 1], ends free."""
+    n = 1 << bits
+    cuts = torch.unique(torch.rand(n, generator=torch.Generator().manual_seed(seed)) * (n - 1))
+    return cuts if len(cuts) == n else torch.arange(n, dtype=torch.float32)
+
+
+def levels_of(scheme: Scheme, seed: int, on: bool):
+    """(k_levels, v_levels) for a test cache: random codebooks on each side that can take one (asymmetric,
+    below 8 bits) when `on`, else None."""
+    if not on:
+        return None, None
+    return tuple(random_levels(getattr(scheme, f"{side}_bits"), seed + i)
+                 if not getattr(scheme, f"{side}_symmetric") and getattr(scheme, f"{side}_bits") < 8 else None
+                 for i, side in enumerate(("k", "v")))
+
+
+def case_levels(case, device="cpu"):
+    """The codebooks of a test case (case["levels"]: whether it has them), on `device`."""
+    return tuple(None if t is None else t.to(device)
+                 for t in levels_of(case["scheme"], case["seed"], case.get("levels", False)))
+
+
+def fill(layout: CacheLayout, keys: torch.Tensor, values: torch.Tensor, lengths: list[int], device="cpu",
+         levels=(None, None)):
     """Buffers holding, for each sequence b, its first lengths[b] stored keys / values (B, H, n, D),
     written by reference appends into zeroed buffers: one per sequence, or (a sliding-window ring) as
-    many pieces as the ring takes."""
+    many pieces as the ring takes. levels: (k_levels, v_levels) codebooks, or None each."""
     bufs = layout.allocate(device)
     s, w = layout.scheme, layout.sliding_window
     step = layout.packed_capacity - s.block + 1 if w else max(lengths + [1])
@@ -41,7 +65,7 @@ def fill(layout: CacheLayout, keys: torch.Tensor, values: torch.Tensor, lengths:
             j = min(n, i + step)
             ref.cache_append(*buffers_args(view), torch.tensor([i]), keys[b : b + 1, :, i:j].to(layout.dtype),
                              values[b : b + 1, :, i:j].to(layout.dtype), s.k_bits, s.v_bits, s.block, s.recent,
-                             sliding_window=w)
+                             sliding_window=w, k_levels=levels[0], v_levels=levels[1])
     return bufs
 
 
@@ -61,7 +85,7 @@ def build(case, device="cpu"):
     v_signs = torch_rkv.hadamard_signs(d, 2) if s.v_hadamard else None
     ks = stored_keys(s, keys, cos, sin, k_signs, case["interleaved"])
     vs = torch_rkv.hadamard(values, v_signs) if v_signs is not None else values
-    bufs = fill(layout, ks, vs, case["lengths"])
+    bufs = fill(layout, ks, vs, case["lengths"], levels=case_levels(case))
     mv = lambda t: None if t is None else t.to(device)  # noqa: E731
     bufs = {k: v.to(device) for k, v in bufs.items()}
     rope = (mv(cos), mv(sin)) if s.pre_rope else (None, None)
@@ -99,14 +123,14 @@ def float_tolerance(q, keys, values, dtype) -> float:
     return 4 * score_err * vmax + 64 * eps * vmax + out_ulp
 
 
-def quantization_bound(q, bufs, values, v_rotated=False) -> float:
+def quantization_bound(q, bufs, values, v_rotated=False, cell: float = 0.5) -> float:
     """Worst case from the stored steps: every value is within half its step, so the output (a convex
     combination) moves by at most max(step_v)/2 per channel (sqrt(D) times that after rotating back
     from a Hadamard space, the largest an orthonormal map stretches a max-norm); every key is within
     half a step per channel, so a score moves by at most |q| scale sqrt(D) max(step_k)/2 (RoPE and
     Hadamard keep norms), and the softmax output by at most twice the largest score change times max|v|."""
     d = q.shape[-1]
-    half_k = bufs["k_scale"].float().max().item() / 2
-    half_v = bufs["v_scale"].float().max().item() / 2 * (math.sqrt(d) if v_rotated else 1.0)
+    half_k = bufs["k_scale"].float().max().item() * cell
+    half_v = bufs["v_scale"].float().max().item() * cell * (math.sqrt(d) if v_rotated else 1.0)
     score = q.float().norm(dim=-1).max().item() / math.sqrt(d) * math.sqrt(d) * half_k
     return half_v + 2 * score * values.abs().max().item() + 1e-5

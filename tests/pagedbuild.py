@@ -63,9 +63,9 @@ def random_tables(gen: torch.Generator, pages: int, lengths: list[int], page_siz
 
 
 def fill(pool: Pool, scheme: Scheme, tables, slots, keys: torch.Tensor, values: torch.Tensor, lengths: list[int],
-         chunk: int = 0):
+         chunk: int = 0, levels=(None, None)):
     """Append each sequence's first lengths[b] tokens of keys / values (B, H, n, D, storage space) through
-    reference.paged_append, in chunks of `chunk` tokens (0: all at once)."""
+    reference.paged_append, in chunks of `chunk` tokens (0: all at once), with codebooks `levels`."""
     n_done = [0] * len(lengths)
     while any(d < n for d, n in zip(n_done, lengths)):
         counts = [min(n - d, chunk or n) for d, n in zip(n_done, lengths)]
@@ -74,5 +74,6 @@ def fill(pool: Pool, scheme: Scheme, tables, slots, keys: torch.Tensor, values: 
         qsl = torch.tensor([0] + counts).cumsum(0)
         ref.paged_append(*pool.tensors(), pool.fill, tables, slots, torch.tensor(n_done), qsl,
                          rows_k.to(pool.layout.dtype), rows_v.to(pool.layout.dtype), scheme.k_bits, scheme.v_bits,
-                         scheme.block, scheme.recent, scheme.k_clip, scheme.v_clip)
+                         scheme.block, scheme.recent, scheme.k_clip, scheme.v_clip, k_levels=levels[0],
+                         v_levels=levels[1])
         n_done = [d + m for d, m in zip(n_done, counts)]

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from cachebuild import attention_fp32, buffers_args, build, float_tolerance, quantization_bound
+from cachebuild import attention_fp32, buffers_args, build, case_levels, float_tolerance, quantization_bound
 from conftest import device_params
 from hypothesis import given
 from hypothesis import strategies as st
@@ -50,6 +50,7 @@ def attention_cases(draw):
         # a sliding window (the buffers a ring of its rows; windows shorter than recent + block too) and
         # Gemma 2's soft-capping
         window=draw(st.sampled_from([0, 0, 1, 5, 17, 33])), softcap=draw(st.sampled_from([0.0, 0.0, 0.5, 4.0])),
+        levels=draw(st.booleans()),  # non-uniform codebooks on the asymmetric sides below 8 bits
     )
 
 
@@ -59,7 +60,8 @@ def run_kernel(case, device, bufs, q, rope, k_signs, v_signs, split=None):
     return torch_rkv.decode_attention(
         q, *buffers_args(bufs), lengths, s.k_bits, s.v_bits, s.block, s.recent, rope[0], rope[1],
         case["interleaved"], k_signs, v_signs, split_tokens=case["split"] if split is None else split,
-        sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0))
+        sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0),
+        k_levels=case_levels(case, device)[0], v_levels=case_levels(case, device)[1])
 
 
 def run_reference(case, bufs, q, rope, k_signs, v_signs):
@@ -68,7 +70,8 @@ def run_reference(case, bufs, q, rope, k_signs, v_signs):
     return ref.decode_attention(
         q.cpu(), *[cpu(t) for t in buffers_args(bufs)], torch.tensor(case["lengths"]), s.k_bits, s.v_bits, s.block,
         s.recent, cpu(rope[0]), cpu(rope[1]), case["interleaved"], cpu(k_signs), cpu(v_signs),
-        sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0))
+        sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0), k_levels=case_levels(case)[0],
+        v_levels=case_levels(case)[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -86,13 +89,15 @@ def test_matches_reference_over_the_dequantized_cache(device, case):
 
 
 @pytest.mark.parametrize("d", [64, 96, 128])
-def test_every_cpu_level_matches_the_reference(d):
+@pytest.mark.parametrize("bits, levels", [((3, 4), False), ((3, 4), True), ((4, 2), True)])
+def test_every_cpu_level_matches_the_reference(d, bits, levels):
     """The portable and the AVX2 kernels (every level this CPU runs, switched in one process) each equal
-    the reference to float tolerance, for an unrolled and a generic head dim."""
-    s = Scheme(k_bits=3, v_bits=4, k_group_size=1, k_block_tokens=16, v_group_size=32, pre_rope=True,
+    the reference to float tolerance, for an unrolled and a generic head dim, with uniform codes and with
+    codebooks (AVX2 looks codes up in registers: one permute up to 8 levels, two and a blend for 16)."""
+    s = Scheme(k_bits=bits[0], v_bits=bits[1], k_group_size=1, k_block_tokens=16, v_group_size=32, pre_rope=True,
                v_hadamard=True, sinks=2, recent=8, meta_dtype=torch.bfloat16)
     case = dict(d=d, kv_heads=2, q_heads=6, scheme=s, capacity=100, lengths=[100, 37], rot=d, interleaved=False,
-                q_dtype=torch.float32, fp_dtype=torch.bfloat16, split=32, seed=3)
+                q_dtype=torch.float32, fp_dtype=torch.bfloat16, split=32, seed=3, levels=levels)
     _, bufs, q, keys, values, rope, ks, vs = build(case)
     want = run_reference(case, bufs, q, rope, ks, vs)
     chosen = torch_rkv.cpu_capability()
@@ -215,8 +220,12 @@ def bad_cases(device):
     a = buffers_args(bufs)
     n = torch.tensor([40], device=device)
 
-    def call(q=q, args=a, lengths=n, cos=rope[0], sin=rope[1], k_signs=None, heads_ok=True):
-        return torch_rkv.decode_attention(q, *args, lengths, 4, 4, s.block, s.recent, cos, sin, False, k_signs)
+    def call(q=q, args=a, lengths=n, cos=rope[0], sin=rope[1], k_signs=None, heads_ok=True, k_levels=None,
+             v_levels=None):
+        return torch_rkv.decode_attention(q, *args, lengths, 4, 4, s.block, s.recent, cos, sin, False, k_signs,
+                                          k_levels=k_levels, v_levels=v_levels)
+
+    lv = torch.arange(16, dtype=torch.float32, device=device)
 
     too_long = torch.tensor([layout.max_tokens + 1], device=device)
     return [
@@ -227,6 +236,8 @@ def bad_cases(device):
         (lambda: call(sin=None), ValueError, "give both rope_cos and rope_sin"),
         (lambda: call(k_signs=torch.ones(64, device=device)), ValueError, "keys cannot be both pre-RoPE"),
         (lambda: call(args=[a[0][..., :-1]] + a[1:]), ValueError, "k_packed must have shape"),
+        (lambda: call(k_levels=lv[:8]), ValueError, "k_levels must have shape (16,)"),
+        (lambda: call(v_levels=lv.double()), TypeError, "v_levels must be float32"),
     ], [
         (lambda: call(lengths=too_long), ValueError,
          f"lengths[0] = {layout.max_tokens + 1} is outside [0, {layout.max_tokens}]"),

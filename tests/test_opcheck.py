@@ -27,6 +27,10 @@ def samples(device):
         p, s, z = torch.ops.rkv.quantize(x, bits, g, t, sym, meta)
         out.append((torch.ops.rkv.dequantize.default, (p, s, None if sym else z, bits, torch.float32)))
         out.append((torch.ops.rkv.dequantize.default, (noncontiguous(p), s, None if sym else z, bits, torch.bfloat16)))
+        if not sym and bits < 8:  # non-uniform levels
+            lv = torch.linspace(0.25, 2**bits - 1.5, 2**bits, device=device)
+            out.append((torch.ops.rkv.quantize.default, (x, bits, g, t, sym, meta, True, 0, lv)))
+            out.append((torch.ops.rkv.dequantize.default, (p, s, z, bits, torch.float32, lv)))
         codes = torch.randint(0, 2**bits, (3, 5, 64), dtype=torch.uint8, device=device)
         out.append((torch.ops.rkv.pack.default, (codes, bits)))
         out.append((torch.ops.rkv.pack.default, (noncontiguous(codes), bits)))
@@ -52,9 +56,12 @@ def cache_samples(device):
     s = presets.recommended(4).replace(sinks=2, recent=4, k_block_tokens=8)
     bufs = CacheLayout(s, 2, 2, 64, 40, torch.float16).allocate(device)
     k = torch.randn(2, 2, 9, 64, device=device).half()
+    lv = torch.linspace(0.5, 14.0, 16, device=device)
     for lengths, clip in (([0, 5], False), ([20, 31], False), ([3, 20], True)):
         out.append((torch.ops.rkv.cache_append.default, (*buffers_args(bufs), torch.tensor(lengths, device=device), k,
                                                          k.clone(), 4, 4, s.block, s.recent, clip, clip)))
+    out.append((torch.ops.rkv.cache_append.default, (*buffers_args(bufs), torch.tensor([3, 20], device=device), k,
+                                                     k.clone(), 4, 4, s.block, s.recent, True, False, 0, lv, lv)))
     for key_space in ("post", "pre", "hadamard"):
         s = Scheme(k_bits=4, v_bits=4, k_group_size=1, k_block_tokens=8, v_group_size=16, v_block_tokens=1,
                    pre_rope=key_space == "pre", k_hadamard=key_space == "hadamard", v_hadamard=key_space != "post",
@@ -66,6 +73,9 @@ def cache_samples(device):
         out.append((torch.ops.rkv.decode_attention.default,
                     (q, *buffers_args(bufs), lengths, 4, 4, s.block, s.recent, rope[0], rope[1], False, ks, vs, 0.125,
                      16)))
+        out.append((torch.ops.rkv.decode_attention.default,
+                    (q, *buffers_args(bufs), lengths, 4, 4, s.block, s.recent, rope[0], rope[1], False, ks, vs, 0.125,
+                     16, 0, 0.0, lv, lv)))
     # a sliding-window ring (appended past its rows) and soft-capped scores
     s = Scheme(k_bits=4, v_bits=4, k_group_size=1, k_block_tokens=8, v_group_size=16, v_block_tokens=1, pre_rope=True,
                sinks=1, recent=4)
@@ -94,6 +104,7 @@ def paged_samples(device):
     out = []
     gen = torch.Generator().manual_seed(0)
     on = lambda t: t.to(device)  # noqa: E731
+    lv = on(torch.linspace(0.5, 14.0, 16))
     for key_space in ("pre", "hadamard"):
         s = presets.recommended(4).replace(sinks=2, recent=4, k_block_tokens=8, pre_rope=key_space == "pre",
                                            k_hadamard=key_space == "hadamard")
@@ -110,7 +121,7 @@ def paged_samples(device):
                                            enumerate(zip(lengths, (9, 5))) for p in range(n, n + m)]))
             out.append((torch.ops.rkv.paged_append.default,
                         (*pool.tensors(), pool.fill if fill else None, tables, slots, on(torch.tensor(lengths)), qsl, k,
-                         k.clone(), 4, 4, s.block, s.recent, False, False, mapping)))
+                         k.clone(), 4, 4, s.block, s.recent, False, False, mapping, lv if slot_map else None, lv)))
         cos, sin = (on(t) for t in torch_rkv.rope_tables(64, 64))
         rope = (cos, sin) if key_space == "pre" else (None, None)
         signs = on(torch_rkv.hadamard_signs(64, 1)) if key_space == "hadamard" else None
@@ -119,11 +130,11 @@ def paged_samples(device):
         q = on(torch.randn(2, 6, 64, generator=gen).half())
         out.append((torch.ops.rkv.paged_decode_attention.default,
                     (q, *pool.tensors(), tables, slots, lengths, 4, 4, s.block, s.recent, *rope, False, signs, vs,
-                     0.125, 8)))
+                     0.125, 8, 0, 0.0, lv, lv)))
         qp = on(torch.randn(7, 6, 64, generator=gen).half())
         out.append((torch.ops.rkv.paged_prefill_attention.default,
                     (qp, k[:7], k[:7].clone(), on(torch.tensor([0, 3, 6])), 3, *pool.tensors(), tables, slots, lengths,
-                     4, 4, s.block, s.recent, *rope, False, signs, vs, 0.125, 0, 5, 3.0)))
+                     4, 4, s.block, s.recent, *rope, False, signs, vs, 0.125, 0, 5, 3.0, None, lv)))
         out.append((torch.ops.rkv.paged_copy.default,
                     (*pool.tensors(), pool.fill, on(torch.tensor([1, 2])), on(torch.tensor([5, 6])),
                      on(torch.tensor([0])), on(torch.tensor([1])))))

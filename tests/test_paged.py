@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from cachebuild import attention_fp32, float_tolerance
+from cachebuild import attention_fp32, float_tolerance, levels_of
 from conftest import device_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -58,9 +58,12 @@ def test_paged_append_matches_reference_and_writes_nothing_else(device, s, data)
     page = data.draw(st.sampled_from([16, 32]))
     batch, heads, d = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2)), 32
     steps = data.draw(st.lists(st.lists(st.integers(0, 13), min_size=batch, max_size=batch), min_size=1, max_size=5))
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    seed = data.draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
     dtype = data.draw(st.sampled_from([torch.float32, torch.float16]))
     layout = PageLayout(s, heads, d, page, dtype)
+    kl, vl = levels_of(s, seed, data.draw(st.booleans(), label="levels"))
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
     totals = [sum(step[b] for step in steps) for b in range(batch)]
     width = max(1, max(-(-n // page) for n in totals))
     pages = batch * width + 2
@@ -74,10 +77,9 @@ def test_paged_append_matches_reference_and_writes_nothing_else(device, s, data)
         v = torch.randn(sum(counts), heads, d, generator=gen).to(dtype)
         qsl = torch.tensor([0] + counts).cumsum(0)
         ref.paged_append(*want.tensors(), want.fill, tables, slots, lengths, qsl, k, v, s.k_bits, s.v_bits, s.block,
-                         s.recent, s.k_clip, s.v_clip)
-        on = lambda t: t.to(device)  # noqa: E731
+                         s.recent, s.k_clip, s.v_clip, k_levels=kl, v_levels=vl)
         ops.paged_append(*got.tensors(), got.fill, on(tables), on(slots), on(lengths), on(qsl), on(k), on(v), s.k_bits,
-                         s.v_bits, s.block, s.recent, s.k_clip, s.v_clip)
+                         s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, k_levels=on(kl), v_levels=on(vl))
         lengths += torch.tensor(counts)
         assert got.equal(want)
 
@@ -120,12 +122,13 @@ def attention_inputs(s: Scheme, data, device, prefill: bool):
     pool = Pool(layout, pages, batch, gen, zeros=True)
     tables = random_tables(gen, pages, [n + m for n, m in zip(lengths, counts)], page, width)
     slots = torch.randperm(batch, generator=gen).to(torch.int32)
-    fill(pool, s, tables, slots, ks, vs, lengths, chunk=data.draw(st.sampled_from([0, 5])))
+    levels = levels_of(s, seed, data.draw(st.booleans(), label="levels"))
+    fill(pool, s, tables, slots, ks, vs, lengths, chunk=data.draw(st.sampled_from([0, 5])), levels=levels)
     q_dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     rope = (cos, sin) if s.pre_rope else (None, None)
     return dict(pool=pool, tables=tables, slots=slots, lengths=lengths, counts=counts, keys=keys, values=values,
                 ks=ks, vs=vs, rope=rope, interleaved=interleaved, k_signs=k_signs, v_signs=v_signs, q_dtype=q_dtype,
-                heads=kv_heads * ratio, d=d, gen=gen, split=data.draw(st.sampled_from([0, 7, 32])))
+                heads=kv_heads * ratio, d=d, gen=gen, split=data.draw(st.sampled_from([0, 7, 32])), levels=levels)
 
 
 def cpu(t):
@@ -148,11 +151,13 @@ def test_paged_decode_matches_reference(device, s, data):
     on = lambda t: None if t is None else t.to(device)  # noqa: E731
     args = (c["tables"], c["slots"], torch.tensor(c["lengths"]), s.k_bits, s.v_bits, s.block, s.recent)
     window, cap = window_and_cap(data)
+    kl, vl = c["levels"]
     want = ref.paged_decode_attention(q, *c["pool"].tensors(), *args, *c["rope"], c["interleaved"], c["k_signs"],
-                                      c["v_signs"], sliding_window=window, softcap=cap)
+                                      c["v_signs"], sliding_window=window, softcap=cap, k_levels=kl, v_levels=vl)
     got = ops.paged_decode_attention(on(q), *pool.tensors(), *(on(a) if torch.is_tensor(a) else a for a in args),
                                      on(c["rope"][0]), on(c["rope"][1]), c["interleaved"], on(c["k_signs"]),
-                                     on(c["v_signs"]), split_tokens=c["split"], sliding_window=window, softcap=cap)
+                                     on(c["v_signs"]), split_tokens=c["split"], sliding_window=window, softcap=cap,
+                                     k_levels=on(kl), v_levels=on(vl))
     assert got.shape == q.shape and got.dtype == q.dtype
     tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
     assert (got.cpu().float() - want.float()).abs().max().item() <= tol
@@ -176,12 +181,15 @@ def test_paged_prefill_matches_reference(device, s, data):
     on = lambda x: None if x is None else x.to(device)  # noqa: E731
     args = (c["tables"], c["slots"], torch.tensor(lengths), s.k_bits, s.v_bits, s.block, s.recent)
     window, cap = window_and_cap(data)
+    kl, vl = c["levels"]
     want = ref.paged_prefill_attention(q, kn, vn, qsl, *c["pool"].tensors(), *args, *c["rope"], c["interleaved"],
-                                       c["k_signs"], c["v_signs"], sliding_window=window, softcap=cap)
+                                       c["k_signs"], c["v_signs"], sliding_window=window, softcap=cap, k_levels=kl,
+                                       v_levels=vl)
     got = ops.paged_prefill_attention(on(q), on(kn), on(vn), on(qsl), max(counts), *pool.tensors(),
                                       *(on(a) if torch.is_tensor(a) else a for a in args), on(c["rope"][0]),
                                       on(c["rope"][1]), c["interleaved"], on(c["k_signs"]), on(c["v_signs"]),
-                                      split_tokens=c["split"], sliding_window=window, softcap=cap)
+                                      split_tokens=c["split"], sliding_window=window, softcap=cap, k_levels=on(kl),
+                                      v_levels=on(vl))
     tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
     assert (got.cpu().float() - want.float()).abs().max().item() <= tol
     assert torch.equal(got[-2:].cpu(), torch.zeros_like(got[-2:].cpu()))

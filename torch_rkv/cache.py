@@ -9,7 +9,7 @@ rotated) and attention works in that space.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,6 +35,8 @@ class QuantizedKVCache(torch.nn.Module):
     model's mask says): the packed rows are a ring of layout.ring_rows rows, so the cache holds the
     window (plus block rounding and the full-precision tail), not the capacity, while positions still
     run to the capacity. softcap > 0: attention-logit soft-capping (Gemma 2), in every attention call.
+    model_layers: the model's index of each of the cache's layers (default 0..num_layers-1), which a
+    scheme with calibrated levels reads its per-layer codebook by.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class QuantizedKVCache(torch.nn.Module):
         rope_interleaved: bool = False,
         sliding_window: int = 0,
         softcap: float = 0.0,
+        model_layers: Optional[Sequence[int]] = None,
     ):
         super().__init__()
         if num_layers < 1:
@@ -77,6 +80,12 @@ class QuantizedKVCache(torch.nn.Module):
                                  f"cache's {self.layout.max_tokens} tokens")
             self.rope_cos = cos.to(device=device, dtype=torch.float32).contiguous()
             self.rope_sin = sin.to(device=device, dtype=torch.float32).contiguous()
+        model_layers = list(range(num_layers)) if model_layers is None else list(model_layers)
+        if len(model_layers) != num_layers:
+            raise ValueError(f"QuantizedKVCache: model_layers names {len(model_layers)} layers for num_layers={num_layers}")
+        for side in ("k", "v"):  # (layers, 2^bits) code values, or None: the uniform grid
+            lv = [scheme.side_levels(i, side) for i in model_layers] if scheme.levels == "calibrated" else None
+            self.register_buffer(f"{side}_levels", None if lv is None else torch.stack(lv).to(device))
         self.register_buffer("k_signs", hadamard_signs(head_dim, scheme.hadamard_seed, device) if scheme.k_hadamard else None)
         self.register_buffer("v_signs", hadamard_signs(head_dim, scheme.hadamard_seed + 1, device)
                              if scheme.v_hadamard else None)
@@ -90,6 +99,10 @@ class QuantizedKVCache(torch.nn.Module):
     def layer_buffers(self, layer: int) -> list[Optional[torch.Tensor]]:
         self._check_layer(layer)
         return [None if getattr(self, name, None) is None else getattr(self, name)[layer] for name in BUFFERS]
+
+    def layer_levels(self, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(k_levels, v_levels) of this layer: its codebook rows, or None (uniform)."""
+        return tuple(None if t is None else t[layer] for t in (self.k_levels, self.v_levels))
 
     def nbytes(self) -> int:
         """Exact bytes of the KV buffers (all layers), from the same layout that allocated them."""
@@ -144,7 +157,8 @@ class QuantizedKVCache(torch.nn.Module):
         step = m if self.sliding_window == 0 else self.layout.packed_capacity - s.block + 1
         for i in range(0, m, step):
             cache_append(*self.layer_buffers(layer), self.lengths[layer], ks[:, :, i : i + step], vs[:, :, i : i + step],
-                         s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, self.sliding_window)
+                         s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, self.sliding_window,
+                         *self.layer_levels(layer))
             self.lengths[layer] += min(step, m - i)
 
     def attend(self, layer: int, q: torch.Tensor, scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
@@ -153,7 +167,8 @@ class QuantizedKVCache(torch.nn.Module):
         s = self.scheme
         return decode_attention(q, *self.layer_buffers(layer), self.lengths[layer], s.k_bits, s.v_bits, s.block,
                                 s.recent, self.rope_cos, self.rope_sin, self.rope_interleaved, self.k_signs,
-                                self.v_signs, scale, split_tokens, self.sliding_window, self.softcap)
+                                self.v_signs, scale, split_tokens, self.sliding_window, self.softcap,
+                                *self.layer_levels(layer))
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
                 split_tokens: int = 0) -> torch.Tensor:
@@ -171,7 +186,7 @@ class QuantizedKVCache(torch.nn.Module):
         out = paged_prefill_attention(rows(q), rows(ks), rows(vs), qsl, m, *self.layer_buffers(layer), None, None,
                                       self.lengths[layer], s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
-                                      split_tokens, self.sliding_window, self.softcap)
+                                      split_tokens, self.sliding_window, self.softcap, *self.layer_levels(layer))
         self._append_storage(layer, ks, vs)
         return out.reshape(b, m, hq, d).transpose(1, 2)
 
@@ -191,14 +206,14 @@ class QuantizedKVCache(torch.nn.Module):
         s, lay = self.scheme, self.layout
         q = quantized_count(n, s.recent, s.block)
         out = []
-        for side in ("k", "v"):
+        for side, lv in zip(("k", "v"), self.layer_levels(layer)):
             bits = getattr(s, f"{side}_bits")
             t = getattr(s, f"{side}_block_tokens")
             parts = [bufs[f"{side}_sink"][:, :, : min(n, s.sinks)].float()]
             if q > s.sinks:
                 zero = bufs[f"{side}_zero"]
                 qt = Quantized(bufs[f"{side}_packed"][:, :, :q], bufs[f"{side}_scale"][:, :, : q // t],
-                               None if zero is None else zero[:, :, : q // t], bits)
+                               None if zero is None else zero[:, :, : q // t], bits, lv)
                 parts.append(dequantize(qt, torch.float32)[:, :, s.sinks :])
             if n > max(s.sinks, q):
                 slots = torch.arange(max(s.sinks, q), n, device=self.lengths.device)

@@ -1,6 +1,14 @@
-"""Non-uniform quantization levels: the Lloyd-Max codebook of a standard Gaussian, and the
-TurboQuant-style round trip that uses it (the report's peer; vLLM's TurboQuant presets store keys and
-values this way).
+"""Non-uniform quantization levels.
+
+Two kinds live here:
+
+* Calibrated per-layer codebooks (`Codebook`), which the kernels serve. A side's codebook is 2^b code
+  values in code units, ascending within [0, 2^b - 1]: a code decodes to levels[code] * scale + zero
+  with the group's usual scale and zero, so only the grid inside each group's range moves (the uniform
+  grid is 0, 1, ..., 2^b - 1). torch_rkv.eval.levels calibrates them; the file format is below and in
+  docs/format.md.
+* The Lloyd-Max codebook of a standard Gaussian, and the TurboQuant-style round trip that uses it (the
+  report's peer; vLLM's TurboQuant presets store keys and values this way). Simulated only.
 
 After a random Hadamard rotation each coordinate of a token's head vector x (D channels) is close to
 N(0, |x|^2 / D), whatever the channel it came from. So one codebook serves every row: store |x| (the
@@ -12,10 +20,113 @@ codes, and the caches refuse a scheme with these levels (Scheme.check_served).
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
+from typing import Optional
 
 import torch
+
+FORMAT = "torch_rkv.codebook/1"
+SIDES = ("k", "v")
+
+
+@dataclass
+class Codebook:
+    """Per-layer, per-side code values for each width: levels[layer][side][bits] is a list of 2^bits
+    floats, strictly ascending within [0, 2^bits - 1]. Stored as a small JSON file:
+
+        {"format": "torch_rkv.codebook/1", "model": ..., "scheme": ..., "calibration": ...,
+         "layers": [{"k": {"2": [4 floats], "3": [8 floats]}, "v": {...}}, ...]}
+
+    A width missing from a layer's side is an error when a scheme asks for it, never a silent fallback
+    to the uniform grid."""
+
+    layers: list = field(default_factory=list)
+    model: str = ""
+    scheme: str = ""
+    calibration: str = ""
+
+    def __post_init__(self):
+        for i, layer in enumerate(self.layers):
+            for side in SIDES:
+                for bits, values in layer.get(side, {}).items():
+                    check_levels(values, int(bits), f"Codebook layer {i} side {side}")
+
+    def levels(self, layer: int, side: str, bits: int) -> torch.Tensor:
+        """The code values of `side` ('k' or 'v') of `layer` at `bits`, float32 (2^bits,)."""
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"Codebook ({self.model or 'unnamed'}): layer {layer} is out of range for "
+                             f"{len(self.layers)} layers")
+        table = self.layers[layer].get(side, {})
+        if str(bits) not in table:
+            raise ValueError(f"Codebook ({self.model or 'unnamed'}): layer {layer} side {side} has no {bits}-bit "
+                             f"levels (it has {sorted(table) or 'none'}); calibrate that width")
+        return torch.tensor(table[str(bits)], dtype=torch.float32)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "model": self.model, "scheme": self.scheme,
+                           "calibration": self.calibration, "layers": self.layers})
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "codebook") -> "Codebook":
+        d = json.loads(text)
+        if d.get("format") != FORMAT:
+            raise ValueError(f"{where}: not a torch_rkv codebook (format {d.get('format')!r}, expected {FORMAT!r})")
+        return cls(d["layers"], d.get("model", ""), d.get("scheme", ""), d.get("calibration", ""))
+
+    def save(self, path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.to_json())
+
+
+@lru_cache(maxsize=16)
+def load(path: str) -> Codebook:
+    """The codebook file at `path` (read once per process)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"codebook file {path} does not exist (python -m torch_rkv calibrate-levels writes one)")
+    return Codebook.from_json(p.read_text(), str(path))
+
+
+def check_levels(values, bits: int, where: str) -> None:
+    """Raise unless `values` are 2^bits strictly ascending code values within [0, 2^bits - 1]."""
+    top = (1 << bits) - 1
+    v = [float(x) for x in values]
+    if bits not in (2, 3, 4) or len(v) != top + 1:
+        raise ValueError(f"{where}: {bits}-bit levels must be {top + 1} values for 2, 3 or 4 bits (got {len(v)})")
+    if not all(0.0 <= x <= top for x in v) or any(b <= a for a, b in zip(v, v[1:])):
+        raise ValueError(f"{where}: {bits}-bit levels must be strictly ascending within [0, {top}] (got {v})")
+
+
+def lloyd(u: torch.Tensor, w: torch.Tensor, bits: int, pin_ends: bool = True, iterations: int = 60,
+          init: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Levels (2^bits,) minimizing sum w (u - level(u))^2 over samples u (code units, within [0, 2^bits -
+    1]) with weights w (a group's scale^2: the error in the data's own units): Lloyd's iteration, each
+    level the weighted mean of its cell. pin_ends: the first and last level stay at 0 and 2^bits - 1, so
+    every group's min and max are still represented exactly (the extreme tokens of a channel are the ones
+    attention singles out). A cell left empty keeps its level; levels stay strictly ascending."""
+    n = 1 << bits
+    top = float(n - 1)
+    u = u.double().clamp(0, top).flatten()
+    w = w.double().flatten()
+    lv = (torch.arange(n, dtype=torch.float64) if init is None else init.double().clone())
+    for _ in range(iterations):
+        mids = (lv[1:] + lv[:-1]) * 0.5
+        cell = torch.bucketize(u, mids)  # the count of midpoints below u: encode's rule
+        mass = torch.zeros(n, dtype=torch.float64).index_add_(0, cell, w)
+        moment = torch.zeros(n, dtype=torch.float64).index_add_(0, cell, w * u)
+        new = torch.where(mass > 0, moment / mass.clamp_min(1e-300), lv)
+        if pin_ends:
+            new[0], new[-1] = 0.0, top
+        lv = new
+    lv = lv.float().clamp(0, top)
+    for i in range(1, n):  # strictly ascending in float32 (cells never cross, but two may meet)
+        if lv[i] <= lv[i - 1]:
+            lv[i] = torch.nextafter(lv[i - 1], torch.tensor(math.inf))
+    return lv
 
 
 def _pdf(x: float) -> float:

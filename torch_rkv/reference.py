@@ -27,6 +27,26 @@ def sym_bias(bits: int) -> int:
     return 1 << (bits - 1)
 
 
+def check_levels(op: str, arg: str, lv: Optional[torch.Tensor], bits: int, symmetric: bool) -> None:
+    """Non-uniform levels: (2^bits,) float32 code values, strictly ascending within [0, 2^bits - 1], for
+    asymmetric codes of 2 to 4 bits (checks.cpp check_levels)."""
+    if lv is None:
+        return
+    if symmetric:
+        raise ValueError(f"rkv.{op}: {arg} (non-uniform levels) needs asymmetric codes; this side is symmetric "
+                         "(no zero)")
+    if lv.dtype != torch.float32:
+        raise TypeError(f"rkv.{op}: {arg} must be float32 (got {lv.dtype})")
+    if bits > 4:
+        raise ValueError(f"rkv.{op}: {arg}: non-uniform levels are for 2, 3 or 4 bits (got {bits})")
+    if lv.shape != (1 << bits,):
+        raise ValueError(f"rkv.{op}: {arg} must have shape ({1 << bits},), one value per {bits}-bit code, got "
+                         f"{list(lv.shape)}")
+    v = lv.cpu()
+    if not (bool((v >= 0).all()) and bool((v <= levels(bits)).all()) and bool((v[1:] > v[:-1]).all())):
+        raise ValueError(f"rkv.{op}: {arg} must be strictly ascending code values within [0, {levels(bits)}]")
+
+
 def _next16(h: torch.Tensor, up: bool) -> torch.Tensor:
     """Next representable float16 / bfloat16 toward +inf (up) or -inf."""
     b = h.view(torch.int16).to(torch.int32) & 0xFFFF
@@ -72,15 +92,15 @@ CLIP_STEPS = 11
 
 
 def _tile_error(tiles: torch.Tensor, counted: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                bits: int) -> torch.Tensor:
+                bits: int, lv: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sum over each tile (*, nb, T, ng, G) of (x_hat - x)^2 for its counted values, float64, (*, nb, ng)."""
     s, z = scale[..., :, None, :, None], zero[..., :, None, :, None]
-    err = (decode(encode(tiles, s, z, bits, False), s, z, bits) - tiles).double() ** 2
+    err = (decode(encode(tiles, s, z, bits, False, lv), s, z, bits, lv) - tiles).double() ** 2
     return torch.where(counted, err, torch.zeros_like(err)).sum(dim=(-3, -1))
 
 
 def clip_params(tiles: torch.Tensor, counted: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int,
-                meta_dtype: torch.dtype):
+                meta_dtype: torch.dtype, lv: Optional[torch.Tensor] = None):
     """(scale, zero) of the clipped-range search: candidate j = 0..10 is the range [lo + j*step, hi - j*step]
     with step = (hi - lo) * 0.025 in float32 (none beyond j = 0 when step overflows); the candidate
     with the least squared error over the group's counted values (finite, not sinks; float64 sum) wins,
@@ -88,11 +108,11 @@ def clip_params(tiles: torch.Tensor, counted: torch.Tensor, lo: torch.Tensor, hi
     step = (hi - lo) * torch.tensor(0.025, dtype=torch.float32)
     searchable = torch.isfinite(step)
     best_scale, best_zero = quant_params(lo, hi, bits, False, meta_dtype)
-    best_err = _tile_error(tiles, counted, best_scale, best_zero, bits)
+    best_err = _tile_error(tiles, counted, best_scale, best_zero, bits, lv)
     for j in range(1, CLIP_STEPS):
         cut = torch.tensor(float(j), dtype=torch.float32) * step
         scale, zero = quant_params(lo + cut, hi - cut, bits, False, meta_dtype)
-        err = _tile_error(tiles, counted, scale, zero, bits)
+        err = _tile_error(tiles, counted, scale, zero, bits, lv)
         better = searchable & (err < best_err)
         best_scale = torch.where(better, scale, best_scale)
         best_zero = torch.where(better, zero, best_zero)
@@ -105,11 +125,19 @@ def _expand_meta(m: torch.Tensor, block_tokens: int, group_size: int) -> torch.T
     return m.float().repeat_interleave(block_tokens, dim=-2).repeat_interleave(group_size, dim=-1)
 
 
-def encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
-    """Codes (uint8) of float32 x given float32 scale/zero broadcast to x."""
+def encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, symmetric: bool,
+           lv: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Codes (uint8) of float32 x given float32 scale/zero broadcast to x. lv: non-uniform levels (code
+    units, ascending; asymmetric): the code of the nearest level to (x - zero) / scale, ties toward the
+    lower (the count of midpoints it exceeds)."""
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
     pos = scale > 0
     safe = torch.where(pos, scale, torch.ones_like(scale))
+    if lv is not None:
+        u = torch.where(pos, (x - zero) / safe, torch.zeros_like(x))
+        lv = lv.to(device=x.device, dtype=torch.float32)
+        mids = (lv[1:] + lv[:-1]) * 0.5
+        return (u[..., None] > mids).sum(-1).to(torch.uint8)
     if symmetric:
         qm = sym_bias(bits) - 1
         q = torch.where(pos, torch.round(x / safe), torch.zeros_like(x)).clamp(-qm, qm) + sym_bias(bits)
@@ -118,9 +146,11 @@ def encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, 
     return q.to(torch.uint8)
 
 
-def decode(codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], bits: int) -> torch.Tensor:
-    """float32 values of codes given float32 scale/zero broadcast to them (zero None: symmetric)."""
-    c = codes.float()
+def decode(codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], bits: int,
+           lv: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32 values of codes given float32 scale/zero broadcast to them (zero None: symmetric); lv:
+    non-uniform levels, lv[code] * scale + zero."""
+    c = codes.float() if lv is None else lv.to(device=codes.device, dtype=torch.float32)[codes.long()]
     if zero is None:
         return (c - sym_bias(bits)) * scale
     return c * scale + zero
@@ -135,6 +165,7 @@ def quantize(
     meta_dtype: torch.dtype = torch.float16,
     clip: bool = False,
     sink_rows: int = 0,
+    levels: Optional[torch.Tensor] = None,
 ):
     """x (*, N, D) -> (packed (*, N, D*bits/8) uint8, scale, zero (*, N/T, D/G) meta_dtype).
 
@@ -147,9 +178,12 @@ def quantize(
     sink_rows (the cache's use, not an op argument): tokens [0, sink_rows) are attention sinks, kept in
     full precision elsewhere; they are encoded like the others but do not set the range of a group they
     share with other tokens (a group made of sinks only takes its range from them).
+    levels (asymmetric, 2-4 bits): non-uniform code values in code units, (2^bits,) float32 strictly
+    ascending within [0, 2^bits - 1]; the range and scale are unchanged, codes come from encode's lv.
     """
     if clip and symmetric:
         raise ValueError("rkv.quantize: clip searches asymmetric ranges; it needs symmetric=False")
+    check_levels("quantize", "levels", levels, bits, symmetric)
     *lead, n, d = x.shape
     t, g = block_tokens, group_size
     xf = x.float()
@@ -162,10 +196,10 @@ def quantize(
     lo = torch.where(counted, tiles, torch.full_like(tiles, math.inf)).amin(dim=(-3, -1))
     hi = torch.where(counted, tiles, torch.full_like(tiles, -math.inf)).amax(dim=(-3, -1))
     if clip:
-        scale, zero = clip_params(tiles, counted, lo, hi, bits, meta_dtype)
+        scale, zero = clip_params(tiles, counted, lo, hi, bits, meta_dtype, levels)
     else:
         scale, zero = quant_params(lo, hi, bits, symmetric, meta_dtype)
-    codes = encode(xf, _expand_meta(scale, t, g), _expand_meta(zero, t, g), bits, symmetric)
+    codes = encode(xf, _expand_meta(scale, t, g), _expand_meta(zero, t, g), bits, symmetric, levels)
     zero_out = torch.empty(0, dtype=meta_dtype, device=x.device) if symmetric else zero.to(meta_dtype)
     return pack(codes, bits), scale.to(meta_dtype), zero_out
 
@@ -176,14 +210,16 @@ def dequantize(
     zero: Optional[torch.Tensor],
     bits: int,
     out_dtype: torch.dtype = torch.float32,
+    levels: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Inverse of quantize; group size and block tokens are read off scale's shape."""
+    check_levels("dequantize", "levels", levels, bits, zero is None)
     codes = unpack(packed, bits)
     n, d = codes.shape[-2], codes.shape[-1]
     t = n // scale.shape[-2] if scale.shape[-2] else 1
     g = d // scale.shape[-1]
     z = None if zero is None else _expand_meta(zero, t, g)
-    return decode(codes, _expand_meta(scale, t, g), z, bits).to(out_dtype)
+    return decode(codes, _expand_meta(scale, t, g), z, bits, levels).to(out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -341,7 +377,7 @@ def _slot_of(side_slots, b: int) -> int:
     return b if side_slots is None else int(side_slots[b])
 
 
-def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Tensor, lv=None) -> torch.Tensor:
     """Quantized rows (page pages[i], row rows[i]) of every head, dequantized: (H, N, D) float32."""
     per_meta = codes.shape[2] // scale.shape[2]  # tokens per metadata row (the quantizer tile T)
     dev = codes.device
@@ -350,7 +386,7 @@ def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Te
     g = c.shape[-1] // scale.shape[-1]
     sc = scale[pages, :, rows // per_meta].float().repeat_interleave(g, dim=-1)
     z = None if zero is None else zero[pages, :, rows // per_meta].float().repeat_interleave(g, dim=-1)
-    return decode(c, sc, z, bits).transpose(0, 1)
+    return decode(c, sc, z, bits, lv).transpose(0, 1)
 
 
 def window_start(end: int, window: int) -> int:
@@ -360,7 +396,7 @@ def window_start(end: int, window: int) -> int:
 
 
 def gather_tokens(codes, scale, zero, bits, window, sink, pages, n: int, recent: int, block: int, first: int = 0,
-                  ring: bool = False) -> torch.Tensor:
+                  ring: bool = False, lv=None) -> torch.Tensor:
     """Tokens first..n-1 of one sequence's n cached tokens of one side (keys or values) in order, float32
     (H, n - first, D), from its pages (1-D page ids), its window ring (H, W, D) and its sinks (H, S, D).
     ring: one page whose rows are a ring (a sliding-window layer's contiguous cache): token t in row
@@ -372,21 +408,21 @@ def gather_tokens(codes, scale, zero, bits, window, sink, pages, n: int, recent:
     if q > lo:
         t = torch.arange(lo, q)
         page_ids = torch.as_tensor(pages)[torch.zeros_like(t) if ring else t // p]
-        parts.append(read_rows(codes, scale, zero, bits, page_ids, t % p))
+        parts.append(read_rows(codes, scale, zero, bits, page_ids, t % p, lv))
     if n > max(lo, q):
         parts.append(window[:, [t % window.shape[-2] for t in range(max(lo, q), n)]].float())
     return torch.cat(parts, dim=1)
 
 
 def _cached(cache, block_tables, side_slots, b: int, n: int, k_bits, v_bits, block, recent, first: int = 0,
-            ring: bool = False):
+            ring: bool = False, k_levels=None, v_levels=None):
     """(keys, values) (Hkv, n - first, D) float32 of sequence b's tokens first..n-1, in the storage space."""
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink = cache
     pages, slot = _pages_of(block_tables, b), _slot_of(side_slots, b)
     keys = gather_tokens(k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], pages, n, recent, block,
-                         first, ring)
+                         first, ring, k_levels)
     values = gather_tokens(v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], pages, n, recent, block,
-                           first, ring)
+                           first, ring, v_levels)
     return keys, values
 
 
@@ -426,6 +462,7 @@ def paged_decode_attention(
     rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None, rope_interleaved: bool = False,
     k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
     scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
+    k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest query q (B, Hq, D) over its n = lengths[b] cached tokens
     (sliding_window > 0: the newest sliding_window of them; without block tables the pages are then a
@@ -434,9 +471,12 @@ def paged_decode_attention(
     Keys stored before RoPE (rope_cos/rope_sin given) are rotated to their positions 0..n-1 after
     dequantizing; keys/values stored Hadamard-rotated (k_signs / v_signs given) are used in the rotated
     space: scores with the rotated query, the output rotated back. Query head h reads KV head
-    h // (Hq / Hkv). softcap > 0: soft-capped scores (_attend). A sequence with no cached token gets a
-    zero output. Computed in float32.
+    h // (Hq / Hkv). softcap > 0: soft-capped scores (_attend). k_levels / v_levels: each side's
+    non-uniform levels (quantize's levels), None: uniform. A sequence with no cached token gets a zero
+    output. Computed in float32.
     """
+    check_levels("paged_decode_attention", "k_levels", k_levels, k_bits, k_zero is None)
+    check_levels("paged_decode_attention", "v_levels", v_levels, v_bits, v_zero is None)
     b_, hq, d = q.shape
     cache = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -446,7 +486,7 @@ def paged_decode_attention(
         n = int(lengths[b])
         first = window_start(n, sliding_window)
         keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent, first,
-                               block_tables is None and sliding_window > 0)
+                               block_tables is None and sliding_window > 0, k_levels, v_levels)
         if rope_cos is not None:
             keys = rope(keys, rope_cos, rope_sin, torch.arange(first, n, device=q.device), rope_interleaved)
         out[b] = _attend(qf[b][None], keys, values, torch.tensor([n]), scale, sliding_window, softcap, first)[0]
@@ -464,9 +504,10 @@ def paged_prefill_attention(
     rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None, rope_interleaved: bool = False,
     k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
     scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
+    k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of a chunk of new tokens per sequence over its cache and the chunk itself
-    (sliding_window, softcap: as paged_decode_attention's, per query row).
+    (sliding_window, softcap, k_levels, v_levels: as paged_decode_attention's, per query row).
 
     Sequence b has n = lengths[b] cached tokens and m = query_start_loc[b+1] - query_start_loc[b] new
     ones at positions n..n+m-1: rows query_start_loc[b].. of q (T, Hq, D) and of k_new / v_new (T, Hkv,
@@ -485,7 +526,7 @@ def paged_prefill_attention(
         n, lo, hi = int(lengths[b]), starts[b], starts[b + 1]
         first = min(n, window_start(n + 1, sliding_window))  # the earliest key the chunk's first token sees
         keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent, first,
-                               block_tables is None and sliding_window > 0)
+                               block_tables is None and sliding_window > 0, k_levels, v_levels)
         keys = torch.cat([keys, k_new[lo:hi].float().transpose(0, 1)], dim=1)
         values = torch.cat([values, v_new[lo:hi].float().transpose(0, 1)], dim=1)
         if rope_cos is not None:
@@ -504,6 +545,7 @@ def paged_append(
     lengths: torch.Tensor, query_start_loc: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     k_bits: int, v_bits: int, block: int, recent: int, k_clip: bool = False, v_clip: bool = False,
     slot_mapping: Optional[torch.Tensor] = None, ring: bool = False,
+    k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
 ) -> None:
     """Append each sequence's new tokens, in place: sequence b's m = query_start_loc[b+1] -
     query_start_loc[b] tokens, rows query_start_loc[b].. of k_new / v_new (T, Hkv, D) in the storage
@@ -518,8 +560,10 @@ def paged_append(
     table, a page id out of range, a write into rows a page already holds (a full page is immutable),
     slot_mapping (T,) disagreeing with the tables (entries past query_start_loc[B] are padding). ring
     (no block tables): each sequence's one page is a ring, token t in row t % P (cache_append's
-    sliding_window).
+    sliding_window). k_levels / v_levels: blocks are quantized with these non-uniform levels.
     """
+    check_levels("paged_append", "k_levels", k_levels, k_bits, k_zero is None)
+    check_levels("paged_append", "v_levels", v_levels, v_bits, v_zero is None)
     for side, clip, zero in (("k", k_clip, k_zero), ("v", v_clip, v_zero)):
         if clip and zero is None:
             raise ValueError(f"rkv.paged_append: {side}_clip needs asymmetric {'keys' if side == 'k' else 'values'} "
@@ -550,9 +594,9 @@ def paged_append(
         plan.append((b, n0, n1, lo, pages, _slot_of(side_slots, b)))
     for b, n0, n1, lo, pages, slot in plan:
         q1 = quantized_count(n1, recent, block)
-        for codes, scale, zero, bits, window, sink, new, clip in (
-            (k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], k_new, k_clip),
-            (v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], v_new, v_clip),
+        for codes, scale, zero, bits, window, sink, new, clip, lv in (
+            (k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], k_new, k_clip, k_levels),
+            (v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], v_new, v_clip, v_levels),
         ):
             new = new[lo : lo + n1 - n0].to(window.dtype).transpose(0, 1)  # (H, m, D)
 
@@ -567,7 +611,7 @@ def paged_append(
                 first = j * block
                 src = torch.stack([token(t) for t in range(first, first + block)], dim=1)  # (H, block, D)
                 c, sc, zr = quantize(src, bits, group, per_meta, zero is None, scale.dtype, clip,
-                                     sink_rows=max(0, min(s - first, block)))
+                                     sink_rows=max(0, min(s - first, block)), levels=lv)
                 page, row = int(pages[first // p]), first % p
                 codes[page, :, row : row + block] = c
                 scale[page, :, row // per_meta : (row + block) // per_meta] = sc
@@ -612,18 +656,20 @@ def decode_attention(
     rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None, rope_interleaved: bool = False,
     k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
     scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
+    k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """paged_decode_attention over the contiguous layout: k_packed (B, Hkv, C, D*bits/8) etc., sequence
     b in page b (C rows; a ring with a sliding window) and side slot b."""
     return paged_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                                   k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent, rope_cos,
-                                  rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window, softcap)
+                                  rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window, softcap,
+                                  k_levels, v_levels)
 
 
 def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                       k_sink, v_sink, lengths, k_bits, v_bits, block, recent, rope_cos=None, rope_sin=None,
                       rope_interleaved=False, k_signs=None, v_signs=None, scale=None, sliding_window=0,
-                      softcap=0.0) -> torch.Tensor:
+                      softcap=0.0, k_levels=None, v_levels=None) -> torch.Tensor:
     """paged_prefill_attention over the contiguous layout: q (B, Hq, m, D), k_new / v_new (B, Hkv, m, D);
     (B, Hq, m, D)."""
     kn, qsl = _contiguous_new(k_new)
@@ -632,7 +678,7 @@ def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_sc
     out = paged_prefill_attention(qn, kn, vn, qsl, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
                                   v_window, k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent,
                                   rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window,
-                                  softcap)
+                                  softcap, k_levels, v_levels)
     return out.reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
 
@@ -641,7 +687,7 @@ def cache_append(
     k_window, v_window, k_sink, v_sink,
     lengths: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     k_bits: int, v_bits: int, block: int, recent: int, k_clip: bool = False, v_clip: bool = False,
-    sliding_window: int = 0,
+    sliding_window: int = 0, k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
 ) -> None:
     """paged_append over the contiguous layout: k_new / v_new (B, Hkv, m, D) after each sequence's
     lengths[b] tokens. sliding_window > 0: the packed rows are a ring of C >= ring_rows rows that takes at
@@ -657,6 +703,6 @@ def cache_append(
     try:
         paged_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink, None,
                      None, None, lengths, qsl, kn, vn, k_bits, v_bits, block, recent, k_clip, v_clip,
-                     ring=sliding_window > 0)
+                     ring=sliding_window > 0, k_levels=k_levels, v_levels=v_levels)
     except ValueError as e:
         raise ValueError(str(e).replace("rkv.paged_append", "rkv.cache_append")) from None

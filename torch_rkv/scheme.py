@@ -22,8 +22,10 @@ class Scheme:
     stored before RoPE and rotated inside attention. k_clip / v_clip: each group's range is the
     least-squared-error shrinkage of [min, max] (rkv.quantize's clip; asymmetric only). k_hadamard / v_hadamard: stored after a random
     Hadamard rotation (keys only post-RoPE). sinks: the first tokens in full precision; recent: at least
-    this many newest tokens in full precision (KIVI's residual). levels: "uniform" (the kernels' codes),
-    or "gaussian": Lloyd-Max levels of a Gaussian with one norm per token row (torch_rkv.codebook, the
+    this many newest tokens in full precision (KIVI's residual). levels: "uniform" (a uniform grid in
+    each group's range), "calibrated": per-layer, per-side non-uniform code values read from the
+    codebook file `codebook` (torch_rkv.codebook; the kernels look codes up in them; asymmetric sides
+    below 8 bits), or "gaussian": Lloyd-Max levels of a Gaussian with one norm per token row (the
     TurboQuant-style peer; simulation only, Scheme.check_served). outliers: dense-and-sparse, this
     fraction of each block's values of both sides kept in fp16 (torch_rkv.outliers; simulation only).
     """
@@ -48,6 +50,7 @@ class Scheme:
     meta_dtype: torch.dtype = torch.float16
     levels: str = "uniform"
     outliers: float = 0.0  # fraction of each block's values kept in fp16 beside the codes (torch_rkv.outliers)
+    codebook: Optional[str] = None  # levels="calibrated": the codebook file (torch_rkv.codebook.Codebook)
 
     def __post_init__(self):
         for arg in ("k_bits", "v_bits"):
@@ -69,8 +72,16 @@ class Scheme:
             raise ValueError("Scheme: sinks and recent must be >= 0")
         if self.meta_dtype not in _DTYPE_NAMES:
             raise TypeError(f"Scheme.meta_dtype must be float16, bfloat16 or float32 (got {self.meta_dtype})")
-        if self.levels not in ("uniform", "gaussian"):
-            raise ValueError(f"Scheme.levels must be 'uniform' or 'gaussian' (got {self.levels!r})")
+        if self.levels not in ("uniform", "calibrated", "gaussian"):
+            raise ValueError(f"Scheme.levels must be 'uniform', 'calibrated' or 'gaussian' (got {self.levels!r})")
+        if (self.levels == "calibrated") != (self.codebook is not None):
+            raise ValueError("Scheme: levels='calibrated' reads its levels from a codebook file: give both, or "
+                             f"neither (levels={self.levels!r}, codebook={self.codebook!r})")
+        if self.levels == "calibrated":
+            for side in ("k", "v"):
+                if getattr(self, f"{side}_symmetric") or getattr(self, f"{side}_bits") == 8:
+                    raise ValueError(f"Scheme: calibrated levels need asymmetric {side} codes below 8 bits "
+                                     f"({side}_symmetric=False, {side}_bits in 2, 3, 4)")
         if not 0.0 <= self.outliers <= 0.1:
             raise ValueError(f"Scheme.outliers must be a fraction in [0, 0.1] (got {self.outliers})")
         if self.outliers and self.levels != "uniform":
@@ -103,12 +114,20 @@ class Scheme:
 
     def check_served(self) -> None:
         """Raise if the caches and kernels cannot store this scheme (the report can still simulate it)."""
-        if self.levels != "uniform":
-            raise NotImplementedError(f"Scheme {self.name}: {self.levels} levels are simulated only (the report's "
-                                      "peer); the cache kernels store uniform codes")
+        if self.levels == "gaussian":
+            raise NotImplementedError(f"Scheme {self.name}: gaussian levels are simulated only (the report's "
+                                      "peer); the cache kernels store codes in each group's range")
         if self.outliers:
             raise NotImplementedError(f"Scheme {self.name}: sparse outliers are simulated only (the report); the "
                                       "cache kernels do not read a sparse side buffer yet")
+
+    def side_levels(self, layer: int, side: str) -> Optional[torch.Tensor]:
+        """The code values side ('k' or 'v') of layer `layer` decodes through, float32 (2^bits,), or None
+        (the uniform grid; also for "gaussian", which the simulation applies itself)."""
+        if self.levels != "calibrated":
+            return None
+        from .codebook import load  # noqa: PLC0415  (the file is read once per process)
+        return load(self.codebook).levels(layer, side, getattr(self, f"{side}_bits"))
 
     def meta_bits(self, head_dim: int, side: str) -> float:
         """Metadata bits per element of keys ('k') or values ('v')."""
@@ -141,8 +160,10 @@ class Scheme:
             return f"{s.upper()}{bits} {how}{extra}"
 
         parts = [side("k") + (" pre-RoPE" if self.pre_rope else ""), side("v")]
-        if self.levels != "uniform":
-            parts.append(f"{self.levels} Lloyd-Max levels + norm")
+        if self.levels == "gaussian":
+            parts.append("gaussian Lloyd-Max levels + norm")
+        elif self.levels == "calibrated":
+            parts.append("calibrated levels")
         if self.outliers:
             parts.append(f"{self.outliers:.1%} outliers in fp16")
         if self.sinks:

@@ -20,6 +20,7 @@ struct CacheCall {
   at::Tensor lengths;        // (B,) int64
   at::Tensor tables, slots;  // what pt points into (undefined: the contiguous layout)
   at::ScalarType fp = at::kFloat, meta = at::kFloat;  // dtypes of the side rows and of the metadata
+  at::Tensor k_levels, v_levels;  // what k.levels / v.levels point into (undefined: uniform)
 };
 
 // Checks the cache and resolves its addressing. The pointers are into the caller's tensors (writable:

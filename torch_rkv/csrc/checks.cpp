@@ -113,6 +113,29 @@ QuantGeometry check_dequantize(const at::Tensor& packed, const at::Tensor& scale
   return g;
 }
 
+at::Tensor check_levels(const char* op, const char* arg, const at::Tensor& ref, const std::optional<at::Tensor>& levels,
+                        int64_t bits, bool symmetric) {
+  if (!levels.has_value()) return at::Tensor();
+  const at::Tensor& t = *levels;
+  TORCH_CHECK_VALUE(!symmetric, "rkv.", op, ": ", arg, " (non-uniform levels) needs asymmetric codes; this side is "
+                    "symmetric (no zero)");
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "rkv.", op, ": ", arg, " must be float32 (got ", t.scalar_type(), ")");
+  TORCH_CHECK_VALUE(bits <= 4, "rkv.", op, ": ", arg, ": non-uniform levels are for 2, 3 or 4 bits (got ", bits, ")");
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == (int64_t{1} << bits), "rkv.", op, ": ", arg, " must have shape (",
+                    int64_t{1} << bits, ",), one value per ", bits, "-bit code, got ", t.sizes());
+  check_same_device(op, ref, arg, t);
+  const at::Tensor out = t.contiguous();
+  if (out.is_cpu()) {
+    const float* l = out.const_data_ptr<float>();
+    const float top = static_cast<float>((1 << bits) - 1);
+    for (int64_t i = 0; i < out.size(0); ++i) {
+      TORCH_CHECK_VALUE(l[i] >= 0.0f && l[i] <= top && (i == 0 || l[i] > l[i - 1]), "rkv.", op, ": ", arg,
+                        " must be strictly ascending code values within [0, ", top, "] (entry ", i, " is ", l[i], ")");
+    }
+  }
+  return out;
+}
+
 void check_pack(const at::Tensor& codes, int64_t bits) {
   check_bits("pack", "bits", bits);
   TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "rkv.pack: codes must be uint8 (got ", codes.scalar_type(),

@@ -34,6 +34,12 @@ void check_unpack(const at::Tensor& packed, int64_t bits);
 void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions);
 void check_hadamard(const at::Tensor& x, const std::optional<at::Tensor>& signs);
 
+// A side's non-uniform levels (include/rkv/quant.h): float32 (2^bits,) on ref's device, for asymmetric
+// codes only; on CPU also finite, strictly ascending and within [0, 2^bits - 1] (on CUDA the values are
+// not read back: no sync per call). Returns them contiguous, or an undefined tensor (uniform).
+at::Tensor check_levels(const char* op, const char* arg, const at::Tensor& ref, const std::optional<at::Tensor>& levels,
+                        int64_t bits, bool symmetric);
+
 // The ten tensors of one layer's quantized cache (reference.py, "The quantized KV cache").
 struct CacheTensors {
   const at::Tensor& k_codes;
@@ -46,6 +52,8 @@ struct CacheTensors {
   const at::Tensor& v_window;
   const at::Tensor& k_sink;
   const at::Tensor& v_sink;
+  const std::optional<at::Tensor>* k_levels = nullptr;  // non-uniform levels of each side (nullptr or None:
+  const std::optional<at::Tensor>* v_levels = nullptr;  // uniform codes)
 };
 
 // How an op addresses the cache: the paged ops pass block tables and side slots (each may be absent:

@@ -88,12 +88,17 @@ TORCH_LIBRARY(rkv, m) {
   // D/group_size) of meta_dtype. zero is empty (numel 0) when symmetric. clip: each group's range is
   // the least-squared-error one of 11 shrinkages of [min, max] (asymmetric only; include/rkv/quant.h).
   // sink_rows: tokens [0, sink_rows) (a cache's attention sinks) are encoded but do not set the range
-  // of a group they share with other tokens.
+  // of a group they share with other tokens. levels: non-uniform code values (2^bits,) float32, ascending
+  // within [0, 2^bits - 1] (include/rkv/quant.h; asymmetric only), None: the uniform grid. Every op that
+  // reads or writes codes takes them the same way (k_levels / v_levels for a cache's two sides).
   m.def(
       "quantize(Tensor x, int bits, SymInt group_size, SymInt block_tokens, bool symmetric, "
-      "ScalarType meta_dtype, bool clip=False, SymInt sink_rows=0) -> (Tensor packed, Tensor scale, Tensor zero)");
+      "ScalarType meta_dtype, bool clip=False, SymInt sink_rows=0, Tensor? levels=None) -> (Tensor packed, Tensor scale, "
+      "Tensor zero)");
   // Inverse of quantize; group size and block tokens are read off scale's shape. zero=None: symmetric.
-  m.def("dequantize(Tensor packed, Tensor scale, Tensor? zero, int bits, ScalarType out_dtype) -> Tensor");
+  m.def(
+      "dequantize(Tensor packed, Tensor scale, Tensor? zero, int bits, ScalarType out_dtype, Tensor? levels=None) "
+      "-> Tensor");
   // codes (*, D) uint8 < 2^bits -> (*, D*bits/8) uint8 in the docs/format.md bit layout.
   m.def("pack(Tensor codes, int bits) -> Tensor");
   // packed (*, B) uint8 -> codes (*, B*8/bits) uint8.
@@ -115,7 +120,7 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor v_scale, Tensor? v_zero, Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, "
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
       "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens, "
-      "SymInt sliding_window=0, float softcap=0.0) -> Tensor");
+      "SymInt sliding_window=0, float softcap=0.0, Tensor? k_levels=None, Tensor? v_levels=None) -> Tensor");
   // Appends k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens of the contiguous
   // layout, in place: completed blocks are quantized into the packed rows and metadata, other new tokens
   // go to the sinks or the window ring (reference.cache_append). Writes only the buffers marked (x!);
@@ -124,7 +129,8 @@ TORCH_LIBRARY(rkv, m) {
       "cache_append(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_packed, "
       "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
       "Tensor(j!) v_sink, Tensor lengths, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, "
-      "SymInt recent, bool k_clip=False, bool v_clip=False, SymInt sliding_window=0) -> ()");
+      "SymInt recent, bool k_clip=False, bool v_clip=False, SymInt sliding_window=0, Tensor? k_levels=None, "
+      "Tensor? v_levels=None) -> ()");
   // The paged layout (reference.py, "The quantized KV cache"): codes (pages, Hkv, P, D*bits/8) and
   // scale/zero (pages, Hkv, P/T, D/G), contiguous within a page and any stride apart (views into one
   // page buffer), side slots (slots, Hkv, W|S, D); sequence b reads page block_tables[b][t / P] (int32
@@ -139,14 +145,16 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
       "Tensor(j!) v_sink, Tensor(k!)? page_fill, Tensor? block_tables, Tensor? side_slots, Tensor lengths, "
       "Tensor query_start_loc, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, SymInt recent, "
-      "bool k_clip=False, bool v_clip=False, Tensor? slot_mapping=None) -> ()");
+      "bool k_clip=False, bool v_clip=False, Tensor? slot_mapping=None, Tensor? k_levels=None, Tensor? v_levels=None) "
+      "-> ()");
   // decode_attention over the paged layout: q (B, Hq, D), one query per sequence.
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, "
       "Tensor v_scale, Tensor? v_zero, Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, "
       "Tensor? block_tables, Tensor? side_slots, Tensor lengths, int k_bits, int v_bits, SymInt block, "
       "SymInt recent, Tensor? rope_cos, Tensor? rope_sin, bool rope_interleaved, Tensor? k_signs, "
-      "Tensor? v_signs, float scale, SymInt split_tokens, SymInt sliding_window=0, float softcap=0.0) -> Tensor");
+      "Tensor? v_signs, float scale, SymInt split_tokens, SymInt sliding_window=0, float softcap=0.0, "
+      "Tensor? k_levels=None, Tensor? v_levels=None) -> Tensor");
   // A chunk of new tokens per sequence, q (T, Hq, D) with query_start_loc (B+1) and their keys / values
   // k_new / v_new (T, Hkv, D) in the storage space: causal attention over the lengths[b] cached tokens
   // as stored and the chunk itself in full precision (reference.paged_prefill_attention). Runs before
@@ -157,7 +165,7 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, Tensor? block_tables, Tensor? side_slots, "
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
       "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens, "
-      "SymInt sliding_window=0, float softcap=0.0) -> Tensor");
+      "SymInt sliding_window=0, float softcap=0.0, Tensor? k_levels=None, Tensor? v_levels=None) -> Tensor");
   // Copies pages src_pages[i] -> dst_pages[i] (codes, metadata, page_fill) and side slots src_slots[j] ->
   // dst_slots[j] (sinks, window) in place: a fork's open page and side rows (reference.paged_copy).
   m.def(

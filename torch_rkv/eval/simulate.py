@@ -120,7 +120,7 @@ class Simulation:
         tokens = getattr(s, f"{side}_block_tokens")
         if self.view == "all" and (hi - lo) % tokens:
             raise ValueError(f"simulation view 'all': {hi - lo} tokens are not whole blocks of {tokens}")
-        back = self.round_trip(part, side, s)
+        back = self.round_trip(part, side, s, layer)
         if rotated:
             back = hadamard(back, self.signs(d, side, s, x.device), inverse=True)
         if side == "k" and s.pre_rope:
@@ -128,8 +128,9 @@ class Simulation:
         out[:, :, lo:hi] = back
         return out
 
-    def round_trip(self, x: torch.Tensor, side: str, s: Scheme) -> torch.Tensor:
-        """x (B, H, n, D) in the storage space (pre-RoPE / rotated) -> quantized and dequantized, float32."""
+    def round_trip(self, x: torch.Tensor, side: str, s: Scheme, layer: Optional[int] = None) -> torch.Tensor:
+        """x (B, H, n, D) in the storage space (pre-RoPE / rotated) of layer `layer` -> quantized and
+        dequantized, float32."""
         bits = getattr(s, f"{side}_bits")
         if s.levels == "gaussian":
             return gaussian_round_trip(x, bits, s.meta_dtype)
@@ -138,9 +139,12 @@ class Simulation:
         # the cache's sinks are encoded in block 0 but do not set its ranges (view "all": no sinks)
         sinks = s.sinks if self.view == "cache" else 0
         dense, mask = (outliers.split(x, s.outliers, s.block, group, tokens, sinks) if s.outliers else (x, None))
+        lv = None if layer is None else s.side_levels(layer, side)
+        if lv is None and s.levels == "calibrated":
+            raise ValueError(f"Simulation: scheme {s.name} has per-layer levels; round_trip needs the layer")
         q = quantize(dense, bits, group, tokens, getattr(s, f"{side}_symmetric"), s.meta_dtype,
-                     getattr(s, f"{side}_clip"), sinks)
-        back = dequantize(Quantized(q.packed, q.scale, q.zero, bits), torch.float32)
+                     getattr(s, f"{side}_clip"), sinks, lv)
+        back = dequantize(q, torch.float32)
         return back if mask is None else outliers.merge(back, x, mask)
 
     def quantized_pairs(self, q_pos: torch.Tensor, n: int, s: Scheme) -> torch.Tensor:

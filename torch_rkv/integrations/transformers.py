@@ -223,7 +223,7 @@ class RKVCache(Cache):
                 rope = tables[key]
             cache = QuantizedKVCache(scheme, len(ids), batch, att.kv_heads, att.head_dim, capacity, dtype=dtype,
                                      device=device, rope=rope, rope_interleaved=att.interleaved,
-                                     sliding_window=window, softcap=att.softcap)
+                                     sliding_window=window, softcap=att.softcap, model_layers=ids)
             self.caches.append(cache)
             for j, i in enumerate(ids):
                 layers[i] = RKVLayer(cache, j, att.windows[i])

@@ -52,6 +52,24 @@ def row_packable(op: str, arg: str, dim, b: int) -> None:
           f"the last dim of {arg} ({dim}) times bits ({b}) must be a multiple of 8 to pack whole bytes")
 
 
+def levels(op: str, arg: str, ref: torch.Tensor, lv, b: int, symmetric: bool) -> None:
+    """A side's non-uniform levels: float32 (2^bits,) on ref's device, asymmetric codes only (checks.cpp
+    check_levels; the values are checked by the CPU kernels)."""
+    if lv is None:
+        return
+    value(not symmetric, op, f"{arg} (non-uniform levels) needs asymmetric codes; this side is symmetric (no zero)")
+    dtype(lv.dtype == torch.float32, op, f"{arg} must be float32 (got {lv.dtype})")
+    value(b <= 4, op, f"{arg}: non-uniform levels are for 2, 3 or 4 bits (got {b})")
+    value(lv.dim() == 1 and lv.shape[0] == 1 << b, op,
+          f"{arg} must have shape ({1 << b},), one value per {b}-bit code, got {list(lv.shape)}")
+    same_device(op, ref, arg, lv)
+
+
+def cache_levels(op: str, ref: torch.Tensor, k_levels, v_levels, k_bits: int, v_bits: int, k_zero, v_zero) -> None:
+    levels(op, "k_levels", ref, k_levels, k_bits, k_zero is None)
+    levels(op, "v_levels", ref, v_levels, v_bits, v_zero is None)
+
+
 def quantize(x: torch.Tensor, b: int, group_size, block_tokens, md: torch.dtype, symmetric: bool = False,
              clip: bool = False, sink_rows=0) -> None:
     value(sink_rows >= 0, "quantize", f"sink_rows must be >= 0 (got {sink_rows})")

@@ -23,23 +23,27 @@ def paged_append(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v
                  page_fill: Optional[torch.Tensor], block_tables: Optional[torch.Tensor],
                  side_slots: Optional[torch.Tensor], lengths: torch.Tensor, query_start_loc: torch.Tensor,
                  k_new: torch.Tensor, v_new: torch.Tensor, k_bits: int, v_bits: int, block: int, recent: int,
-                 k_clip: bool = False, v_clip: bool = False, slot_mapping: Optional[torch.Tensor] = None) -> None:
+                 k_clip: bool = False, v_clip: bool = False, slot_mapping: Optional[torch.Tensor] = None,
+                 k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None) -> None:
     """Append sequence b's new tokens, rows query_start_loc[b]..query_start_loc[b+1] of k_new / v_new
     (T, Hkv, D) in the cache's dtype and storage space, after its lengths[b] tokens, in place. Blocks
     the append completes are quantized into their pages (a page is final once full); page_fill (pages,)
     int32 counts the quantized rows of each page and turns a write into them into an error (None: no
-    guard); slot_mapping (T,): the engine's slot of each new token, checked against the tables."""
+    guard); slot_mapping (T,): the engine's slot of each new token, checked against the tables. k_levels /
+    v_levels: each side's non-uniform code values (quantize's levels), None: uniform."""
     torch.ops.rkv.paged_append.default(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
                                        v_sink, page_fill, block_tables, side_slots, lengths, query_start_loc, k_new,
-                                       v_new, k_bits, v_bits, block, recent, k_clip, v_clip, slot_mapping)
+                                       v_new, k_bits, v_bits, block, recent, k_clip, v_clip, slot_mapping, k_levels,
+                                       v_levels)
 
 
 @torch.library.register_fake("rkv::paged_append")
 def _paged_append_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                        page_fill, block_tables, side_slots, lengths, query_start_loc, k_new, v_new, k_bits, v_bits,
-                       block, recent, k_clip=False, v_clip=False, slot_mapping=None):
+                       block, recent, k_clip=False, v_clip=False, slot_mapping=None, k_levels=None, v_levels=None):
     _validate.paged_append(k_codes, v_codes, k_window, page_fill, block_tables, side_slots, lengths, query_start_loc,
                            k_new, v_new, k_bits, v_bits, block, recent, k_zero, v_zero, k_clip, v_clip, slot_mapping)
+    _validate.cache_levels("paged_append", k_new, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.devices("paged_append", k_new, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, page_fill=page_fill, block_tables=block_tables, side_slots=side_slots,
@@ -53,27 +57,31 @@ def paged_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
                            rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
                            rope_interleaved: bool = False, k_signs: Optional[torch.Tensor] = None,
                            v_signs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                           split_tokens: int = 0, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           split_tokens: int = 0, sliding_window: int = 0, softcap: float = 0.0,
+                           k_levels: Optional[torch.Tensor] = None,
+                           v_levels: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention (B, Hq, D) of each sequence's newest query q (B, Hq, D) over its lengths[b] cached
     tokens (the newest appended): GQA/MQA, pre-RoPE keys rotated in the kernel (rope_cos/rope_sin),
     Hadamard spaces (k_signs / v_signs), sinks and window, split-K (split_tokens, 0: chosen).
-    sliding_window / softcap: as decode_attention's (pages before the window are never read)."""
+    sliding_window / softcap / k_levels / v_levels: as decode_attention's (pages before the window are never
+    read)."""
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.rkv.paged_decode_attention.default(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables,
         side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, s,
-        split_tokens, sliding_window, softcap)
+        split_tokens, sliding_window, softcap, k_levels, v_levels)
 
 
 @torch.library.register_fake("rkv::paged_decode_attention")
 def _paged_decode_attention_fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
                                  v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
                                  rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens, sliding_window=0,
-                                 softcap=0.0):
+                                 softcap=0.0, k_levels=None, v_levels=None):
     _validate.decode_attention(q, k_codes, v_codes, k_window, lengths, k_bits, v_bits, block, recent, rope_cos,
                                rope_sin, k_signs, block_tables, side_slots, op="paged_decode_attention")
     _validate.window_and_cap("paged_decode_attention", sliding_window, softcap,
                              None if block_tables is not None else k_codes.shape[2], block)
+    _validate.cache_levels("paged_decode_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.devices("paged_decode_attention", q, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, block_tables=block_tables, side_slots=side_slots, lengths=lengths,
@@ -88,29 +96,33 @@ def paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len: int
                             rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
                             rope_interleaved: bool = False, k_signs: Optional[torch.Tensor] = None,
                             v_signs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                            split_tokens: int = 0, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                            split_tokens: int = 0, sliding_window: int = 0, softcap: float = 0.0,
+                            k_levels: Optional[torch.Tensor] = None,
+                            v_levels: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention (T, Hq, D) of a chunk of new tokens per sequence: q (T, Hq, D) and their keys
     and values k_new / v_new (T, Hkv, D) in the storage space, rows query_start_loc[b].. for sequence b,
     over its lengths[b] cached tokens as stored and the chunk itself in full precision. Call it before
     appending the chunk. max_query_len: the longest chunk. Rows past query_start_loc[B] get zeros.
-    sliding_window / softcap: as decode_attention's, per query row."""
+    sliding_window / softcap / k_levels / v_levels: as decode_attention's, per query row."""
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.rkv.paged_prefill_attention.default(
         q, k_new, v_new, query_start_loc, max_query_len, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window,
         v_window, k_sink, v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
-        rope_sin, rope_interleaved, k_signs, v_signs, s, split_tokens, sliding_window, softcap)
+        rope_sin, rope_interleaved, k_signs, v_signs, s, split_tokens, sliding_window, softcap, k_levels, v_levels)
 
 
 @torch.library.register_fake("rkv::paged_prefill_attention")
 def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_len, k_codes, k_scale, k_zero, v_codes,
                                   v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables, side_slots,
                                   lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved,
-                                  k_signs, v_signs, scale, split_tokens, sliding_window=0, softcap=0.0):
+                                  k_signs, v_signs, scale, split_tokens, sliding_window=0, softcap=0.0, k_levels=None,
+                                  v_levels=None):
     _validate.paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len, k_codes, v_codes, k_window,
                                       block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
                                       rope_sin, k_signs)
     _validate.window_and_cap("paged_prefill_attention", sliding_window, softcap,
                              None if block_tables is not None else k_codes.shape[2], block)
+    _validate.cache_levels("paged_prefill_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.devices("paged_prefill_attention", q, k_new=k_new, v_new=v_new, query_start_loc=query_start_loc,
                       k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale,
                       v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink, v_sink=v_sink,

@@ -26,6 +26,7 @@ class Quantized(NamedTuple):
     scale: torch.Tensor
     zero: Optional[torch.Tensor]
     bits: int
+    levels: Optional[torch.Tensor] = None  # non-uniform code values (2^bits,) float32; None: uniform
 
     @property
     def dim(self) -> int:
@@ -59,6 +60,7 @@ def quantize(
     meta_dtype: torch.dtype = torch.float16,
     clip: bool = False,
     sink_rows: int = 0,
+    levels: Optional[torch.Tensor] = None,
 ) -> Quantized:
     """Quantize ``x`` of shape (*, N, D) (float32/float16/bfloat16) to ``bits`` in {2, 3, 4, 8}.
 
@@ -73,21 +75,28 @@ def quantize(
 
     sink_rows: tokens [0, sink_rows) are attention sinks that a cache keeps in full precision: they are
     encoded but do not set the range of a group they share with other tokens.
+
+    levels (asymmetric, 2-4 bits): non-uniform code values, float32 (2^bits,), strictly ascending within
+    [0, 2^bits - 1] (torch_rkv.codebook calibrates them; the uniform grid is 0, 1, ..., 2^bits - 1). The
+    group's range and scale are unchanged; each value takes the nearest level (ties toward the lower)
+    and decodes to levels[code] * scale + zero.
     """
     gs = x.shape[-1] if group_size is None else group_size
     packed, scale, zero = torch.ops.rkv.quantize.default(x, bits, gs, block_tokens, symmetric, meta_dtype, clip,
-                                                         sink_rows)
-    return Quantized(packed, scale, None if symmetric else zero, bits)
+                                                         sink_rows, levels)
+    return Quantized(packed, scale, None if symmetric else zero, bits, levels)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Codes * scale + zero (or (codes - 2^(bits-1)) * scale if symmetric), shape (*, N, D)."""
-    return torch.ops.rkv.dequantize.default(q.packed, q.scale, q.zero, q.bits, dtype)
+    """Codes * scale + zero (or (codes - 2^(bits-1)) * scale if symmetric; levels[codes] * scale + zero
+    with non-uniform levels), shape (*, N, D)."""
+    return torch.ops.rkv.dequantize.default(q.packed, q.scale, q.zero, q.bits, dtype, q.levels)
 
 
 @torch.library.register_fake("rkv::quantize")
-def _quantize_fake(x, bits, group_size, block_tokens, symmetric, meta_dtype, clip=False, sink_rows=0):
+def _quantize_fake(x, bits, group_size, block_tokens, symmetric, meta_dtype, clip=False, sink_rows=0, levels=None):
     _validate.quantize(x, bits, group_size, block_tokens, meta_dtype, symmetric, clip, sink_rows)
+    _validate.levels("quantize", "levels", x, levels, bits, symmetric)
     *lead, n, d = x.shape
     packed = x.new_empty((*lead, n, d * bits // 8), dtype=torch.uint8)
     meta = (*lead, n // block_tokens, d // group_size)
@@ -97,6 +106,7 @@ def _quantize_fake(x, bits, group_size, block_tokens, symmetric, meta_dtype, cli
 
 
 @torch.library.register_fake("rkv::dequantize")
-def _dequantize_fake(packed, scale, zero, bits, out_dtype):
+def _dequantize_fake(packed, scale, zero, bits, out_dtype, levels=None):
     d = _validate.dequantize(packed, scale, zero, bits, out_dtype)
+    _validate.levels("dequantize", "levels", packed, levels, bits, zero is None)
     return packed.new_empty((*packed.shape[:-1], d), dtype=out_dtype)

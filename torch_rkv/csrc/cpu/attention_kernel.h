@@ -108,16 +108,11 @@ struct RowReader {
   }
 
 #if RKV_TILES_AVX2
-  // f(std::integral_constant<int, bits>): the per-row loops below are compiled once per bit width, so
-  // the width is chosen once per tile, not per row.
+  // f(CodeValues<bits, levels>): the per-row loops below are compiled once per bit width and kind of
+  // levels, so both are chosen once per tile, not per row.
   template <typename F>
-  RKV_INLINE void with_bits(F&& f) const {
-    switch (bits) {
-      case 2: return f(std::integral_constant<int, 2>{});
-      case 3: return f(std::integral_constant<int, 3>{});
-      case 4: return f(std::integral_constant<int, 4>{});
-      default: return f(std::integral_constant<int, 8>{});
-    }
+  RKV_INLINE void with_codes(F&& f) const {
+    with_code_values(bits, side->levels, f);
   }
 #endif
 
@@ -130,10 +125,10 @@ struct RowReader {
 #if RKV_TILES_AVX2
     if constexpr (DC > 0 && DC % 8 == 0) {
       if (!all_packed(t, n) || !register_decode()) return false;
-      with_bits([&](auto b) {
+      with_codes([&](const auto& cv) {
         for (int64_t i = 0; i < n; ++i) {
           load_meta(t + i);
-          decode_row_chunks<DC, decltype(b)::value>(packed_row(t + i), sc, zc, group, out + i * DC);
+          decode_row_chunks<DC>(cv, packed_row(t + i), sc, zc, group, out + i * DC);
         }
       });
       return true;
@@ -150,13 +145,12 @@ struct RowReader {
 #if RKV_TILES_AVX2
     if constexpr (DC > 0 && DC % 8 == 0) {
       if (!all_packed(t, n) || group != 1 || half % 8 != 0) return false;
-      with_bits([&](auto b) {
-        constexpr int kBits = decltype(b)::value;
+      with_codes([&](const auto& cv) {
         const auto rows = [&](auto hc) {  // hc: half / 8 as a constant (full rotary), or 0: runtime
           for (int64_t i = 0; i < n; ++i) {
             load_meta(t + i);
-            decode_rope_row_chunks<DC, kBits, decltype(hc)::value>(packed_row(t + i), sc, zc, cs + i * half,
-                                                                   sn + i * half, half, out + i * DC);
+            decode_rope_row_chunks<DC, decltype(hc)::value>(cv, packed_row(t + i), sc, zc, cs + i * half,
+                                                            sn + i * half, half, out + i * DC);
           }
         };
         if (2 * half == DC) return rows(std::integral_constant<int, DC / 16>{});
@@ -186,12 +180,12 @@ struct RowReader {
 #if RKV_TILES_AVX2
         if constexpr (DC > 0 && DC % 8 == 0) {
           if (register_decode()) {
-            with_bits([&](auto b) { decode_row_chunks<DC, decltype(b)::value>(row, sc, zc, group, out); });
+            with_codes([&](const auto& cv) { decode_row_chunks<DC>(cv, row, sc, zc, group, out); });
             return;
           }
         }
 #endif
-        decode_row(row, sc, zc, dim, group, bits, side->zero == nullptr, codes, out);
+        decode_row(row, sc, zc, dim, group, bits, side->zero == nullptr, side->levels, codes, out);
         return;
       }
     }
@@ -382,7 +376,7 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
           if (fold_values && values.all_packed(tt, nt)) {
             values.row_params(tt, nt, sv, zv);
             fold_probs(scores + (tt - c0), kChunkTokens, rows, VG, nt, sv, zv, pp, zsum);
-            accumulate_codes<DC>(values.packed_row(tt), values.row_bytes, values.bits, nt,
+            accumulate_codes<DC>(values.packed_row(tt), values.row_bytes, values.bits, values.side->levels, nt,
                                  FoldedProbs{pp, VG * kTileTokens, g.v_group / 8, kTileTokens}, rows, acc, D);
             tt += nt;
             continue;

@@ -137,12 +137,12 @@ RKV_INLINE void accumulate_tile(const float* __restrict v, int64_t ntok, const f
   }
 }
 
-// Codes 8c..8c+7 of a packed row as 8 floats: the chunk's b bytes read as one little-endian word,
+// Codes 8c..8c+7 of a packed row as 8 ints: the chunk's b bytes read as one little-endian word,
 // broadcast, shifted right by 0, b, ..., 7b per lane and masked (the docs/format.md bitstream).
 template <int BITS>
-RKV_INLINE __m256 code_chunk(const uint8_t* row, int64_t c, bool last) {
+RKV_INLINE __m256i code_ints(const uint8_t* row, int64_t c, bool last) {
   if constexpr (BITS == 8) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c))));
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c)));
   } else {
     // the chunk's 8 codes are its BITS bytes: never read past the row (a wider load would run past
     // the buffer at its last row). 3-bit chunks borrow the next byte when it is in the row; the last
@@ -162,30 +162,78 @@ RKV_INLINE __m256 code_chunk(const uint8_t* row, int64_t c, bool last) {
       std::memcpy(&w, row + BITS * c, 4);
     }
     const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
-    const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts),
-                                       _mm256_set1_epi32((1 << BITS) - 1));
-    return _mm256_cvtepi32_ps(v);
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts),
+                            _mm256_set1_epi32((1 << BITS) - 1));
   }
 }
 
-// out[c] = code_c * sc + zc with per-channel (group == 1) or per-group (group % 8 == 0) parameters;
-// symmetric quantization passes zc = -2^(bits-1) * sc. Rounds once (FMA): attention-grade, not the
-// bit-exact rkv.dequantize path.
-template <int D, int BITS>
-RKV_INLINE void decode_row_chunks(const uint8_t* __restrict row, const float* __restrict sc,
+// How codes become code values (include/rkv/quant.h): the uniform grid converts them (LUT false);
+// non-uniform levels (2, 3 or 4 bits) are looked up in registers, one permute for up to 8 levels, two and
+// a blend on bit 3 for 16, so a codebook costs the fused kernels a few instructions per 8 codes.
+template <int BITS, bool LUT>
+struct CodeValues {
+  static constexpr int kBits = BITS;
+  __m256 lo, hi;
+  CodeValues() = default;
+  explicit CodeValues(const float* lut) {
+    if constexpr (LUT) {
+      alignas(32) float t[16] = {};
+      for (int i = 0; i < (1 << BITS); ++i) t[i] = lut[i];
+      lo = _mm256_load_ps(t);
+      hi = _mm256_load_ps(t + 8);
+    }
+  }
+  // codes 8c..8c+7 of a packed row as their 8 code values
+  RKV_INLINE __m256 chunk(const uint8_t* row, int64_t c, bool last) const {
+    const __m256i v = code_ints<BITS>(row, c, last);
+    if constexpr (!LUT) {
+      return _mm256_cvtepi32_ps(v);
+    } else if constexpr (BITS == 4) {
+      return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, v), _mm256_permutevar8x32_ps(hi, v),
+                              _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+    } else {
+      return _mm256_permutevar8x32_ps(lo, v);
+    }
+  }
+};
+
+// f(CodeValues<bits, levels != nullptr>): the per-row loops are compiled once per width and kind of
+// levels, chosen once per tile, not per row. 8-bit codes are uniform only.
+template <typename F>
+RKV_INLINE void with_code_values(int bits, const float* levels, F&& f) {
+  if (levels != nullptr) {
+    switch (bits) {
+      case 2: return f(CodeValues<2, true>(levels));
+      case 3: return f(CodeValues<3, true>(levels));
+      default: return f(CodeValues<4, true>(levels));
+    }
+  }
+  switch (bits) {
+    case 2: return f(CodeValues<2, false>());
+    case 3: return f(CodeValues<3, false>());
+    case 4: return f(CodeValues<4, false>());
+    default: return f(CodeValues<8, false>());
+  }
+}
+
+// out[c] = value(code_c) * sc + zc with per-channel (group == 1) or per-group (group % 8 == 0)
+// parameters; symmetric quantization passes zc = -2^(bits-1) * sc. Rounds once (FMA): attention-grade,
+// not the bit-exact rkv.dequantize path.
+template <int D, typename CV>
+RKV_INLINE void decode_row_chunks(const CV& cv, const uint8_t* __restrict row, const float* __restrict sc,
                                   const float* __restrict zc, int64_t group, float* __restrict out) {
   constexpr int64_t kChunks = D / 8;
   if (group == 1) {
     for (int64_t c = 0; c < kChunks; ++c)
-      _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(code_chunk<BITS>(row, c, c == kChunks - 1),
-                                                    _mm256_loadu_ps(sc + 8 * c), _mm256_loadu_ps(zc + 8 * c)));
+      _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(cv.chunk(row, c, c == kChunks - 1), _mm256_loadu_ps(sc + 8 * c),
+                                                    _mm256_loadu_ps(zc + 8 * c)));
     return;
   }
   const int64_t per_group = group / 8;
   for (int64_t gi = 0, c = 0; gi < D / group; ++gi) {
     const __m256 s = _mm256_set1_ps(sc[gi]), z = _mm256_set1_ps(zc[gi]);
     for (int64_t j = 0; j < per_group; ++j, ++c)
-      _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(code_chunk<BITS>(row, c, c == kChunks - 1), s, z));
+      _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(cv.chunk(row, c, c == kChunks - 1), s, z));
   }
 }
 
@@ -195,13 +243,13 @@ RKV_INLINE void decode_row_chunks(const uint8_t* __restrict row, const float* __
 // rounding of rope_apply's two products and a sum. half must be a multiple of 8; HC = half / 8 when
 // it is a compile-time constant (full rotary: the loop unrolls, cos / sin stay out of the stack), 0
 // otherwise.
-template <int D, int BITS, int HC>
-RKV_INLINE void decode_rope_row_chunks(const uint8_t* __restrict row, const float* __restrict sc,
+template <int D, int HC, typename CV>
+RKV_INLINE void decode_rope_row_chunks(const CV& cv, const uint8_t* __restrict row, const float* __restrict sc,
                                        const float* __restrict zc, const float* __restrict cs,
                                        const float* __restrict sn, int64_t half, float* __restrict out) {
   constexpr int64_t kChunks = D / 8;
   const auto chunk = [&](int64_t c) {  // code * s + z, one FMA as decode_row_chunks
-    return _mm256_fmadd_ps(code_chunk<BITS>(row, c, c == kChunks - 1), _mm256_loadu_ps(sc + 8 * c),
+    return _mm256_fmadd_ps(cv.chunk(row, c, c == kChunks - 1), _mm256_loadu_ps(sc + 8 * c),
                            _mm256_loadu_ps(zc + 8 * c));
   };
   const int64_t hc = HC > 0 ? HC : half / 8;
@@ -230,8 +278,8 @@ struct FoldedProbs {
 
 // acc[j][:] += pp(j, chunk)[t] * codes_t for NG heads, CB chunks of 8 channels per pass, all in one
 // group (accumulators in registers: NG x CB of them, plus NG broadcasts).
-template <int D, int BITS, int NG, int CB>
-RKV_INLINE void accumulate_codes_heads(const uint8_t* __restrict rows, int64_t row_bytes, int64_t ntok,
+template <int D, int NG, int CB, typename CV>
+RKV_INLINE void accumulate_codes_heads(const CV& cv, const uint8_t* __restrict rows, int64_t row_bytes, int64_t ntok,
                                        const FoldedProbs& pp, float* __restrict acc, int64_t acc_stride) {
   constexpr int kChunks = D / 8;
   static_assert(kChunks % CB == 0, "passes must tile the row");
@@ -246,7 +294,7 @@ RKV_INLINE void accumulate_codes_heads(const uint8_t* __restrict rows, int64_t r
       __m256 p[NG];
       for (int j = 0; j < NG; ++j) p[j] = _mm256_broadcast_ss(pj[j] + t);
       for (int cc = 0; cc < CB; ++cc) {
-        const __m256 v = code_chunk<BITS>(row, c0 + cc, c0 + cc == kChunks - 1);
+        const __m256 v = cv.chunk(row, c0 + cc, c0 + cc == kChunks - 1);
         for (int j = 0; j < NG; ++j) a[j][cc] = _mm256_fmadd_ps(p[j], v, a[j][cc]);
       }
     }
@@ -255,34 +303,31 @@ RKV_INLINE void accumulate_codes_heads(const uint8_t* __restrict rows, int64_t r
   }
 }
 
-template <int D, int BITS>
-RKV_INLINE void accumulate_codes_bits(const uint8_t* rows, int64_t row_bytes, int64_t ntok, FoldedProbs pp,
+template <int D, typename CV>
+RKV_INLINE void accumulate_codes_bits(const CV& cv, const uint8_t* rows, int64_t row_bytes, int64_t ntok, FoldedProbs pp,
                                       int64_t groups, float* acc, int64_t acc_stride) {
   constexpr int kWide = (D / 8) % 4 == 0 ? 4 : 1;  // chunks per pass for 1-2 heads
   constexpr int kNarrow = (D / 8) % 2 == 0 ? 2 : 1;  // for 3-4 heads: 6-8 accumulators, no spills
   int64_t g = 0;
   for (; g + 4 <= groups; g += 4, pp.p += 4 * pp.head_stride)
-    accumulate_codes_heads<D, BITS, 4, kNarrow>(rows, row_bytes, ntok, pp, acc + g * acc_stride, acc_stride);
+    accumulate_codes_heads<D, 4, kNarrow>(cv, rows, row_bytes, ntok, pp, acc + g * acc_stride, acc_stride);
   float* a = acc + g * acc_stride;
   switch (groups - g) {
-    case 3: accumulate_codes_heads<D, BITS, 3, kNarrow>(rows, row_bytes, ntok, pp, a, acc_stride); break;
-    case 2: accumulate_codes_heads<D, BITS, 2, kWide>(rows, row_bytes, ntok, pp, a, acc_stride); break;
-    case 1: accumulate_codes_heads<D, BITS, 1, kWide>(rows, row_bytes, ntok, pp, a, acc_stride); break;
+    case 3: accumulate_codes_heads<D, 3, kNarrow>(cv, rows, row_bytes, ntok, pp, a, acc_stride); break;
+    case 2: accumulate_codes_heads<D, 2, kWide>(cv, rows, row_bytes, ntok, pp, a, acc_stride); break;
+    case 1: accumulate_codes_heads<D, 1, kWide>(cv, rows, row_bytes, ntok, pp, a, acc_stride); break;
     default: break;
   }
 }
 
-// acc[g][:] += pp(g, chunk)[t] * codes of packed row t, for t < ntok and every query head g of the
-// GQA group. Value groups must be a multiple of 32 channels (or the whole row): a pass never leaves one.
+// acc[g][:] += pp(g, chunk)[t] * values of packed row t's codes, for t < ntok and every query head g of
+// the GQA group. Value groups must be a multiple of 32 channels (or the whole row): a pass never leaves one.
 template <int D>
-RKV_INLINE void accumulate_codes(const uint8_t* rows, int64_t row_bytes, int bits, int64_t ntok,
+RKV_INLINE void accumulate_codes(const uint8_t* rows, int64_t row_bytes, int bits, const float* levels, int64_t ntok,
                                  const FoldedProbs& pp, int64_t groups, float* acc, int64_t acc_stride) {
-  switch (bits) {
-    case 2: return accumulate_codes_bits<D, 2>(rows, row_bytes, ntok, pp, groups, acc, acc_stride);
-    case 3: return accumulate_codes_bits<D, 3>(rows, row_bytes, ntok, pp, groups, acc, acc_stride);
-    case 4: return accumulate_codes_bits<D, 4>(rows, row_bytes, ntok, pp, groups, acc, acc_stride);
-    default: return accumulate_codes_bits<D, 8>(rows, row_bytes, ntok, pp, groups, acc, acc_stride);
-  }
+  with_code_values(bits, levels, [&](const auto& cv) {
+    accumulate_codes_bits<D>(cv, rows, row_bytes, ntok, pp, groups, acc, acc_stride);
+  });
 }
 
 // s[i] <- exp(s[i] - m) for i < n, returns their sum: softmax_exp (include/rkv/attention.h), 8 lanes at a time.

@@ -83,11 +83,12 @@ struct BlockScratch {
 // src_row(t) -> const scalar_t* (dim values of token t of the block); dst_row(t) -> uint8_t* (its
 // packed row). Writes groups = dim / group_size scales (and zeros unless symmetric). The first
 // sink_rows rows (a cache's attention sinks, kept in full precision elsewhere) are encoded but do not
-// set the ranges, unless every row is one (reference.quantize's sink_rows).
+// set the ranges, unless every row is one (reference.quantize's sink_rows). lut: the side's
+// non-uniform levels (include/rkv/quant.h), or nullptr.
 template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
 void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, int64_t dim, int64_t group_size,
                         int bits, bool symmetric, bool clip, meta_t* scale_out, meta_t* zero_out,
-                        BlockScratch& s, int64_t sink_rows = 0) {
+                        BlockScratch& s, int64_t sink_rows = 0, const float* lut = nullptr) {
   const int64_t groups = dim / group_size, counted0 = sink_rows < block_tokens ? sink_rows : 0;
   float* xs = s.x.data();
   for (int64_t t = 0; t < block_tokens; ++t) to_float(src_row(t), xs + t * dim, dim);
@@ -130,7 +131,7 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
       double e = 0.0;
       for (int64_t t = counted0; t < block_tokens; ++t) {
         const float* xg = xs + t * dim + gi * group_size;
-        for (int64_t c = 0; c < group_size; ++c) e += clip_error(xg[c], p, bits);
+        for (int64_t c = 0; c < group_size; ++c) e += clip_error(xg[c], p, bits, lut);
       }
       return e;
     };
@@ -150,14 +151,14 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
     if (group_size == 1) {
 #pragma omp simd
       for (int64_t c = 0; c < dim; ++c)
-        codes[c] = static_cast<uint8_t>(encode(x[c], QParams{sc[c], zp[c]}, bits, symmetric));
+        codes[c] = static_cast<uint8_t>(encode(x[c], QParams{sc[c], zp[c]}, bits, symmetric, lut));
     } else {
       for (int64_t gi = 0; gi < groups; ++gi) {
         const QParams p{sc[gi], zp[gi]};
         const float* xg = x + gi * group_size;
         uint8_t* cg = codes + gi * group_size;
 #pragma omp simd
-        for (int64_t c = 0; c < group_size; ++c) cg[c] = static_cast<uint8_t>(encode(xg[c], p, bits, symmetric));
+        for (int64_t c = 0; c < group_size; ++c) cg[c] = static_cast<uint8_t>(encode(xg[c], p, bits, symmetric, lut));
       }
     }
     pack_row(codes, dim, bits, dst_row(t));
@@ -165,13 +166,15 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
 }
 
 // Decodes one packed row of dim codes whose group parameters (one per group_size channels) are the
-// float arrays sc / zc (zc unused when symmetric). codes is dim bytes of scratch.
+// float arrays sc / zc (zc unused when symmetric), through the levels lut (nullptr: uniform). codes is
+// dim bytes of scratch.
 RKV_INLINE void decode_row(const uint8_t* packed_row, const float* sc, const float* zc, int64_t dim, int64_t group_size,
-                       int bits, bool symmetric, uint8_t* __restrict codes, float* __restrict out) {
+                           int bits, bool symmetric, const float* lut, uint8_t* __restrict codes,
+                           float* __restrict out) {
   unpack_row(packed_row, dim, bits, codes);
   if (group_size == 1) {
 #pragma omp simd
-    for (int64_t c = 0; c < dim; ++c) out[c] = decode(codes[c], QParams{sc[c], symmetric ? 0.0f : zc[c]}, bits, symmetric);
+    for (int64_t c = 0; c < dim; ++c) out[c] = decode(codes[c], QParams{sc[c], symmetric ? 0.0f : zc[c]}, bits, symmetric, lut);
     return;
   }
   for (int64_t gi = 0; gi < dim / group_size; ++gi) {
@@ -179,7 +182,7 @@ RKV_INLINE void decode_row(const uint8_t* packed_row, const float* sc, const flo
     const uint8_t* cg = codes + gi * group_size;
     float* og = out + gi * group_size;
 #pragma omp simd
-    for (int64_t c = 0; c < group_size; ++c) og[c] = decode(cg[c], p, bits, symmetric);
+    for (int64_t c = 0; c < group_size; ++c) og[c] = decode(cg[c], p, bits, symmetric, lut);
   }
 }
 
@@ -187,14 +190,15 @@ RKV_INLINE void decode_row(const uint8_t* packed_row, const float* sc, const flo
 // dst_row(t) -> out_t* of token t. zero == nullptr: symmetric.
 template <typename out_t, typename meta_t, typename DstRow>
 void dequantize_block_row(const uint8_t* packed, const meta_t* scale, const meta_t* zero, DstRow dst_row,
-                          int64_t block_tokens, int64_t dim, int64_t group_size, int bits, BlockScratch& s) {
+                          int64_t block_tokens, int64_t dim, int64_t group_size, int bits, BlockScratch& s,
+                          const float* lut = nullptr) {
   const int64_t groups = dim / group_size;
   const bool symmetric = zero == nullptr;
   to_float(scale, s.scale.data(), groups);
   if (!symmetric) to_float(zero, s.zero.data(), groups);
   const int64_t row_bytes = dim * bits / 8;
   for (int64_t t = 0; t < block_tokens; ++t) {
-    decode_row(packed + t * row_bytes, s.scale.data(), s.zero.data(), dim, group_size, bits, symmetric,
+    decode_row(packed + t * row_bytes, s.scale.data(), s.zero.data(), dim, group_size, bits, symmetric, lut,
                s.codes.data(), s.x.data());
     from_float(s.x.data(), dst_row(t), dim);
   }

@@ -46,7 +46,7 @@ void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& sid
           [&](int64_t i) { return token(s + i); },
           [&](int64_t i) { return side.codes + side.codes_offset(g, page, h, row + i); }, T, d, side.group,
           side.bits, zero == nullptr, clip, scale + meta, zero ? zero + meta : nullptr, scratch,
-          std::max<int64_t>(0, std::min(S - s, T)));
+          std::max<int64_t>(0, std::min(S - s, T)), side.levels);
     }
   }
   // 2. sinks and window

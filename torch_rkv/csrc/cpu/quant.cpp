@@ -13,8 +13,11 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_in, int64_t bits, int64_t group_size,
                                                            int64_t block_tokens, bool symmetric,
-                                                           at::ScalarType meta_dtype, bool clip, int64_t sink_rows) {
+                                                           at::ScalarType meta_dtype, bool clip, int64_t sink_rows,
+                                                           const std::optional<at::Tensor>& levels_in) {
   const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype, clip, sink_rows);
+  const at::Tensor levels = check_levels("quantize", "levels", x_in, levels_in, bits, symmetric);
+  const float* lut = levels.defined() ? levels.const_data_ptr<float>() : nullptr;
   const at::Tensor x = x_in.contiguous();
   const QuantizeOutputs out = empty_quantize_outputs(x, g, symmetric, meta_dtype);
   const at::Tensor &packed = out.packed, &scale = out.scale, &zero = out.zero;
@@ -35,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
           quantize_block_row<scalar_t, meta_t>(
               [&](int64_t t) { return xp + (row0 + t) * g.dim; }, [&](int64_t t) { return pp + (row0 + t) * rb; },
               T, g.dim, g.group_size, g.bits, symmetric, clip, sp + br * ng, zp ? zp + br * ng : nullptr, scratch,
-              g.sink_rows_of(br));
+              g.sink_rows_of(br), lut);
         }
       });
     });
@@ -44,7 +47,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
 }
 
 template <typename out_t, typename meta_t>
-void dequantize_kernel(const uint8_t* pp, const meta_t* sp, const meta_t* zp, out_t* op, const QuantGeometry& g) {
+void dequantize_kernel(const uint8_t* pp, const meta_t* sp, const meta_t* zp, out_t* op, const QuantGeometry& g,
+                       const float* lut) {
   const int64_t block_rows = g.lead * g.blocks(), rb = g.row_bytes(), ng = g.groups(), T = g.block_tokens;
   at::parallel_for(0, block_rows, std::max<int64_t>(1, 64 / T), [&](int64_t begin, int64_t end) {
     BlockScratch scratch(1, ng, g.dim);
@@ -52,14 +56,16 @@ void dequantize_kernel(const uint8_t* pp, const meta_t* sp, const meta_t* zp, ou
       const int64_t row0 = br * T;
       dequantize_block_row<out_t, meta_t>(pp + row0 * rb, sp + br * ng, zp ? zp + br * ng : nullptr,
                                           [&](int64_t t) { return op + (row0 + t) * g.dim; }, T, g.dim,
-                                          g.group_size, g.bits, scratch);
+                                          g.group_size, g.bits, scratch, lut);
     }
   });
 }
 
 at::Tensor dequantize_cpu(const at::Tensor& packed_in, const at::Tensor& scale_in,
-                          const std::optional<at::Tensor>& zero_in, int64_t bits, at::ScalarType out_dtype) {
+                          const std::optional<at::Tensor>& zero_in, int64_t bits, at::ScalarType out_dtype,
+                          const std::optional<at::Tensor>& levels_in) {
   const QuantGeometry g = check_dequantize(packed_in, scale_in, zero_in, bits, out_dtype);
+  const at::Tensor levels = check_levels("dequantize", "levels", packed_in, levels_in, bits, !zero_in.has_value());
   const at::Tensor packed = packed_in.contiguous();
   const at::Tensor scale = scale_in.contiguous();
   const at::Tensor zero = zero_in.has_value() ? zero_in->contiguous() : at::Tensor();
@@ -69,7 +75,8 @@ at::Tensor dequantize_cpu(const at::Tensor& packed_in, const at::Tensor& scale_i
     RKV_DISPATCH_FLOAT(scale.scalar_type(), "rkv.dequantize", meta_t, [&] {
       dequantize_kernel<out_t, meta_t>(packed.const_data_ptr<uint8_t>(), scale.const_data_ptr<meta_t>(),
                                        zero.defined() ? zero.const_data_ptr<meta_t>() : nullptr,
-                                       out.mutable_data_ptr<out_t>(), g);
+                                       out.mutable_data_ptr<out_t>(), g,
+                                       levels.defined() ? levels.const_data_ptr<float>() : nullptr);
     });
   });
   return out;

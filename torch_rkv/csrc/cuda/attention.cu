@@ -68,8 +68,8 @@ struct Side {
         const bool sym = zero == nullptr;
         const QParams pa{static_cast<float>(scale[a / view.group]), sym ? 0.0f : static_cast<float>(zero[a / view.group])};
         const QParams pc{static_cast<float>(scale[c / view.group]), sym ? 0.0f : static_cast<float>(zero[c / view.group])};
-        return make_float2(decode(unpack_code(codes, a, view.bits), pa, view.bits, sym),
-                           decode(unpack_code(codes, c, view.bits), pc, view.bits, sym));
+        return make_float2(decode(unpack_code(codes, a, view.bits), pa, view.bits, sym, view.levels),
+                           decode(unpack_code(codes, c, view.bits), pc, view.bits, sym, view.levels));
       }
     }
     return make_float2(static_cast<float>(row[a]), static_cast<float>(row[c]));

@@ -16,10 +16,11 @@ struct EncodeAt {
   const meta_t* zero;  // nullptr: symmetric
   int64_t group_size;
   int bits;
+  const float* lut;  // non-uniform levels, or nullptr
   __device__ uint32_t operator()(int64_t i) const {
     const int64_t gi = i / group_size;
     const QParams p{static_cast<float>(scale[gi]), zero ? static_cast<float>(zero[gi]) : 0.0f};
-    return encode(static_cast<float>(x[i]), p, bits, zero == nullptr);
+    return encode(static_cast<float>(x[i]), p, bits, zero == nullptr, lut);
   }
 };
 
@@ -27,11 +28,11 @@ struct EncodeAt {
 // by every thread of the block (it synchronizes). Parameters go to scale_out / zero_out first and are
 // read back from there, so no shared memory is needed whatever dim is.
 // The first sink_rows rows are encoded but do not set the ranges, unless every row is one
-// (cpu/block_quant.h).
+// (cpu/block_quant.h). lut: the side's non-uniform levels (include/rkv/quant.h), or nullptr.
 template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
 __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row, int64_t block_tokens, int64_t dim,
                                    int64_t group_size, int bits, bool symmetric, bool clip, meta_t* scale_out,
-                                   meta_t* zero_out, int64_t sink_rows = 0) {
+                                   meta_t* zero_out, int64_t sink_rows = 0, const float* lut = nullptr) {
   const int64_t groups = dim / group_size, t0 = sink_rows < block_tokens ? sink_rows : 0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   if (group_size == 1) {
@@ -41,7 +42,7 @@ __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row,
       for (int64_t t = t0; t < block_tokens; ++t) r.add(static_cast<float>(src_row(t)[c]));
       const auto channel_error = [&](QParams p) {
         double e = 0.0;
-        for (int64_t t = t0; t < block_tokens; ++t) e += clip_error(static_cast<float>(src_row(t)[c]), p, bits);
+        for (int64_t t = t0; t < block_tokens; ++t) e += clip_error(static_cast<float>(src_row(t)[c]), p, bits, lut);
         return e;
       };
       const QParams p = clip ? clipped_qparams<meta_t>(r.lo, r.hi, bits, channel_error)
@@ -60,7 +61,8 @@ __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row,
       const auto group_error = [&](QParams p) {
         double e = 0.0;
         for (int64_t el = t0 * group_size + lane; el < block_tokens * group_size; el += 32)
-          e += clip_error(static_cast<float>(src_row(el / group_size)[gi * group_size + el % group_size]), p, bits);
+          e += clip_error(static_cast<float>(src_row(el / group_size)[gi * group_size + el % group_size]), p, bits,
+                            lut);
         return warp_sum(e);
       };
       const QParams p = clip ? clipped_qparams<meta_t>(lo, hi, bits, group_error)
@@ -74,7 +76,8 @@ __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row,
   __syncthreads();  // parameters visible to the whole block
   const int64_t row_bytes = dim * bits / 8;
   for (int64_t t = 0; t < block_tokens; ++t) {
-    const EncodeAt<scalar_t, meta_t> code_at{src_row(t), scale_out, symmetric ? nullptr : zero_out, group_size, bits};
+    const EncodeAt<scalar_t, meta_t> code_at{src_row(t), scale_out, symmetric ? nullptr : zero_out, group_size, bits,
+                                             lut};
     uint8_t* out = dst_row(t);
     for (int64_t k = threadIdx.x; k < row_bytes; k += blockDim.x) out[k] = pack_byte_from(code_at, k, bits);
   }

@@ -75,7 +75,8 @@ __device__ void quantize_tiles(const AppendArgs<fp_t>& a, const SideView& side, 
     meta_t* zero = side.zero ? static_cast<meta_t*>(side.zero) + meta : nullptr;
     const int64_t sinks_here = g.sinks - s <= 0 ? 0 : (g.sinks - s < T ? g.sinks - s : T);
     quantize_block_row<fp_t, meta_t>(src, DestRows{side.codes + side.codes_offset(g, page, h, row), side.row_bytes(g)},
-                                     T, g.dim, side.group, side.bits, zero == nullptr, clip, scale, zero, sinks_here);
+                                     T, g.dim, side.group, side.bits, zero == nullptr, clip, scale, zero, sinks_here,
+                                     side.levels);
     __syncthreads();
   }
 }

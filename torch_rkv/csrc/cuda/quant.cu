@@ -20,20 +20,21 @@ struct PackedRows {
 
 template <typename scalar_t, typename meta_t>
 __global__ void quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ packed, meta_t* scale,
-                                meta_t* zero, QuantGeometry g, bool symmetric, bool clip) {
+                                meta_t* zero, QuantGeometry g, bool symmetric, bool clip, const float* lut) {
   const int64_t block_rows = g.lead * g.blocks(), ng = g.groups();
   for (int64_t br = blockIdx.x; br < block_rows; br += gridDim.x) {
     const int64_t row0 = br * g.block_tokens;
     quantize_block_row<scalar_t, meta_t>(TokenRows<scalar_t>{x + row0 * g.dim, g.dim},
                                          PackedRows{packed + row0 * g.row_bytes(), g.row_bytes()}, g.block_tokens,
                                          g.dim, g.group_size, g.bits, symmetric, clip, scale + br * ng,
-                                         symmetric ? nullptr : zero + br * ng, g.sink_rows_of(br));
+                                         symmetric ? nullptr : zero + br * ng, g.sink_rows_of(br), lut);
   }
 }
 
 template <typename out_t, typename meta_t>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const meta_t* __restrict__ scale,
-                                  const meta_t* __restrict__ zero, out_t* __restrict__ out, QuantGeometry g) {
+                                  const meta_t* __restrict__ zero, out_t* __restrict__ out, QuantGeometry g,
+                                  const float* __restrict__ lut) {
   const int64_t n = g.lead * g.tokens * g.dim, rb = g.row_bytes(), ng = g.groups();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -41,14 +42,16 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const meta
     const int64_t block_row = (r / g.tokens) * g.blocks() + (r % g.tokens) / g.block_tokens;
     const int64_t m = block_row * ng + c / g.group_size;
     const QParams p{static_cast<float>(scale[m]), zero ? static_cast<float>(zero[m]) : 0.0f};
-    out[i] = static_cast<out_t>(decode(unpack_code(packed + r * rb, c, g.bits), p, g.bits, zero == nullptr));
+    out[i] = static_cast<out_t>(decode(unpack_code(packed + r * rb, c, g.bits), p, g.bits, zero == nullptr, lut));
   }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x_in, int64_t bits, int64_t group_size,
                                                             int64_t block_tokens, bool symmetric,
-                                                            at::ScalarType meta_dtype, bool clip, int64_t sink_rows) {
+                                                            at::ScalarType meta_dtype, bool clip, int64_t sink_rows,
+                                                            const std::optional<at::Tensor>& levels_in) {
   const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype, clip, sink_rows);
+  const at::Tensor levels = check_levels("quantize", "levels", x_in, levels_in, bits, symmetric);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   const QuantizeOutputs out = empty_quantize_outputs(x, g, symmetric, meta_dtype);
@@ -60,7 +63,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
     RKV_DISPATCH_FLOAT(meta_dtype, "rkv.quantize", meta_t, [&] {
       quantize_kernel<scalar_t, meta_t><<<grid_for(block_rows, 1), 128, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), packed.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr<meta_t>(),
-          symmetric ? nullptr : zero.mutable_data_ptr<meta_t>(), g, symmetric, clip);
+          symmetric ? nullptr : zero.mutable_data_ptr<meta_t>(), g, symmetric, clip,
+          levels.defined() ? levels.const_data_ptr<float>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -68,8 +72,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
 }
 
 at::Tensor dequantize_cuda(const at::Tensor& packed_in, const at::Tensor& scale_in,
-                           const std::optional<at::Tensor>& zero_in, int64_t bits, at::ScalarType out_dtype) {
+                           const std::optional<at::Tensor>& zero_in, int64_t bits, at::ScalarType out_dtype,
+                           const std::optional<at::Tensor>& levels_in) {
   const QuantGeometry g = check_dequantize(packed_in, scale_in, zero_in, bits, out_dtype);
+  const at::Tensor levels = check_levels("dequantize", "levels", packed_in, levels_in, bits, !zero_in.has_value());
   const c10::cuda::CUDAGuard guard(packed_in.device());
   const at::Tensor packed = packed_in.contiguous();
   const at::Tensor scale = scale_in.contiguous();
@@ -82,7 +88,8 @@ at::Tensor dequantize_cuda(const at::Tensor& packed_in, const at::Tensor& scale_
     RKV_DISPATCH_FLOAT(scale.scalar_type(), "rkv.dequantize", meta_t, [&] {
       dequantize_kernel<out_t, meta_t><<<grid_for(n), kThreads, 0, stream>>>(
           packed.const_data_ptr<uint8_t>(), scale.const_data_ptr<meta_t>(),
-          zero.defined() ? zero.const_data_ptr<meta_t>() : nullptr, out.mutable_data_ptr<out_t>(), g);
+          zero.defined() ? zero.const_data_ptr<meta_t>() : nullptr, out.mutable_data_ptr<out_t>(), g,
+          levels.defined() ? levels.const_data_ptr<float>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -46,6 +46,7 @@ struct SideView {
   int64_t meta_page_stride = 0;   // elements (scale and zero alike)
   int64_t block_tokens = 1, group = 1;
   int bits = 8;
+  const float* levels = nullptr;  // non-uniform levels (2^bits code values; include/rkv/quant.h), or nullptr
   RKV_HD int64_t row_bytes(const CacheGeometry& g) const { return g.dim * bits / 8; }
   // byte offset of the codes of row `row` of kv head h in page `page`
   RKV_HD int64_t codes_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {

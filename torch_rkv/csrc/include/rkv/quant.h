@@ -18,6 +18,12 @@
 // in double; ties keep the wider range). At 2 bits min/max wastes levels on a channel's few extreme
 // tokens; the search trades them for a finer grid (Lloyd-Max style, restricted to a uniform grid).
 //
+// Non-uniform levels (a codebook; asymmetric only): `lut` holds the 2^b code values in code units,
+// ascending within [0, 2^b - 1] (the uniform grid is lut[c] = c). x_hat = lut[code] * scale + zero, and
+// code = the number of midpoints (lut[i] + lut[i+1]) * 0.5 that (x - zero) / scale exceeds: the nearest
+// level, ties toward the lower one. Group parameters and the clip search are unchanged; only the grid
+// inside [zero, zero + (2^b - 1) scale] moves (docs/format.md, "Non-uniform levels").
+//
 // Non-finite inputs never poison their group: min/max are taken over finite values only, +-Inf
 // saturate to the ends of the grid and NaN is stored as 0 (or the grid value nearest 0). Values
 // beyond the metadata dtype's range (|x| > 65504 for fp16) saturate the same way.
@@ -103,8 +109,19 @@ RKV_HD QParams make_qparams(float lo, float hi, int bits, bool symmetric) {
   return {round_meta<M>(span / levels(bits), true), zero};
 }
 
-RKV_HD uint32_t encode(float x, QParams p, int bits, bool symmetric) {
+// The code value of `code` in code units: lut[code], or the code itself (uniform; lut == nullptr).
+RKV_HD float code_value(uint32_t code, const float* lut) { return lut != nullptr ? lut[code] : static_cast<float>(code); }
+
+// The nearest of the 2^bits levels of lut to u (code units), ties toward the lower; NaN-free u.
+RKV_HD uint32_t nearest_level(float u, const float* lut, int bits) {
+  uint32_t code = 0;
+  for (int i = 0; i + 1 < (1 << bits); ++i) code += u > mul_rn(add_rn(lut[i], lut[i + 1]), 0.5f) ? 1u : 0u;
+  return code;
+}
+
+RKV_HD uint32_t encode(float x, QParams p, int bits, bool symmetric, const float* lut = nullptr) {
   if (x != x) x = 0.0f;  // NaN
+  if (lut != nullptr) return nearest_level(p.scale > 0.0f ? div_rn(sub_rn(x, p.zero), p.scale) : 0.0f, lut, bits);
   if (symmetric) {
     const float qm = static_cast<float>(sym_qmax(bits));
     const float q = p.scale > 0.0f ? rintf(div_rn(x, p.scale)) : 0.0f;
@@ -114,7 +131,8 @@ RKV_HD uint32_t encode(float x, QParams p, int bits, bool symmetric) {
   return static_cast<uint32_t>(clamp_f(q, 0.0f, static_cast<float>(levels(bits))));
 }
 
-RKV_HD float decode(uint32_t code, QParams p, int bits, bool symmetric) {
+RKV_HD float decode(uint32_t code, QParams p, int bits, bool symmetric, const float* lut = nullptr) {
+  if (lut != nullptr) return add_rn(mul_rn(lut[code], p.scale), p.zero);
   if (symmetric) return mul_rn(static_cast<float>(static_cast<int>(code) - sym_bias(bits)), p.scale);
   return add_rn(mul_rn(static_cast<float>(code), p.scale), p.zero);
 }
@@ -134,9 +152,9 @@ RKV_HD bool clip_candidate(float lo, float hi, int j, float& clo, float& chi) {
 
 // Squared reconstruction error of one value under asymmetric parameters p; 0 for non-finite values
 // (they saturate whatever the range).
-RKV_HD double clip_error(float x, QParams p, int bits) {
+RKV_HD double clip_error(float x, QParams p, int bits, const float* lut = nullptr) {
   if (!is_finite(x)) return 0.0;
-  const float e = sub_rn(decode(encode(x, p, bits, false), p, bits, false), x);
+  const float e = sub_rn(decode(encode(x, p, bits, false, lut), p, bits, false, lut), x);
   return static_cast<double>(e) * static_cast<double>(e);
 }
 

@@ -1,0 +1,125 @@
+"""Calibrating non-uniform levels (torch_rkv.codebook.Codebook) for a model on a calibration text.
+
+One full-precision forward pass over the calibration text records every layer's keys and values in the
+rkv storage space (pre-RoPE keys, Hadamard-rotated values: the space the cache quantizes) over the region
+the cache quantizes. For each width and side, every value is placed in its group's range in code units,
+u = (x - zero) / scale, with the group parameters the cache would choose (rkv's layout: per-channel keys
+in 128-token blocks, clipped at 2 bits; per-token values), and Lloyd's iteration fits the levels that
+minimize the squared error weighted by scale^2 (the error in the data's own units). Two rounds: the
+second recomputes the clipped ranges with the first round's levels, as the cache will. The calibration
+text is lcet10.txt by default, never an evaluation text; codebooks are cached like sensitivity profiles.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..codebook import SIDES, Codebook, lloyd
+from ..integrations import models
+from ..ops.quant import quantize
+from ..scheme import Scheme, recommended
+from . import data, perplexity
+from .sensitivity import CALIBRATION_TEXT, model_key, simulations_for
+from .simulate import Simulation
+
+WIDTHS = (2, 3, 4)
+
+
+class _Recorder(Simulation):
+    """A full-precision Simulation that keeps what each layer's cache would quantize, in the storage space."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.seen: dict[tuple[int, str], torch.Tensor] = {}
+
+    def round_trip(self, x: torch.Tensor, side: str, s: Scheme, layer: Optional[int] = None) -> torch.Tensor:
+        self.seen[(layer, side)] = x.detach().float().clone()
+        return x.float()
+
+
+def samples(x: torch.Tensor, side: str, s: Scheme, lv: Optional[torch.Tensor] = None):
+    """(u, w): x's values (B, H, n, D) in code units of their group's range as the cache quantizes them
+    under scheme s (and levels lv for the clip search), and their weights scale^2; the sinks (encoded,
+    but not in the range) left out."""
+    bits, tokens = getattr(s, f"{side}_bits"), getattr(s, f"{side}_block_tokens")
+    group = getattr(s, f"{side}_group_size") or x.shape[-1]
+    q = quantize(x, bits, group, tokens, False, s.meta_dtype, getattr(s, f"{side}_clip"), s.sinks, lv)
+    sc = q.scale.float().repeat_interleave(tokens, -2).repeat_interleave(group, -1)
+    zr = q.zero.float().repeat_interleave(tokens, -2).repeat_interleave(group, -1)
+    keep = slice(s.sinks, None)
+    sc, zr, xs = sc[..., keep, :], zr[..., keep, :], x[..., keep, :]
+    ok = sc > 0
+    return ((xs - zr) / sc.clamp_min(1e-30))[ok], (sc * sc)[ok]
+
+
+@torch.no_grad()
+def calibrate(model, ids: torch.Tensor, widths: tuple[int, ...] = WIDTHS, pin_ends: bool = False,
+              rounds: int = 2) -> Codebook:
+    """The codebook of `model` from one full-precision pass over ids (1, N), for the rkv layout at each
+    width (recommended(bits): its clipping and sinks)."""
+    layers = models.inspect(model).layers
+    make = simulations_for(model, ids.shape[1])
+    probe = make(recommended(min(widths)))
+    recorder = _Recorder(probe.scheme, probe.rope_cos, probe.rope_sin, probe.rope_interleaved, probe.layer_rope)
+    perplexity.simulated_logprobs(model, ids, recorder)
+    table = [{side: {} for side in SIDES} for _ in range(layers)]
+    for bits in widths:
+        s = recommended(bits)
+        for (layer, side), x in recorder.seen.items():
+            lv = None
+            for _ in range(rounds):
+                u, w = samples(x, side, s, lv)
+                lv = lloyd(u, w, bits, pin_ends, init=lv)
+            table[layer][side][str(bits)] = [float(v) for v in lv]
+    missing = [i for i, t in enumerate(table) if not t["k"]]
+    if missing:
+        raise ValueError(f"calibrate: layers {missing} quantized nothing on {ids.shape[1]} tokens; use a longer text")
+    return Codebook(table, model_key(model), "rkv layout (recommended)", "")
+
+
+def codebook_path(model, text: str, tokens: int, pin_ends: bool) -> Path:
+    return (data.cache_dir() / "calibration" /
+            f"levels-{model_key(model)}-{Path(text).name}-{tokens}{'-pinned' if pin_ends else ''}.json")
+
+
+def load_or_calibrate(model, tok, text: str = CALIBRATION_TEXT, tokens: int = 2048, pin_ends: bool = False) -> Path:
+    """The path of `model`'s cached codebook on `tokens` tokens of `text`, calibrating it on first use."""
+    path = codebook_path(model, text, tokens, pin_ends)
+    if path.exists():
+        return path
+    source = Path(text) if Path(text).exists() else data.text_path(text)
+    ids = data.encode(tok, data.read_text(str(source)))
+    if ids.shape[1] < tokens:
+        raise data.MissingMaterial(f"the calibration text {text} has {ids.shape[1]} tokens, fewer than {tokens}")
+    book = calibrate(model, ids[:, :tokens], pin_ends=pin_ends)
+    book.calibration = f"{tokens} tokens of {Path(text).name}{', ends pinned' if pin_ends else ''}"
+    book.save(path)
+    return path
+
+
+def calibrated(bits: int, path, name: Optional[str] = None) -> Scheme:
+    """rkv-<bits> with the calibrated levels of the codebook at `path` ("rkv-nu-<bits>")."""
+    return recommended(bits).replace(name=name or f"rkv-nu-{bits}", levels="calibrated", codebook=str(path))
+
+
+def main(args) -> int:
+    """python -m torch_rkv calibrate-levels: calibrate (or read the cached) codebook, print it and its path."""
+    try:
+        model, tok = data.load_model(args.model, args.gguf)
+        path = load_or_calibrate(model, tok, args.text, args.tokens, args.pin_ends)
+    except data.MissingMaterial as e:
+        print(f"torch_rkv calibrate-levels: {e}", file=sys.stderr)
+        return 2
+    book = Codebook.from_json(path.read_text(), str(path))
+    print(f"{book.model}: levels in code units per layer and side ({book.calibration})")
+    for i, layer in enumerate(book.layers):
+        for side in SIDES:
+            cells = "  ".join(f"{b}b " + ",".join(f"{v:.2f}" for v in layer[side][b]) for b in sorted(layer[side])
+                              if int(b) < 4)
+            print(f"  layer {i:3d} {side.upper()}  {cells}")
+    print(path)
+    return 0
