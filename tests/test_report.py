@@ -75,6 +75,44 @@ def test_a_per_layer_cache_decodes_what_the_per_layer_simulation_measures():
         RKVCache(model, schemes[:2], capacity=96)
 
 
+def test_calibrated_levels_decode_what_the_simulation_measures(tmp_path):
+    """A codebook fitted on a tiny model (torch_rkv.eval.levels): per layer and side, strictly ascending
+    code values within range; RKVCache token by token (the kernels looking codes up in each layer's own
+    levels) gives the simulation's perplexity with the same scheme, and the levels change it (the uniform
+    grid measures differently, and so does one layer's levels given to every layer)."""
+    from torch_rkv.codebook import Codebook, load
+    from torch_rkv.eval import levels
+
+    model = tiny_llama()
+    ids = torch.randint(0, 160, (1, 320), generator=torch.Generator().manual_seed(8))
+    book = levels.calibrate(model, ids, widths=(2, 3), pin_ends=False)
+    assert len(book.layers) == 3
+    for layer in book.layers:
+        for side in ("k", "v"):
+            for bits, lv in layer[side].items():
+                assert len(lv) == 1 << int(bits) and all(b > a for a, b in zip(lv, lv[1:]))
+    path = tmp_path / "levels.json"
+    book.save(path)
+    assert Codebook.from_json(path.read_text()).layers == book.layers
+    scheme = levels.calibrated(2, path).replace(k_block_tokens=16, recent=16)
+    cos, sin = model_rope_tables(model, 128)
+    short = ids[:, :96]
+    simulated = perplexity.simulated(model, short, Simulation(scheme, cos, sin))
+    decoded = perplexity.decoded(model, short, lambda n: RKVCache(model, scheme, capacity=n))
+    assert abs(decoded / simulated - 1) < 1e-4, (simulated, decoded)
+    uniform = perplexity.simulated(model, short, Simulation(scheme.replace(levels="uniform", codebook=None), cos, sin))
+    assert abs(uniform / simulated - 1) > 5e-4
+    same = Codebook([book.layers[0]] * 3)
+    same.save(tmp_path / "same.json")
+    copied = perplexity.decoded(model, short, lambda n: RKVCache(
+        model, scheme.replace(codebook=str(tmp_path / "same.json")), capacity=n))
+    assert abs(copied / simulated - 1) > 5e-4  # each layer reads its own levels
+    with pytest.raises(ValueError, match="layer 0 side k has no 4-bit levels"):
+        load(str(path)).levels(0, "k", 4)
+    with pytest.raises(ValueError, match="give both, or neither"):
+        scheme.replace(codebook=None)
+
+
 def test_sensitivity_on_a_tiny_model():
     """One KL and one perplexity change per (layer, side) and base; the KL is never negative, and a layer
     whose keys are stored at 8 bits in every run costs nothing to "drop" (its runs are the base's)."""

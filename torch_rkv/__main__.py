@@ -1,4 +1,4 @@
-"""Command line: python -m torch_rkv {report, plan, calibrate, demo, export-model}."""
+"""Command line: python -m torch_rkv {report, plan, calibrate, calibrate-levels, demo, export-model}."""
 
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--tokens", type=int, default=512)
     cal.add_argument("--levels", type=int, nargs="+", default=[2, 3, 4], help="bit widths to choose among")
 
+    lev = sub.add_parser("calibrate-levels", help="fit a model's per-layer non-uniform levels (a codebook file, "
+                         "cached) on a calibration text: Scheme(levels='calibrated', codebook=PATH)")
+    lev.add_argument("--model", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
+    lev.add_argument("--gguf", help="a local GGUF file")
+    lev.add_argument("--text", default="lcet10.txt", help="calibration text (default lcet10.txt; never an "
+                     "evaluation text)")
+    lev.add_argument("--tokens", type=int, default=512)
+    lev.add_argument("--pin-ends", action="store_true", help="keep each group's min and max as levels")
+
     demo = sub.add_parser("demo", help="quantize synthetic RoPE'd keys with each scheme; print error and bytes")
     demo.add_argument("--tokens", type=int, default=1024)
     demo.add_argument("--dim", type=int, default=128)
@@ -56,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from .eval import sensitivity
 
         return sensitivity.main(args)
+    if args.command == "calibrate-levels":
+        from .eval import levels
+
+        return levels.main(args)
     if args.command == "report":
         from .eval.report import main as report_main
 

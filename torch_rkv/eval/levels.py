@@ -23,7 +23,7 @@ from ..integrations import models
 from ..ops.quant import quantize
 from ..scheme import Scheme, recommended
 from . import data, perplexity
-from .sensitivity import CALIBRATION_TEXT, model_key, simulations_for
+from .sensitivity import CALIBRATION_TEXT, CALIBRATION_TOKENS, model_key, simulations_for
 from .simulate import Simulation
 
 WIDTHS = (2, 3, 4)
@@ -86,7 +86,8 @@ def codebook_path(model, text: str, tokens: int, pin_ends: bool) -> Path:
             f"levels-{model_key(model)}-{Path(text).name}-{tokens}{'-pinned' if pin_ends else ''}.json")
 
 
-def load_or_calibrate(model, tok, text: str = CALIBRATION_TEXT, tokens: int = 2048, pin_ends: bool = False) -> Path:
+def load_or_calibrate(model, tok, text: str = CALIBRATION_TEXT, tokens: int = CALIBRATION_TOKENS,
+                      pin_ends: bool = False) -> Path:
     """The path of `model`'s cached codebook on `tokens` tokens of `text`, calibrating it on first use."""
     path = codebook_path(model, text, tokens, pin_ends)
     if path.exists():

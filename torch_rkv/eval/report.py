@@ -29,7 +29,7 @@ from .. import scheme as S
 from ..allocate import Sensitivity, allocate_average
 from ..reference import full_precision_count
 from ..scheme import Scheme
-from . import data, localization, perplexity, plots, sensitivity
+from . import data, levels, localization, perplexity, plots, sensitivity
 from .progress import Progress, decode_units, forward_units
 from .simulate import Simulation, install
 
@@ -68,12 +68,17 @@ FAMILIES = {  # name -> bits -> scheme (None: no such row)
     "rkv mixed (K one step above V)": lambda b: S.recommended_mixed(b) if b in (2, 3) else None,
     "TurboQuant-style (Hadamard + Lloyd-Max + norm)": S.turboquant,
     "rkv + 0.5% sparse outliers (simulated)": S.recommended_sparse,
+    # per-layer codebooks fitted on the calibration text: the report resolves them (Report.family_scheme)
+    "rkv + calibrated levels": lambda b: None,
 }
+CALIBRATED_LEVELS = "rkv + calibrated levels"
 
 
 FULL_FAMILIES = tuple(FAMILIES)
-DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("grouped g32", "rkv + 0.5% sparse outliers (simulated)"))
+DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("grouped g32", "rkv + 0.5% sparse outliers (simulated)",
+                                                          CALIBRATED_LEVELS))
 ALLOCATED = "rkv-alloc-"  # the report's name of a per-layer allocation: rkv-alloc-<average code bits>
+NON_UNIFORM = "rkv-nu-"  # rkv-<bits> with the model's calibrated levels (torch_rkv.eval.levels)
 
 
 @dataclass
@@ -174,7 +179,7 @@ class Report:
         excepted)."""
         o = self.opts
         fwd, n = forward_units, o.tokens
-        rows = sum(FAMILIES[f](b) is not None for f in o.families for b in o.bits)
+        rows = sum(FAMILIES[f](b) is not None or f == CALIBRATED_LEVELS for f in o.families for b in o.bits)
         levels = tuple(o.alloc_levels)
         stored = sensitivity.stored_profile(self.model, levels, sensitivity.CALIBRATION_TEXT, o.alloc_tokens)
         cached = stored is not None and stored.covers(levels)
@@ -250,7 +255,7 @@ class Report:
         fp = self.results["full_precision_ppl"]
         for family in self.opts.families:
             for bits in self.opts.bits:
-                scheme = FAMILIES[family](bits)
+                scheme = self.family_scheme(family, bits)
                 if scheme is None:
                     continue
                 sim = self.simulation(scheme, fidelity_queries=64)
@@ -278,11 +283,26 @@ class Report:
                                                         tokens=o.alloc_tokens, progress=step)
         return self._profile
 
+    def family_scheme(self, family: str, bits: int) -> Scheme | None:
+        """The schemes table's row of `family` at `bits` (None: no such row)."""
+        if family == CALIBRATED_LEVELS:
+            return self.calibrated_levels(bits)
+        return FAMILIES[family](bits)
+
+    def calibrated_levels(self, bits: int) -> Scheme:
+        """rkv-<bits> with this model's per-layer codebook fitted on the calibration text (calibrated on
+        first use, then cached)."""
+        path = levels.load_or_calibrate(self.model, self.tok, tokens=self.opts.alloc_tokens)
+        return levels.calibrated(bits, path)
+
     def layer_schemes(self, name: str) -> list[Scheme]:
         """A scheme as the report names it -> one per layer: a preset ("rkv-3", "rkv-mixed-2") in every
-        layer, or "rkv-alloc-<bits>", the per-layer allocation at that average code bits."""
+        layer, "rkv-alloc-<bits>", the per-layer allocation at that average code bits, or "rkv-nu-<bits>",
+        rkv with the model's calibrated levels."""
         if name.startswith(ALLOCATED):
             return allocate_average(self.profile(), float(name[len(ALLOCATED):])).schemes()
+        if name.startswith(NON_UNIFORM):
+            return [self.calibrated_levels(int(name[len(NON_UNIFORM):]))] * self.attention.layers
         return [S.by_name(name)] * self.attention.layers
 
     def simulation_of(self, schemes: list[Scheme], **options) -> Simulation:
