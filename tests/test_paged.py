@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from cachebuild import attention_fp32, float_tolerance, levels_of
+from cachebuild import attention_fp32, float_tolerance, levels_of, random_levels
 from conftest import device_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -199,9 +199,24 @@ def test_paged_prefill_matches_reference(device, s, data):
 # The cache: paged == contiguous, chunk invariance, forks
 # ------------------------------------------------------------------------------------------------
 
+def calibrated_preset(bits: int = 2, layers: int = 2):
+    """rkv-<bits> with a random per-layer codebook file (each layer and side its own levels)."""
+    import tempfile
+    from pathlib import Path
+
+    from torch_rkv.codebook import Codebook
+
+    book = Codebook([{side: {str(bits): random_levels(bits, 10 * i + j).tolist()} for j, side in enumerate("kv")}
+                     for i in range(layers)])
+    path = Path(tempfile.mkdtemp()) / "levels.json"
+    book.save(path)
+    return presets.recommended(bits).replace(name=f"rkv-nu-{bits}", k_block_tokens=32, recent=16, levels="calibrated",
+                                             codebook=str(path))
+
+
 PRESETS = [presets.per_token(4), presets.kivi(2, block=16, recent=8), presets.quarot(3),
            presets.recommended(4).replace(k_block_tokens=16, recent=8),
-           presets.recommended(2).replace(k_block_tokens=32, recent=16)]
+           presets.recommended(2).replace(k_block_tokens=32, recent=16), calibrated_preset()]
 H, D = 2, 32
 
 

@@ -256,6 +256,23 @@ def test_the_full_modes_rows_on_smollm2(smollm2_alice):
     assert "Long context (1024 tokens" in text and "[0." in text
 
 
+def test_the_reports_calibrated_levels_rows_on_smollm2(smollm2_alice):
+    """--full's "rkv + calibrated levels" family: the model's codebook fitted on the calibration text
+    (cached), rows named rkv-nu-<bits> that decode through it, and the name resolves everywhere."""
+    from torch_rkv.eval.report import CALIBRATED_LEVELS, Options, Report
+
+    model, tok, text = smollm2_alice
+    opts = Options(tokens=512, bits=(2,), families=(CALIBRATED_LEVELS,), alloc_tokens=384)
+    report = Report(model, tok, text, opts, log=lambda s: None)
+    report.results["full_precision_ppl"] = report._simulated(report.ids, None)
+    rows = report.schemes()
+    assert [x["scheme"] for x in rows] == ["rkv-nu-2"] and "calibrated levels" in rows[0]["description"]
+    assert 0 < rows[0]["delta"] < 5 and 0.5 < rows[0]["top8_recall"] <= 1
+    schemes = report.layer_schemes("rkv-nu-3")
+    assert len(schemes) == 30 and schemes[0].levels == "calibrated" and schemes[0].k_bits == 3
+    assert schemes[0].side_levels(29, "v").shape == (8,)
+
+
 @pytest.mark.slow
 def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     """Every section of the report, plots included, in a CI-sized run (the main job must not break where

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .codebook import level_buffers
 from .layout import CacheLayout
 from .ops.attention import decode_attention
 from .ops.cache import cache_append
@@ -83,9 +84,8 @@ class QuantizedKVCache(torch.nn.Module):
         model_layers = list(range(num_layers)) if model_layers is None else list(model_layers)
         if len(model_layers) != num_layers:
             raise ValueError(f"QuantizedKVCache: model_layers names {len(model_layers)} layers for num_layers={num_layers}")
-        for side in ("k", "v"):  # (layers, 2^bits) code values, or None: the uniform grid
-            lv = [scheme.side_levels(i, side) for i in model_layers] if scheme.levels == "calibrated" else None
-            self.register_buffer(f"{side}_levels", None if lv is None else torch.stack(lv).to(device))
+        for name, t in level_buffers(scheme, model_layers, device).items():  # None: the uniform grid
+            self.register_buffer(name, t)
         self.register_buffer("k_signs", hadamard_signs(head_dim, scheme.hadamard_seed, device) if scheme.k_hadamard else None)
         self.register_buffer("v_signs", hadamard_signs(head_dim, scheme.hadamard_seed + 1, device)
                              if scheme.v_hadamard else None)

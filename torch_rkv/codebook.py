@@ -91,6 +91,15 @@ def load(path: str) -> Codebook:
     return Codebook.from_json(p.read_text(), str(path))
 
 
+def level_buffers(scheme, model_layers, device=None) -> dict:
+    """{"k_levels", "v_levels"}: each a (layers, 2^bits) float32 stack of the scheme's code values for the
+    model's layers `model_layers` (a cache's buffers, row i for its layer i), or None (the uniform grid)."""
+    if scheme.levels != "calibrated":
+        return {"k_levels": None, "v_levels": None}
+    return {f"{side}_levels": torch.stack([scheme.side_levels(i, side) for i in model_layers]).to(device)
+            for side in SIDES}
+
+
 def check_levels(values, bits: int, where: str) -> None:
     """Raise unless `values` are 2^bits strictly ascending code values within [0, 2^bits - 1]."""
     top = (1 << bits) - 1

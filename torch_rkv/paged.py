@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .codebook import level_buffers
 from .layout import PageLayout, default_page_size
 from .ops.hadamard import hadamard, hadamard_signs
 from .ops.paged import paged_append, paged_copy, paged_decode_attention, paged_prefill_attention
@@ -74,7 +75,8 @@ class PagedQuantizedKVCache(torch.nn.Module):
     def __init__(self, scheme: Scheme, num_layers: int, kv_heads: int, head_dim: int, num_pages: int, max_seqs: int,
                  page_size: Optional[int] = None, dtype: torch.dtype = torch.float16, device=None,
                  rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, rope_interleaved: bool = False,
-                 max_pages_per_seq: Optional[int] = None, sliding_window: int = 0, softcap: float = 0.0):
+                 max_pages_per_seq: Optional[int] = None, sliding_window: int = 0, softcap: float = 0.0,
+                 model_layers: Optional[Sequence[int]] = None):
         super().__init__()
         if num_layers < 1 or num_pages < 1 or max_seqs < 1:
             raise ValueError(f"PagedQuantizedKVCache: num_layers ({num_layers}), num_pages ({num_pages}) and max_seqs "
@@ -107,6 +109,12 @@ class PagedQuantizedKVCache(torch.nn.Module):
                                  f"than a sequence's {self.max_tokens} tokens")
             self.rope_cos = rope[0].to(device=device, dtype=torch.float32).contiguous()
             self.rope_sin = rope[1].to(device=device, dtype=torch.float32).contiguous()
+        model_layers = list(range(num_layers)) if model_layers is None else list(model_layers)
+        if len(model_layers) != num_layers:
+            raise ValueError(f"PagedQuantizedKVCache: model_layers names {len(model_layers)} layers for "
+                             f"num_layers={num_layers}")
+        for name, t in level_buffers(scheme, model_layers, device).items():  # calibrated levels, or None
+            self.register_buffer(name, t)
         self.register_buffer("k_signs", hadamard_signs(head_dim, scheme.hadamard_seed, device)
                              if scheme.k_hadamard else None)
         self.register_buffer("v_signs", hadamard_signs(head_dim, scheme.hadamard_seed + 1, device)
@@ -249,6 +257,10 @@ class PagedQuantizedKVCache(torch.nn.Module):
             self._seq(seq).length += m
 
     # ------------------------------------------------------------------------------------------
+    def layer_levels(self, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(k_levels, v_levels) of this layer: its codebook rows, or None (uniform)."""
+        return tuple(None if t is None else t[layer] for t in (self.k_levels, self.v_levels))
+
     def layer_tensors(self, layer: int) -> list[Optional[torch.Tensor]]:
         """The ten tensors the paged ops take for this layer: region views of the pool and side slots."""
         if not 0 <= layer < self.num_layers:
@@ -275,7 +287,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         s = self.scheme
         paged_append(*self.layer_tensors(layer), self.page_fill[layer], batch.block_tables, batch.side_slots,
                      batch.lengths, batch.query_start_loc, ks, vs, s.k_bits, s.v_bits, s.block, s.recent, s.k_clip,
-                     s.v_clip)
+                     s.v_clip, None, *self.layer_levels(layer))
 
     def attend(self, layer: int, batch: PagedBatch, q: torch.Tensor, scale: Optional[float] = None,
                split_tokens: int = 0) -> torch.Tensor:
@@ -285,7 +297,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         return paged_decode_attention(q, *self.layer_tensors(layer), batch.block_tables, batch.side_slots,
                                       batch.lengths_after, s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
-                                      split_tokens, self.sliding_window, self.softcap)
+                                      split_tokens, self.sliding_window, self.softcap, *self.layer_levels(layer))
 
     def prefill(self, layer: int, batch: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
@@ -298,7 +310,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
                                       *self.layer_tensors(layer), batch.block_tables, batch.side_slots, batch.lengths,
                                       s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos, self.rope_sin,
                                       self.rope_interleaved, self.k_signs, self.v_signs, scale, split_tokens,
-                                      self.sliding_window, self.softcap)
+                                      self.sliding_window, self.softcap, *self.layer_levels(layer))
         self._append_storage(layer, batch, ks, vs)
         return out
 

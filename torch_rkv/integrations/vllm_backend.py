@@ -36,6 +36,9 @@ def _scheme() -> Scheme:
     if s is None:
         raise RuntimeError(f"torch_rkv's vLLM backend is in use but {ENV} is not set")
     s.check_served()
+    if s.levels == "calibrated":  # the backend passes no codebook to the paged ops: refuse, never decode wrong
+        raise NotImplementedError(f"torch_rkv's vLLM backend: scheme {s.name} has calibrated per-layer levels, "
+                                  "which the plugin does not load yet; use a uniform preset")
     return s
 
 

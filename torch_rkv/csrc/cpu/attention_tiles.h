@@ -137,32 +137,40 @@ RKV_INLINE void accumulate_tile(const float* __restrict v, int64_t ntok, const f
   }
 }
 
-// Codes 8c..8c+7 of a packed row as 8 ints: the chunk's b bytes read as one little-endian word,
-// broadcast, shifted right by 0, b, ..., 7b per lane and masked (the docs/format.md bitstream).
+// The packed word holding codes 8c..8c+7 of a row: the chunk's BITS bytes read little-endian (the
+// docs/format.md bitstream; BITS < 8).
+template <int BITS>
+RKV_INLINE uint32_t chunk_word(const uint8_t* row, int64_t c, bool last) {
+  // never read past the row (a wider load would run past the buffer at its last row). 3-bit chunks
+  // borrow the next byte when it is in the row; the last one reads the 4 bytes ending with it and drops
+  // the first (a 3-byte read would be assembled on the stack, and the wider reload stalls on store
+  // forwarding)
+  uint32_t w = 0;
+  if constexpr (BITS == 2) {
+    uint16_t h;
+    std::memcpy(&h, row + 2 * c, 2);
+    w = h;
+  } else if (BITS == 3 && last && c > 0) {
+    std::memcpy(&w, row + BITS * c - 1, 4);
+    w >>= 8;
+  } else if (BITS == 3 && last) {
+    std::memcpy(&w, row, 3);  // a row of one chunk (head_dim 8)
+  } else {
+    std::memcpy(&w, row + BITS * c, 4);
+  }
+  return w;
+}
+
+// Codes 8c..8c+7 of a packed row as 8 ints: the chunk's word broadcast, shifted right by 0, b, ..., 7b
+// per lane and masked.
 template <int BITS>
 RKV_INLINE __m256i code_ints(const uint8_t* row, int64_t c, bool last) {
   if constexpr (BITS == 8) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c)));
   } else {
-    // the chunk's 8 codes are its BITS bytes: never read past the row (a wider load would run past
-    // the buffer at its last row). 3-bit chunks borrow the next byte when it is in the row; the last
-    // one reads the 4 bytes ending with it and drops the first (a 3-byte read would be assembled on
-    // the stack, and the wider reload stalls on store forwarding)
-    uint32_t w = 0;
-    if constexpr (BITS == 2) {
-      uint16_t h;
-      std::memcpy(&h, row + 2 * c, 2);
-      w = h;
-    } else if (BITS == 3 && last && c > 0) {
-      std::memcpy(&w, row + BITS * c - 1, 4);
-      w >>= 8;
-    } else if (BITS == 3 && last) {
-      std::memcpy(&w, row, 3);  // a row of one chunk (head_dim 8)
-    } else {
-      std::memcpy(&w, row + BITS * c, 4);
-    }
     const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
-    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts),
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(chunk_word<BITS>(row, c, last))),
+                                              shifts),
                             _mm256_set1_epi32((1 << BITS) - 1));
   }
 }
@@ -185,14 +193,18 @@ struct CodeValues {
   }
   // codes 8c..8c+7 of a packed row as their 8 code values
   RKV_INLINE __m256 chunk(const uint8_t* row, int64_t c, bool last) const {
-    const __m256i v = code_ints<BITS>(row, c, last);
-    if constexpr (!LUT) {
-      return _mm256_cvtepi32_ps(v);
-    } else if constexpr (BITS == 4) {
+    if constexpr (LUT && BITS == 4) {
+      // each code shifted to the top nibble of its lane: bit 3 is the lane's sign, which blendv reads, and
+      // one more shift leaves the code itself for the permutes (which read its low 3 bits)
+      const __m256i top = _mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(chunk_word<4>(row, c, last))),
+                                            _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
+      const __m256i v = _mm256_srli_epi32(top, 28);
       return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, v), _mm256_permutevar8x32_ps(hi, v),
-                              _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+                              _mm256_castsi256_ps(top));
     } else {
-      return _mm256_permutevar8x32_ps(lo, v);
+      const __m256i v = code_ints<BITS>(row, c, last);
+      if constexpr (LUT) return _mm256_permutevar8x32_ps(lo, v);
+      else return _mm256_cvtepi32_ps(v);
     }
   }
 };
