@@ -26,22 +26,21 @@ def main(argv: list[str] | None = None) -> int:
 
     plan_arguments(sub.add_parser("plan", help="KV-cache memory ledger: bytes per token, fit, longest context"))
 
-    cal = sub.add_parser("calibrate", help="measure a model's per-layer sensitivity on a calibration text (cached): "
-                         "the profile plan --sensitivity and per-layer allocations use")
-    cal.add_argument("--model", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
-    cal.add_argument("--gguf", help="a local GGUF file")
-    cal.add_argument("--text", default="lcet10.txt", help="calibration text: a file, or a Canterbury-corpus name "
-                     "(default lcet10.txt; never an evaluation text)")
-    cal.add_argument("--tokens", type=int, default=512)
-    cal.add_argument("--levels", type=int, nargs="+", default=[2, 3, 4], help="bit widths to choose among")
+    def calibration_arguments(p):
+        p.add_argument("--model", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
+        p.add_argument("--gguf", help="a local GGUF file")
+        p.add_argument("--text", default="lcet10.txt", help="calibration text: a file, or a Canterbury-corpus name "
+                       "(default lcet10.txt; never an evaluation text)")
+        p.add_argument("--tokens", type=int, default=512)
+        return p
 
-    lev = sub.add_parser("calibrate-levels", help="fit a model's per-layer non-uniform levels (a codebook file, "
-                         "cached) on a calibration text: Scheme(levels='calibrated', codebook=PATH)")
-    lev.add_argument("--model", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
-    lev.add_argument("--gguf", help="a local GGUF file")
-    lev.add_argument("--text", default="lcet10.txt", help="calibration text (default lcet10.txt; never an "
-                     "evaluation text)")
-    lev.add_argument("--tokens", type=int, default=512)
+    cal = calibration_arguments(sub.add_parser(
+        "calibrate", help="measure a model's per-layer sensitivity on a calibration text (cached): the profile "
+        "plan --sensitivity and per-layer allocations use"))
+    cal.add_argument("--levels", type=int, nargs="+", default=[2, 3, 4], help="bit widths to choose among")
+    lev = calibration_arguments(sub.add_parser(
+        "calibrate-levels", help="fit a model's per-layer non-uniform levels (a codebook file, cached) on a "
+        "calibration text: Scheme(levels='calibrated', codebook=PATH)"))
     lev.add_argument("--pin-ends", action="store_true", help="keep each group's min and max as levels")
 
     demo = sub.add_parser("demo", help="quantize synthetic RoPE'd keys with each scheme; print error and bytes")
