@@ -85,7 +85,7 @@ def test_calibrated_levels_decode_what_the_simulation_measures(tmp_path):
 
     model = tiny_llama()
     ids = torch.randint(0, 160, (1, 320), generator=torch.Generator().manual_seed(8))
-    book = levels.calibrate(model, ids, widths=(2, 3), pin_ends=False)
+    book = levels.calibrate(model, ids, widths=(2, 3), pin_ends=False, weighting="mse")
     assert len(book.layers) == 3
     for layer in book.layers:
         for side in ("k", "v"):
@@ -111,6 +111,28 @@ def test_calibrated_levels_decode_what_the_simulation_measures(tmp_path):
         load(str(path)).levels(0, "k", 4)
     with pytest.raises(ValueError, match="give both, or neither"):
         scheme.replace(codebook=None)
+
+
+def test_attention_weights_follow_the_queries_and_the_probabilities():
+    """Key channels weigh the queries' energy, shared by each rotated pair (RoPE moves energy within a
+    pair, never across); a channel no query uses weighs 0; value tokens weigh their squared attention."""
+    from torch_rkv.eval.levels import attention_weights
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 6, 8, generator=gen)
+    q[..., 5] = 0.0
+    q[..., 1] = 0.0  # channel 1's pair partner (rotate-half over 6 channels: 1 <-> 4) keeps energy
+    k = torch.randn(1, 2, 6, 8, generator=gen)
+    kw, vw = attention_weights(q, k, 0.5, 0.0, half=3, interleaved=False)
+    assert kw.shape == vw.shape == (1, 2, 6, 8)
+    for c, partner in ((0, 3), (1, 4), (2, 5)):
+        assert torch.allclose(kw[..., c], kw[..., partner])
+    assert bool((kw[..., 1] > 0).all())  # its partner's energy
+    assert bool((kw[..., 6:] > 0).all())  # not rotated: its own energy
+    kw, _ = attention_weights(q, k, 0.5, 0.0, half=0, interleaved=False)
+    assert bool((kw[..., 5] == 0).all()) and bool((kw[..., 1] == 0).all())
+    # the first token is seen by every query, the last only by itself: it gets the least attention
+    assert bool((vw[..., 0, 0] > vw[..., -1, 0]).all())
 
 
 def test_sensitivity_on_a_tiny_model():
@@ -256,6 +278,7 @@ def test_the_full_modes_rows_on_smollm2(smollm2_alice):
     assert "Long context (1024 tokens" in text and "[0." in text
 
 
+@pytest.mark.slow
 def test_the_reports_calibrated_levels_rows_on_smollm2(smollm2_alice):
     """--full's "rkv + calibrated levels" family: the model's codebook fitted on the calibration text
     (cached), rows named rkv-nu-<bits> that decode through it, and the name resolves everywhere."""

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         "calibrate-levels", help="fit a model's per-layer non-uniform levels (a codebook file, cached) on a "
         "calibration text: Scheme(levels='calibrated', codebook=PATH)"))
     lev.add_argument("--pin-ends", action="store_true", help="keep each group's min and max as levels")
+    lev.add_argument("--weighting", choices=["attention", "mse"], default="attention",
+                     help="weigh each value by what attention reads of it (default), or squared error alone")
 
     demo = sub.add_parser("demo", help="quantize synthetic RoPE'd keys with each scheme; print error and bytes")
     demo.add_argument("--tokens", type=int, default=1024)

@@ -5,8 +5,9 @@ rkv storage space (pre-RoPE keys, Hadamard-rotated values: the space the cache q
 the cache quantizes. For each width and side, every value is placed in its group's range in code units,
 u = (x - zero) / scale, with the group parameters the cache would choose (rkv's layout: per-channel keys
 in 128-token blocks, clipped at 2 bits; per-token values), and Lloyd's iteration fits the levels that
-minimize the squared error weighted by scale^2 (the error in the data's own units). Two rounds: the
-second recomputes the clipped ranges with the first round's levels, as the cache will. The calibration
+minimize the squared error weighted by scale^2 (the error in the data's own units) and, by default, by
+how much attention reads each value (attention_weights). Two rounds: the second recomputes the clipped
+ranges with the first round's levels, as the cache will. The calibration
 text is lcet10.txt by default, never an evaluation text; codebooks are cached like sensitivity profiles.
 """
 
@@ -30,21 +31,66 @@ WIDTHS = (2, 3, 4)
 
 
 class _Recorder(Simulation):
-    """A full-precision Simulation that keeps what each layer's cache would quantize, in the storage space."""
+    """A full-precision Simulation that keeps what each layer's cache would quantize, in the storage space,
+    and (attention weighting) how much attention reads each of its values."""
 
     def __post_init__(self):
         super().__post_init__()
         self.seen: dict[tuple[int, str], torch.Tensor] = {}
+        self.weights: dict[tuple[int, str], torch.Tensor] = {}
+        self.weighted = False
 
     def round_trip(self, x: torch.Tensor, side: str, s: Scheme, layer: Optional[int] = None) -> torch.Tensor:
         self.seen[(layer, side)] = x.detach().float().clone()
         return x.float()
 
+    def attention(self, query, key, value, scaling: float, attention_mask=None, softcap: float = 0.0,
+                  layer: Optional[int] = None) -> torch.Tensor:
+        out = super().attention(query, key, value, scaling, attention_mask, softcap, layer)
+        if self.weighted:
+            cos = (self.layer_rope or {}).get(layer, (self.rope_cos, None))[0]
+            k, v = attention_weights(query.float(), key.float(), scaling, softcap, cos.shape[-1], self.rope_interleaved)
+            self.weights[(layer, "k")], self.weights[(layer, "v")] = k, v
+        return out
 
-def samples(x: torch.Tensor, side: str, s: Scheme, lv: Optional[torch.Tensor] = None):
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, scaling: float, softcap: float, half: int,
+                      interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """How much an error in each cached value moves attention, (B, Hkv, N, D) for keys and for values, from
+    the full-precision causal attention of queries q (B, Hq, N, D) over keys k (B, Hkv, N, D).
+
+    A key error e moves a score by q . e: its channel c weighs E[q_c^2] (in the pre-RoPE space a rotated
+    pair's energy, the mean of the pair's, which RoPE keeps), and the token weighs the attention it
+    receives. A value error moves the output by p_t e: the token weighs sum of p_t^2 over the queries.
+    (KVQuant weighs its levels by Fisher information for the same reason.)"""
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, n, d)
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", qg, k) * scaling
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    p = torch.softmax(scores.masked_fill(~causal, -torch.inf), dim=-1)
+    received, squared = p.sum(dim=(2, 3)), p.pow(2).sum(dim=(2, 3))  # (B, Hkv, N)
+    energy = qg.pow(2).mean(dim=(2, 3))  # (B, Hkv, D)
+    if half:
+        idx = torch.arange(d, device=q.device)
+        pair = idx.clone()
+        if interleaved:
+            pair[: 2 * half] = idx[: 2 * half] ^ 1
+        else:
+            pair[:half], pair[half : 2 * half] = idx[half : 2 * half], idx[:half]
+        energy = (energy + energy[..., pair]) / 2
+    keys = received[..., None] * energy[..., None, :]
+    values = squared[..., None].expand(b, hkv, n, d)
+    return keys / keys.mean(), values / values.mean()
+
+
+def samples(x: torch.Tensor, side: str, s: Scheme, lv: Optional[torch.Tensor] = None,
+            weight: Optional[torch.Tensor] = None):
     """(u, w): x's values (B, H, n, D) in code units of their group's range as the cache quantizes them
-    under scheme s (and levels lv for the clip search), and their weights scale^2; the sinks (encoded,
-    but not in the range) left out."""
+    under scheme s (and levels lv for the clip search), and their weights scale^2 (times `weight`, of x's
+    tokens or more, when given); the sinks (encoded, but not in the range) left out."""
     bits, tokens = getattr(s, f"{side}_bits"), getattr(s, f"{side}_block_tokens")
     group = getattr(s, f"{side}_group_size") or x.shape[-1]
     q = quantize(x, bits, group, tokens, False, s.meta_dtype, getattr(s, f"{side}_clip"), s.sinks, lv)
@@ -52,19 +98,27 @@ def samples(x: torch.Tensor, side: str, s: Scheme, lv: Optional[torch.Tensor] = 
     zr = q.zero.float().repeat_interleave(tokens, -2).repeat_interleave(group, -1)
     keep = slice(s.sinks, None)
     sc, zr, xs = sc[..., keep, :], zr[..., keep, :], x[..., keep, :]
+    w = sc * sc
+    if weight is not None:
+        w = w * weight[..., : x.shape[-2], :][..., keep, :]
     ok = sc > 0
-    return ((xs - zr) / sc.clamp_min(1e-30))[ok], (sc * sc)[ok]
+    return ((xs - zr) / sc.clamp_min(1e-30))[ok], w[ok]
 
 
 @torch.no_grad()
 def calibrate(model, ids: torch.Tensor, widths: tuple[int, ...] = WIDTHS, pin_ends: bool = False,
-              rounds: int = 2) -> Codebook:
+              rounds: int = 2, weighting: str = "attention") -> Codebook:
     """The codebook of `model` from one full-precision pass over ids (1, N), for the rkv layout at each
-    width (recommended(bits): its clipping and sinks)."""
+    width (recommended(bits): its clipping and sinks). weighting: "mse" (each value by its group's
+    scale^2: squared error in the data's units) or "attention" (times attention_weights: what attention
+    reads of each value)."""
+    if weighting not in ("mse", "attention"):
+        raise ValueError(f"calibrate: weighting must be 'mse' or 'attention' (got {weighting!r})")
     layers = models.inspect(model).layers
     make = simulations_for(model, ids.shape[1])
     probe = make(recommended(min(widths)))
     recorder = _Recorder(probe.scheme, probe.rope_cos, probe.rope_sin, probe.rope_interleaved, probe.layer_rope)
+    recorder.weighted = weighting == "attention"
     perplexity.simulated_logprobs(model, ids, recorder)
     table = [{side: {} for side in SIDES} for _ in range(layers)]
     for bits in widths:
@@ -72,7 +126,7 @@ def calibrate(model, ids: torch.Tensor, widths: tuple[int, ...] = WIDTHS, pin_en
         for (layer, side), x in recorder.seen.items():
             lv = None
             for _ in range(rounds):
-                u, w = samples(x, side, s, lv)
+                u, w = samples(x, side, s, lv, recorder.weights.get((layer, side)))
                 lv = lloyd(u, w, bits, pin_ends, init=lv)
             table[layer][side][str(bits)] = [float(v) for v in lv]
     missing = [i for i, t in enumerate(table) if not t["k"]]
@@ -81,23 +135,24 @@ def calibrate(model, ids: torch.Tensor, widths: tuple[int, ...] = WIDTHS, pin_en
     return Codebook(table, model_key(model), "rkv layout (recommended)", "")
 
 
-def codebook_path(model, text: str, tokens: int, pin_ends: bool) -> Path:
-    return (data.cache_dir() / "calibration" /
-            f"levels-{model_key(model)}-{Path(text).name}-{tokens}{'-pinned' if pin_ends else ''}.json")
+def codebook_path(model, text: str, tokens: int, pin_ends: bool, weighting: str = "attention") -> Path:
+    return (data.cache_dir() / "calibration" / f"levels-{model_key(model)}-{Path(text).name}-{tokens}-{weighting}"
+            f"{'-pinned' if pin_ends else ''}.json")
 
 
 def load_or_calibrate(model, tok, text: str = CALIBRATION_TEXT, tokens: int = CALIBRATION_TOKENS,
-                      pin_ends: bool = False) -> Path:
+                      pin_ends: bool = False, weighting: str = "attention") -> Path:
     """The path of `model`'s cached codebook on `tokens` tokens of `text`, calibrating it on first use."""
-    path = codebook_path(model, text, tokens, pin_ends)
+    path = codebook_path(model, text, tokens, pin_ends, weighting)
     if path.exists():
         return path
     source = Path(text) if Path(text).exists() else data.text_path(text)
     ids = data.encode(tok, data.read_text(str(source)))
     if ids.shape[1] < tokens:
         raise data.MissingMaterial(f"the calibration text {text} has {ids.shape[1]} tokens, fewer than {tokens}")
-    book = calibrate(model, ids[:, :tokens], pin_ends=pin_ends)
-    book.calibration = f"{tokens} tokens of {Path(text).name}{', ends pinned' if pin_ends else ''}"
+    book = calibrate(model, ids[:, :tokens], pin_ends=pin_ends, weighting=weighting)
+    book.calibration = (f"{tokens} tokens of {Path(text).name}, {weighting}-weighted"
+                        f"{', ends pinned' if pin_ends else ''}")
     book.save(path)
     return path
 
@@ -111,7 +166,7 @@ def main(args) -> int:
     """python -m torch_rkv calibrate-levels: calibrate (or read the cached) codebook, print it and its path."""
     try:
         model, tok = data.load_model(args.model, args.gguf)
-        path = load_or_calibrate(model, tok, args.text, args.tokens, args.pin_ends)
+        path = load_or_calibrate(model, tok, args.text, args.tokens, args.pin_ends, args.weighting)
     except data.MissingMaterial as e:
         print(f"torch_rkv calibrate-levels: {e}", file=sys.stderr)
         return 2
