@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .codebook import level_buffers
+from .codebook import layer_levels, level_buffers
 from .layout import CacheLayout
 from .ops.attention import decode_attention
 from .ops.cache import cache_append
@@ -81,10 +81,7 @@ class QuantizedKVCache(torch.nn.Module):
                                  f"cache's {self.layout.max_tokens} tokens")
             self.rope_cos = cos.to(device=device, dtype=torch.float32).contiguous()
             self.rope_sin = sin.to(device=device, dtype=torch.float32).contiguous()
-        model_layers = list(range(num_layers)) if model_layers is None else list(model_layers)
-        if len(model_layers) != num_layers:
-            raise ValueError(f"QuantizedKVCache: model_layers names {len(model_layers)} layers for num_layers={num_layers}")
-        for name, t in level_buffers(scheme, model_layers, device).items():  # None: the uniform grid
+        for name, t in level_buffers(scheme, num_layers, model_layers, device, "QuantizedKVCache").items():
             self.register_buffer(name, t)
         self.register_buffer("k_signs", hadamard_signs(head_dim, scheme.hadamard_seed, device) if scheme.k_hadamard else None)
         self.register_buffer("v_signs", hadamard_signs(head_dim, scheme.hadamard_seed + 1, device)
@@ -99,10 +96,6 @@ class QuantizedKVCache(torch.nn.Module):
     def layer_buffers(self, layer: int) -> list[Optional[torch.Tensor]]:
         self._check_layer(layer)
         return [None if getattr(self, name, None) is None else getattr(self, name)[layer] for name in BUFFERS]
-
-    def layer_levels(self, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(k_levels, v_levels) of this layer: its codebook rows, or None (uniform)."""
-        return tuple(None if t is None else t[layer] for t in (self.k_levels, self.v_levels))
 
     def nbytes(self) -> int:
         """Exact bytes of the KV buffers (all layers), from the same layout that allocated them."""
@@ -158,7 +151,7 @@ class QuantizedKVCache(torch.nn.Module):
         for i in range(0, m, step):
             cache_append(*self.layer_buffers(layer), self.lengths[layer], ks[:, :, i : i + step], vs[:, :, i : i + step],
                          s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, self.sliding_window,
-                         *self.layer_levels(layer))
+                         *layer_levels(self, layer))
             self.lengths[layer] += min(step, m - i)
 
     def attend(self, layer: int, q: torch.Tensor, scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
@@ -168,7 +161,7 @@ class QuantizedKVCache(torch.nn.Module):
         return decode_attention(q, *self.layer_buffers(layer), self.lengths[layer], s.k_bits, s.v_bits, s.block,
                                 s.recent, self.rope_cos, self.rope_sin, self.rope_interleaved, self.k_signs,
                                 self.v_signs, scale, split_tokens, self.sliding_window, self.softcap,
-                                *self.layer_levels(layer))
+                                *layer_levels(self, layer))
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
                 split_tokens: int = 0) -> torch.Tensor:
@@ -186,7 +179,7 @@ class QuantizedKVCache(torch.nn.Module):
         out = paged_prefill_attention(rows(q), rows(ks), rows(vs), qsl, m, *self.layer_buffers(layer), None, None,
                                       self.lengths[layer], s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
-                                      split_tokens, self.sliding_window, self.softcap, *self.layer_levels(layer))
+                                      split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer))
         self._append_storage(layer, ks, vs)
         return out.reshape(b, m, hq, d).transpose(1, 2)
 
@@ -206,7 +199,7 @@ class QuantizedKVCache(torch.nn.Module):
         s, lay = self.scheme, self.layout
         q = quantized_count(n, s.recent, s.block)
         out = []
-        for side, lv in zip(("k", "v"), self.layer_levels(layer)):
+        for side, lv in zip(("k", "v"), layer_levels(self, layer)):
             bits = getattr(s, f"{side}_bits")
             t = getattr(s, f"{side}_block_tokens")
             parts = [bufs[f"{side}_sink"][:, :, : min(n, s.sinks)].float()]

@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from .reference import check_levels
+
 FORMAT = "torch_rkv.codebook/1"
 SIDES = ("k", "v")
 
@@ -52,8 +54,9 @@ class Codebook:
     def __post_init__(self):
         for i, layer in enumerate(self.layers):
             for side in SIDES:
-                for bits, values in layer.get(side, {}).items():
-                    check_levels(values, int(bits), f"Codebook layer {i} side {side}")
+                for bits, values in layer.get(side, {}).items():  # the ops' own rule (reference.check_levels)
+                    check_levels("codebook", f"layer {i} side {side}", torch.tensor(values, dtype=torch.float32),
+                                 int(bits), symmetric=False)
 
     def levels(self, layer: int, side: str, bits: int) -> torch.Tensor:
         """The code values of `side` ('k' or 'v') of `layer` at `bits`, float32 (2^bits,)."""
@@ -87,27 +90,27 @@ def load(path: str) -> Codebook:
     """The codebook file at `path` (read once per process)."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"codebook file {path} does not exist (python -m torch_rkv calibrate-levels writes one)")
+        raise FileNotFoundError(f"codebook file {path} does not exist (python -m torch_rkv calibrate-levels writes "
+                                "one)")
     return Codebook.from_json(p.read_text(), str(path))
 
 
-def level_buffers(scheme, model_layers, device=None) -> dict:
-    """{"k_levels", "v_levels"}: each a (layers, 2^bits) float32 stack of the scheme's code values for the
-    model's layers `model_layers` (a cache's buffers, row i for its layer i), or None (the uniform grid)."""
+def level_buffers(scheme, num_layers: int, model_layers, device, owner: str) -> dict:
+    """{"k_levels", "v_levels"}: a cache's per-layer tables, each a (num_layers, 2^bits) float32 stack of the
+    scheme's code values for the model's layers `model_layers` (row i for the cache's layer i; None: 0..
+    num_layers-1), or None (the uniform grid). owner names the cache in errors."""
+    model_layers = list(range(num_layers)) if model_layers is None else list(model_layers)
+    if len(model_layers) != num_layers:
+        raise ValueError(f"{owner}: model_layers names {len(model_layers)} layers for num_layers={num_layers}")
     if scheme.levels != "calibrated":
         return {"k_levels": None, "v_levels": None}
     return {f"{side}_levels": torch.stack([scheme.side_levels(i, side) for i in model_layers]).to(device)
             for side in SIDES}
 
 
-def check_levels(values, bits: int, where: str) -> None:
-    """Raise unless `values` are 2^bits strictly ascending code values within [0, 2^bits - 1]."""
-    top = (1 << bits) - 1
-    v = [float(x) for x in values]
-    if bits not in (2, 3, 4) or len(v) != top + 1:
-        raise ValueError(f"{where}: {bits}-bit levels must be {top + 1} values for 2, 3 or 4 bits (got {len(v)})")
-    if not all(0.0 <= x <= top for x in v) or any(b <= a for a, b in zip(v, v[1:])):
-        raise ValueError(f"{where}: {bits}-bit levels must be strictly ascending within [0, {top}] (got {v})")
+def layer_levels(cache, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(k_levels, v_levels) of a cache's layer (the rows of its level_buffers), or None each (uniform)."""
+    return tuple(None if t is None else t[layer] for t in (cache.k_levels, cache.v_levels))
 
 
 def lloyd(u: torch.Tensor, w: torch.Tensor, bits: int, pin_ends: bool = True, iterations: int = 60,

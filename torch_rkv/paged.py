@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .codebook import level_buffers
+from .codebook import layer_levels, level_buffers
 from .layout import PageLayout, default_page_size
 from .ops.hadamard import hadamard, hadamard_signs
 from .ops.paged import paged_append, paged_copy, paged_decode_attention, paged_prefill_attention
@@ -109,11 +109,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
                                  f"than a sequence's {self.max_tokens} tokens")
             self.rope_cos = rope[0].to(device=device, dtype=torch.float32).contiguous()
             self.rope_sin = rope[1].to(device=device, dtype=torch.float32).contiguous()
-        model_layers = list(range(num_layers)) if model_layers is None else list(model_layers)
-        if len(model_layers) != num_layers:
-            raise ValueError(f"PagedQuantizedKVCache: model_layers names {len(model_layers)} layers for "
-                             f"num_layers={num_layers}")
-        for name, t in level_buffers(scheme, model_layers, device).items():  # calibrated levels, or None
+        for name, t in level_buffers(scheme, num_layers, model_layers, device, "PagedQuantizedKVCache").items():
             self.register_buffer(name, t)
         self.register_buffer("k_signs", hadamard_signs(head_dim, scheme.hadamard_seed, device)
                              if scheme.k_hadamard else None)
@@ -257,10 +253,6 @@ class PagedQuantizedKVCache(torch.nn.Module):
             self._seq(seq).length += m
 
     # ------------------------------------------------------------------------------------------
-    def layer_levels(self, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(k_levels, v_levels) of this layer: its codebook rows, or None (uniform)."""
-        return tuple(None if t is None else t[layer] for t in (self.k_levels, self.v_levels))
-
     def layer_tensors(self, layer: int) -> list[Optional[torch.Tensor]]:
         """The ten tensors the paged ops take for this layer: region views of the pool and side slots."""
         if not 0 <= layer < self.num_layers:
@@ -287,7 +279,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         s = self.scheme
         paged_append(*self.layer_tensors(layer), self.page_fill[layer], batch.block_tables, batch.side_slots,
                      batch.lengths, batch.query_start_loc, ks, vs, s.k_bits, s.v_bits, s.block, s.recent, s.k_clip,
-                     s.v_clip, None, *self.layer_levels(layer))
+                     s.v_clip, None, *layer_levels(self, layer))
 
     def attend(self, layer: int, batch: PagedBatch, q: torch.Tensor, scale: Optional[float] = None,
                split_tokens: int = 0) -> torch.Tensor:
@@ -297,7 +289,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         return paged_decode_attention(q, *self.layer_tensors(layer), batch.block_tables, batch.side_slots,
                                       batch.lengths_after, s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
-                                      split_tokens, self.sliding_window, self.softcap, *self.layer_levels(layer))
+                                      split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer))
 
     def prefill(self, layer: int, batch: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
@@ -310,7 +302,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
                                       *self.layer_tensors(layer), batch.block_tables, batch.side_slots, batch.lengths,
                                       s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos, self.rope_sin,
                                       self.rope_interleaved, self.k_signs, self.v_signs, scale, split_tokens,
-                                      self.sliding_window, self.softcap, *self.layer_levels(layer))
+                                      self.sliding_window, self.softcap, *layer_levels(self, layer))
         self._append_storage(layer, batch, ks, vs)
         return out
 

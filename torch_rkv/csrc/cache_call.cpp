@@ -101,8 +101,8 @@ CacheCall resolve_cache(const char* op, const at::Tensor& ref, const CacheTensor
   const std::optional<at::Tensor> none;
   out.k_levels = check_levels(op, "k_levels", ref, c.k_levels ? *c.k_levels : none, k_bits, !c.k_zero.has_value());
   out.v_levels = check_levels(op, "v_levels", ref, c.v_levels ? *c.v_levels : none, v_bits, !c.v_zero.has_value());
-  if (out.k_levels.defined()) out.k.levels = out.k_levels.const_data_ptr<float>();
-  if (out.v_levels.defined()) out.v.levels = out.v_levels.const_data_ptr<float>();
+  out.k.levels = levels_data(out.k_levels);
+  out.v.levels = levels_data(out.v_levels);
   return out;
 }
 

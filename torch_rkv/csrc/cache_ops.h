@@ -48,7 +48,8 @@ at::Tensor paged_decode_attention_op(const at::Tensor& q, const at::Tensor& k_co
                                      const std::optional<at::Tensor>& rope_sin, bool rope_interleaved,
                                      const std::optional<at::Tensor>& k_signs, const std::optional<at::Tensor>& v_signs,
                                      double scale, int64_t split_tokens, int64_t sliding_window, double softcap,
-                               const std::optional<at::Tensor>& k_levels, const std::optional<at::Tensor>& v_levels) {
+                                     const std::optional<at::Tensor>& k_levels,
+                                     const std::optional<at::Tensor>& v_levels) {
   const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                        &k_levels, &v_levels};
   const CacheIndex ix{&block_tables, &side_slots, true};

@@ -39,6 +39,10 @@ void check_hadamard(const at::Tensor& x, const std::optional<at::Tensor>& signs)
 // not read back: no sync per call). Returns them contiguous, or an undefined tensor (uniform).
 at::Tensor check_levels(const char* op, const char* arg, const at::Tensor& ref, const std::optional<at::Tensor>& levels,
                         int64_t bits, bool symmetric);
+// What the kernels take of check_levels' result: its values, or nullptr (uniform).
+inline const float* levels_data(const at::Tensor& levels) {
+  return levels.defined() ? levels.const_data_ptr<float>() : nullptr;
+}
 
 // The ten tensors of one layer's quantized cache (reference.py, "The quantized KV cache").
 struct CacheTensors {

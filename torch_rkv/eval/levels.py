@@ -19,12 +19,12 @@ from typing import Optional
 
 import torch
 
-from ..codebook import SIDES, Codebook, lloyd
+from ..codebook import SIDES, Codebook, lloyd, load
 from ..integrations import models
 from ..ops.quant import quantize
 from ..scheme import Scheme, recommended
 from . import data, perplexity
-from .sensitivity import CALIBRATION_TEXT, CALIBRATION_TOKENS, model_key, simulations_for
+from .sensitivity import CALIBRATION_TEXT, CALIBRATION_TOKENS, calibration_ids, model_key, simulations_for
 from .simulate import Simulation
 
 WIDTHS = (2, 3, 4)
@@ -146,11 +146,7 @@ def load_or_calibrate(model, tok, text: str = CALIBRATION_TEXT, tokens: int = CA
     path = codebook_path(model, text, tokens, pin_ends, weighting)
     if path.exists():
         return path
-    source = Path(text) if Path(text).exists() else data.text_path(text)
-    ids = data.encode(tok, data.read_text(str(source)))
-    if ids.shape[1] < tokens:
-        raise data.MissingMaterial(f"the calibration text {text} has {ids.shape[1]} tokens, fewer than {tokens}")
-    book = calibrate(model, ids[:, :tokens], pin_ends=pin_ends, weighting=weighting)
+    book = calibrate(model, calibration_ids(tok, text, tokens), pin_ends=pin_ends, weighting=weighting)
     book.calibration = (f"{tokens} tokens of {Path(text).name}, {weighting}-weighted"
                         f"{', ends pinned' if pin_ends else ''}")
     book.save(path)
@@ -170,7 +166,7 @@ def main(args) -> int:
     except data.MissingMaterial as e:
         print(f"torch_rkv calibrate-levels: {e}", file=sys.stderr)
         return 2
-    book = Codebook.from_json(path.read_text(), str(path))
+    book = load(str(path))
     print(f"{book.model}: levels in code units per layer and side ({book.calibration})")
     for i, layer in enumerate(book.layers):
         for side in SIDES:

@@ -87,6 +87,16 @@ def stored_profile(model, levels: tuple[int, ...], text: str, tokens: int) -> Op
     return Sensitivity.from_json(path.read_text()) if path.exists() else None
 
 
+def calibration_ids(tok, text: str, tokens: int) -> torch.Tensor:
+    """The first `tokens` token ids (1, tokens) of the calibration text `text`: a file, or a corpus file's
+    name; MissingMaterial when it is shorter."""
+    source = Path(text) if Path(text).exists() else data.text_path(text)
+    ids = data.encode(tok, data.read_text(str(source)))
+    if ids.shape[1] < tokens:
+        raise data.MissingMaterial(f"the calibration text {text} has {ids.shape[1]} tokens, fewer than {tokens}")
+    return ids[:, :tokens]
+
+
 def load_or_measure(model, tok, levels: tuple[int, ...], text: str = CALIBRATION_TEXT,
                     tokens: int = CALIBRATION_TOKENS, progress: Callable[[int, int, int], None] = lambda *_: None
                     ) -> Sensitivity:
@@ -94,12 +104,8 @@ def load_or_measure(model, tok, levels: tuple[int, ...], text: str = CALIBRATION
     cached = stored_profile(model, levels, text, tokens)
     if cached is not None and cached.covers(levels):
         return cached.restricted(tuple(levels))
-    source = Path(text) if Path(text).exists() else data.text_path(text)  # a file, or a corpus file's name
-    ids = data.encode(tok, data.read_text(str(source)))
-    if ids.shape[1] < tokens:
-        raise data.MissingMaterial(f"the calibration text {text} has {ids.shape[1]} tokens, fewer than {tokens}")
-    profile = measure(model, ids[:, :tokens], levels, simulations_for(model, tokens), models.inspect(model).layers,
-                      cached, progress)
+    profile = measure(model, calibration_ids(tok, text, tokens), levels, simulations_for(model, tokens),
+                      models.inspect(model).layers, cached, progress)
     profile.model, profile.text = model_key(model), Path(text).name
     path = profile_path(model, text, tokens, levels)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from .. import outliers
 from ..codebook import gaussian_round_trip
 from ..integrations.models import attention_modules
 from ..ops.hadamard import hadamard, hadamard_signs
-from ..ops.quant import Quantized, dequantize, quantize
+from ..ops.quant import dequantize, quantize
 from ..ops.rope import rope
 from ..reference import quantized_count
 from ..scheme import Scheme

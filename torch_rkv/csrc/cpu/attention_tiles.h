@@ -180,7 +180,6 @@ RKV_INLINE __m256i code_ints(const uint8_t* row, int64_t c, bool last) {
 // a blend on bit 3 for 16, so a codebook costs the fused kernels a few instructions per 8 codes.
 template <int BITS, bool LUT>
 struct CodeValues {
-  static constexpr int kBits = BITS;
   __m256 lo, hi;
   CodeValues() = default;
   explicit CodeValues(const float* lut) {

@@ -17,7 +17,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
                                                            const std::optional<at::Tensor>& levels_in) {
   const QuantGeometry g = check_quantize(x_in, bits, group_size, block_tokens, symmetric, meta_dtype, clip, sink_rows);
   const at::Tensor levels = check_levels("quantize", "levels", x_in, levels_in, bits, symmetric);
-  const float* lut = levels.defined() ? levels.const_data_ptr<float>() : nullptr;
+  const float* lut = levels_data(levels);
   const at::Tensor x = x_in.contiguous();
   const QuantizeOutputs out = empty_quantize_outputs(x, g, symmetric, meta_dtype);
   const at::Tensor &packed = out.packed, &scale = out.scale, &zero = out.zero;
@@ -75,8 +75,7 @@ at::Tensor dequantize_cpu(const at::Tensor& packed_in, const at::Tensor& scale_i
     RKV_DISPATCH_FLOAT(scale.scalar_type(), "rkv.dequantize", meta_t, [&] {
       dequantize_kernel<out_t, meta_t>(packed.const_data_ptr<uint8_t>(), scale.const_data_ptr<meta_t>(),
                                        zero.defined() ? zero.const_data_ptr<meta_t>() : nullptr,
-                                       out.mutable_data_ptr<out_t>(), g,
-                                       levels.defined() ? levels.const_data_ptr<float>() : nullptr);
+                                       out.mutable_data_ptr<out_t>(), g, levels_data(levels));
     });
   });
   return out;

@@ -63,8 +63,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
     RKV_DISPATCH_FLOAT(meta_dtype, "rkv.quantize", meta_t, [&] {
       quantize_kernel<scalar_t, meta_t><<<grid_for(block_rows, 1), 128, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), packed.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr<meta_t>(),
-          symmetric ? nullptr : zero.mutable_data_ptr<meta_t>(), g, symmetric, clip,
-          levels.defined() ? levels.const_data_ptr<float>() : nullptr);
+          symmetric ? nullptr : zero.mutable_data_ptr<meta_t>(), g, symmetric, clip, levels_data(levels));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -89,7 +88,7 @@ at::Tensor dequantize_cuda(const at::Tensor& packed_in, const at::Tensor& scale_
       dequantize_kernel<out_t, meta_t><<<grid_for(n), kThreads, 0, stream>>>(
           packed.const_data_ptr<uint8_t>(), scale.const_data_ptr<meta_t>(),
           zero.defined() ? zero.const_data_ptr<meta_t>() : nullptr, out.mutable_data_ptr<out_t>(), g,
-          levels.defined() ? levels.const_data_ptr<float>() : nullptr);
+          levels_data(levels));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
