@@ -5,6 +5,12 @@ job names the model directory, the engine arguments and a list of tasks; the res
 line `RESULT <json>` (with vLLM's counters under "metrics" when the engine keeps statistics:
 "disable_log_stats": false), and vLLM's own log (its KV cache size among it) goes to the same output.
 
+in_process (the tests): vLLM's engine core and its one worker run in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend="uni") instead of two more processes,
+each of which imports torch and vLLM again: an engine starts in about 9 s instead of 36 on 2 cores, with
+the same pages and results. What a server runs (the multiprocess default, where the plugin loads in every
+process) is what the bench and `vllm serve` use.
+
 Tasks:
   {"kind": "generate", "prompts": [[ids]...], "max_tokens": n or [n...], "batches": [[i, ...], ...]}
       greedy continuations with the top-2 log-probabilities of every step; `batches` (default: all at
@@ -30,19 +36,27 @@ import sys
 import time
 
 ENV = "TORCH_RKV_SCHEME"  # torch_rkv.integrations.vllm.ENV (not imported: this side needs no torch_rkv)
+CODEBOOK_ENV = "TORCH_RKV_CODEBOOK"  # (its CODEBOOK_ENV)
 
 
-def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900) -> dict:
+def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900, in_process: bool = False,
+        codebook: str | None = None) -> dict:
     """Run one engine in a new process (scheme None: vLLM's own cache): the task results, with vLLM's
     reported KV cache size ("kv_tokens") and maximum concurrency ("concurrency", at "concurrency_len"
     tokens a request), and its log ("log"). kv_gb: VLLM_CPU_KVCACHE_SPACE, unless the job sets
-    kv_cache_memory_bytes (which the variable would override)."""
-    env = {k: v for k, v in os.environ.items() if k not in (ENV, "VLLM_CPU_KVCACHE_SPACE")}
+    kv_cache_memory_bytes (which the variable would override). codebook: the scheme's calibrated levels
+    (the plugin's TORCH_RKV_CODEBOOK)."""
+    env = {k: v for k, v in os.environ.items() if k not in (ENV, CODEBOOK_ENV, "VLLM_CPU_KVCACHE_SPACE")}
     env["PYTHONUNBUFFERED"] = "1"
     if "kv_cache_memory_bytes" not in job.get("engine", {}):
         env["VLLM_CPU_KVCACHE_SPACE"] = kv_gb
     if scheme:
         env[ENV] = scheme
+    if codebook:
+        env[CODEBOOK_ENV] = codebook
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        job = {**job, "engine": {"distributed_executor_backend": "uni", **job.get("engine", {})}}
     # the job on standard input: a 16K-token prompt is past the size of one command-line argument
     proc = subprocess.run([sys.executable, __file__], input=json.dumps(job), env=env, capture_output=True, text=True,
                           check=False, timeout=timeout)

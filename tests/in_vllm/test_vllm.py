@@ -1,8 +1,9 @@
 """torch_rkv inside vLLM (the plugin, torch_rkv/integrations/vllm.py): SmolLM2 served with its KV cache in
 torch_rkv's pages. Runs in the vLLM venv (scripts/vllm_venv.sh; .ci/run); skipped where vLLM is not
 installed (this folder is not named vllm: on sys.path it would pass for the package). Each engine is its
-own process (scripts/vllm_engine.py), started once per module and shared by the tests that read it: about
-40 s a start on 2 cores."""
+own process (scripts/vllm_engine.py), with vLLM's engine core and worker inside it (about 9 s a start on 2
+cores, where the three processes of the default take 36), started once per module and shared by the tests
+that read it; `vllm serve` runs the default multiprocess layout."""
 
 from __future__ import annotations
 
@@ -53,17 +54,17 @@ def alice(model_dir) -> list[int]:
     return tok("<|endoftext|>" + text).input_ids
 
 
-def run_engine(scheme: str | None, job: dict, timeout: int = 900) -> dict:
-    return vllm_engine.run(scheme, job, KV_GB, timeout)
+def run_engine(scheme: str | None, job: dict, timeout: int = 900, codebook: str | None = None) -> dict:
+    return vllm_engine.run(scheme, job, KV_GB, timeout, in_process=True, codebook=codebook)
 
 
 _runs: dict = {}
 
 
-def engine(name: str, scheme: str | None, job_fn) -> dict:
+def engine(name: str, scheme: str | None, job_fn, codebook: str | None = None) -> dict:
     """An engine run shared by the module's tests (started on first use)."""
     if name not in _runs:
-        _runs[name] = run_engine(scheme, job_fn())
+        _runs[name] = run_engine(scheme, job_fn(), codebook=codebook)
     return _runs[name]
 
 
@@ -212,9 +213,33 @@ def chunked_job(model_dir, alice, with_prefix_prompts=False, prefix_caching=Fals
 
 
 @pytest.fixture(scope="module")
-def transformers_ppl(model_dir):
+def layer_codebook(model_dir, tmp_path_factory) -> str:
+    """A codebook file for SmolLM2 whose levels differ by layer and side: the uniform grid with each
+    inner level moved by up to 0.3 of a step and the ends pulled in, by a pattern of the layer, side and
+    level (a calibrated file's shape, without the minute of calibration)."""
+    import math
+
+    from torch_rkv.codebook import Codebook
+
+    layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+
+    def values(layer: int, side: int, bits: int) -> list[float]:
+        top = 2**bits - 1
+        moved = [i + 0.3 * math.sin(1.7 * layer + 2.3 * i + side) for i in range(top + 1)]
+        return [min(max(x, 0.0), float(top)) for x in moved]
+
+    book = Codebook([{side: {str(b): values(i, j, b) for b in (2, 3, 4)} for j, side in enumerate("kv")}
+                     for i in range(layers)], model="SmolLM2 (test pattern)")
+    path = tmp_path_factory.mktemp("codebook") / "levels.json"
+    book.save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def transformers_ppl(model_dir, layer_codebook):
     """The same chunked protocol through torch_rkv's transformers integration, in the main venv
-    (TORCH_RKV_HF_PYTHON: it needs transformers >= 5.24; vLLM pins an older one)."""
+    (TORCH_RKV_HF_PYTHON: it needs transformers >= 5.24; vLLM pins an older one); "rkv-3+codebook":
+    rkv-3 with layer_codebook's levels."""
     py = os.environ.get("TORCH_RKV_HF_PYTHON")
     if not py:
         pytest.skip("TORCH_RKV_HF_PYTHON (the main venv's python) is not set")
@@ -223,8 +248,11 @@ def transformers_ppl(model_dir):
             f"model, tok = data.load_model({model_dir!r})\n"
             "ids = tok('<|endoftext|>' + data.read_text(str(data.text_path()))).input_ids[:2048]\n"
             "import torch\nids = torch.tensor([ids])\nout = {}\n"
-            "for name in ('rkv-4', 'rkv-3', 'rkv-2'):\n"
-            "    out[name] = perplexity.chunked(model, ids, lambda n, s=S.by_name(name): RKVCache(model, s, capacity=n), 256)\n"
+            "schemes = {name: S.by_name(name) for name in ('rkv-4', 'rkv-3', 'rkv-2')}\n"
+            "schemes['rkv-3+codebook'] = schemes['rkv-3'].replace(levels='calibrated', "
+            f"codebook={layer_codebook!r})\n"
+            "for name, scheme in schemes.items():\n"
+            "    out[name] = perplexity.chunked(model, ids, lambda n, s=scheme: RKVCache(model, s, capacity=n), 256)\n"
             "print('RESULT ' + json.dumps(out))\n")
     proc = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=900, check=False)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -239,6 +267,17 @@ def test_same_perplexity_in_both_engines(model_dir, alice, transformers_ppl, sch
     got = engine(f"{scheme}-chunked", scheme, lambda: chunked_job(model_dir, alice, with_prefix_prompts=scheme == "rkv-4"))
     want = transformers_ppl[scheme]
     assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
+
+
+def test_calibrated_levels_give_the_same_perplexity_in_both_engines(model_dir, alice, layer_codebook,
+                                                                    transformers_ppl):
+    """rkv-3 with a per-layer codebook (TORCH_RKV_CODEBOOK): each layer decodes through its own levels in
+    vLLM as in the transformers integration (1e-3 relative; the same chunked protocol), and the levels
+    change the result (they are read, not ignored)."""
+    got = engine("rkv-3-codebook-chunked", "rkv-3", lambda: chunked_job(model_dir, alice), codebook=layer_codebook)
+    want = transformers_ppl["rkv-3+codebook"]
+    assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
+    assert abs(want / transformers_ppl["rkv-3"] - 1) > 3e-3, (want, transformers_ppl["rkv-3"])
 
 
 def test_capacity_follows_the_packed_bytes(model_dir, alice):
@@ -361,6 +400,19 @@ def test_without_a_scheme_the_plugin_is_inert(monkeypatch):
     monkeypatch.setenv(plugin.ENV, "rkv-nope")
     with pytest.raises(ValueError, match="is not <preset>-<bits>"):
         plugin.register()
+
+
+def test_a_codebook_names_its_file_and_needs_a_scheme(monkeypatch, layer_codebook, tmp_path):
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    monkeypatch.setenv(plugin.CODEBOOK_ENV, layer_codebook)
+    with pytest.raises(ValueError, match="TORCH_RKV_SCHEME is not"):
+        plugin.configured_scheme()
+    monkeypatch.setenv(plugin.ENV, "rkv-3")
+    s = plugin.configured_scheme()
+    assert (s.name, s.levels, s.codebook) == ("rkv-3+codebook", "calibrated", layer_codebook)
+    monkeypatch.setenv(plugin.CODEBOOK_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        plugin.configured_scheme()
 
 
 @pytest.mark.parametrize("config, kw, refused, half, interleaved", [

@@ -6,7 +6,9 @@ paged ops (docs/serving.md).
     TORCH_RKV_SCHEME=rkv-3 python my_script.py          # LLM(...) inside
 
 The scheme is any torch_rkv preset name (rkv-4, rkv-3, rkv-2, rkv-mixed-2, kivi-2, kvquant-3, quarot-4,
-per-token-8, ...: torch_rkv.scheme.by_name). Without TORCH_RKV_SCHEME the plugin does nothing. The
+per-token-8, ...: torch_rkv.scheme.by_name). TORCH_RKV_CODEBOOK=<file> gives it calibrated per-layer levels
+(a codebook from ``python -m torch_rkv calibrate-levels``; each layer decodes through its own rows).
+Without TORCH_RKV_SCHEME the plugin does nothing. The
 entry point (group ``vllm.general_plugins``) runs in every vLLM process, engine and workers, which
 inherit the variable.
 
@@ -40,14 +42,27 @@ from .. import scheme as presets
 from ..scheme import Scheme
 
 ENV = "TORCH_RKV_SCHEME"
+CODEBOOK_ENV = "TORCH_RKV_CODEBOOK"
 TESTED_VLLM = ("0.32.0",)
 BACKEND = "torch_rkv.integrations.vllm_backend.RKVAttentionBackend"  # imported by vLLM when it selects it
 
 
 def configured_scheme() -> Scheme | None:
-    """The scheme TORCH_RKV_SCHEME names, or None when the plugin is off."""
+    """The scheme TORCH_RKV_SCHEME names (with TORCH_RKV_CODEBOOK's levels when that is set), or None when
+    the plugin is off."""
     name = os.environ.get(ENV, "").strip()
-    return presets.by_name(name) if name else None
+    codebook = os.environ.get(CODEBOOK_ENV, "").strip()
+    if not name:
+        if codebook:
+            raise ValueError(f"{CODEBOOK_ENV} is set but {ENV} is not: name the scheme whose levels it holds")
+        return None
+    scheme = presets.by_name(name)
+    if codebook:
+        from ..codebook import load  # noqa: PLC0415
+
+        load(codebook)  # read and checked now, in the process that starts vLLM: a bad file fails here
+        scheme = scheme.replace(name=f"{scheme.name}+codebook", levels="calibrated", codebook=codebook)
+    return scheme
 
 
 def register() -> None:

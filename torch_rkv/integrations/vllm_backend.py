@@ -36,9 +36,6 @@ def _scheme() -> Scheme:
     if s is None:
         raise RuntimeError(f"torch_rkv's vLLM backend is in use but {ENV} is not set")
     s.check_served()
-    if s.levels == "calibrated":  # the backend passes no codebook to the paged ops: refuse, never decode wrong
-        raise NotImplementedError(f"torch_rkv's vLLM backend: scheme {s.name} has calibrated per-layer levels, "
-                                  "which the plugin does not load yet; use a uniform preset")
     return s
 
 
@@ -208,6 +205,20 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             layer_type = "sliding_attention" if self.sliding_window else "full_attention"
             self.rope_cos, self.rope_sin, self.rope_interleaved = model_rope_tables(config, head_size, layer_type)
         self._tensors = None  # per-layer side pool and signs, made on the first forward
+        self.levels = None  # (k_levels, v_levels) of this layer, read on the first forward (it names the layer)
+
+    def _layer_levels(self, layer, device) -> tuple:
+        """(k_levels, v_levels): this layer's rows of the scheme's codebook (vLLM's layer index, from the
+        layer's name: the model's own numbering, which calibrate-levels uses), or None each (uniform)."""
+        if self.levels is None:
+            if self.scheme.levels == "calibrated":
+                from vllm.model_executor.models.utils import extract_layer_index
+
+                index = extract_layer_index(layer.layer_name)
+                self.levels = tuple(self.scheme.side_levels(index, side).to(device) for side in ("k", "v"))
+            else:
+                self.levels = (None, None)
+        return self.levels
 
     def _layer_state(self, query: torch.Tensor, slots: int):
         """(side pool, Hadamard signs, RoPE tables) of this layer; the side pool grown to `slots`."""
@@ -250,8 +261,9 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         views = self.regions(kv_cache, kv_cache.shape[2], query.dtype)
         cache = [views["k_codes"], views["k_scale"], views.get("k_zero"), views["v_codes"], views["v_scale"],
                  views.get("v_zero"), side["k_window"], side["v_window"], side["k_sink"], side["v_sink"]]
+        levels = self._layer_levels(layer, query.device)
         for init in md.inits:
-            self._init_slot(cache, init, kv_cache.shape[2])
+            self._init_slot(cache, init, kv_cache.shape[2], levels)
         s = self.scheme
         k, v = key[:t], value[:t]
         if s.pre_rope:
@@ -264,13 +276,13 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         out = paged_prefill_attention(query[:t], k, v, md.query_start_loc, md.max_query_len, *cache, md.block_tables,
                                       md.side_slots, md.lengths, s.k_bits, s.v_bits, s.block, s.recent, cos, sin,
                                       self.rope_interleaved, k_signs, v_signs, self.scale, 0, self.sliding_window,
-                                      self.softcap)
+                                      self.softcap, k_levels=levels[0], v_levels=levels[1])
         output[:t].copy_(out.view_as(output[:t]))
         paged_append(*cache, None, md.block_tables, md.side_slots, md.lengths, md.query_start_loc, k, v, s.k_bits,
-                     s.v_bits, s.block, s.recent, s.k_clip, s.v_clip)
+                     s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, k_levels=levels[0], v_levels=levels[1])
         return output
 
-    def _init_slot(self, cache: list, init: SlotInit, page_size: int) -> None:
+    def _init_slot(self, cache: list, init: SlotInit, page_size: int, levels: tuple) -> None:
         """Fill a new side slot (SlotInit) in this layer: a copy, or sinks and window rows read back."""
         dev = cache[0].device
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
@@ -283,19 +295,19 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         pages = torch.tensor(init.pages, dtype=torch.int64)
         w = cache[6].shape[2]
         ring = list(range(max(s.sinks, quantized_count(n, s.recent, s.block)), n))
-        for side, (codes, scale, zero, window, sink, bits) in enumerate(
-                ((cache[0], cache[1], cache[2], cache[6], cache[8], s.k_bits),
-                 (cache[3], cache[4], cache[5], cache[7], cache[9], s.v_bits))):
+        for codes, scale, zero, window, sink, bits, lv in (
+                (cache[0], cache[1], cache[2], cache[6], cache[8], s.k_bits, levels[0]),
+                (cache[3], cache[4], cache[5], cache[7], cache[9], s.v_bits, levels[1])):
             sinks = list(range(min(s.sinks, n)))
             if sinks and init.sinks_from >= 0:
                 if init.sinks_from != init.dst:  # (the donor's own slot already holds them)
                     sink[init.dst, :, : len(sinks)] = sink[init.sinks_from, :, : len(sinks)]
             elif sinks:  # no request with the same first page left its sinks: their quantized rows
                 t = torch.tensor(sinks)
-                sink[init.dst, :, : len(sinks)] = read_rows(codes, scale, zero, bits, pages[t // p], t % p).to(sink.dtype)
+                sink[init.dst, :, : len(sinks)] = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv).to(sink.dtype)
             if ring:  # the window of a shared prefix: its quantized rows (its full-precision rows are gone)
                 t = torch.tensor(ring)
-                window[init.dst, :, t % w] = read_rows(codes, scale, zero, bits, pages[t // p], t % p).to(window.dtype)
+                window[init.dst, :, t % w] = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv).to(window.dtype)
 
 
 # vLLM models whose rotary embedding is a get_rope(...) table built from the config the way each model
