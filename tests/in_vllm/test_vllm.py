@@ -415,6 +415,19 @@ def test_a_codebook_names_its_file_and_needs_a_scheme(monkeypatch, layer_codeboo
         plugin.configured_scheme()
 
 
+def test_a_codebook_short_of_the_models_layers_fails_at_engine_start(tiny_qwen3, tmp_path):
+    """A codebook for one layer, served to a two-layer model: the engine refuses at start (the metadata
+    builder reads every layer's levels), naming the layer, rather than at the first request."""
+    from torch_rkv.codebook import Codebook
+
+    path = tmp_path / "one-layer.json"
+    Codebook([{side: {"3": [float(i) for i in range(8)]} for side in "kv"}], model="one layer").save(path)
+    job = {"model": tiny_qwen3, "engine": {"dtype": "float32", "max_model_len": 512, "skip_tokenizer_init": True},
+           "tasks": []}
+    with pytest.raises(RuntimeError, match="layer 1 is out of range for 1 layers"):
+        run_engine("rkv-3", job, codebook=str(path))
+
+
 @pytest.mark.parametrize("config, kw, refused, half, interleaved", [
     ("LlamaConfig", {}, None, 32, False), ("Qwen3Config", {}, None, 32, False),
     ("GPTJConfig", {"rotary_dim": 16}, None, 8, True),

@@ -122,6 +122,12 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
             raise NotImplementedError("torch_rkv's vLLM backend: speculative decoding is not supported (rejected "
                                       "draft tokens would have to leave quantized pages)")
         self.page_size = kv_cache_spec.block_size
+        if scheme.levels == "calibrated":  # at engine start: a codebook without some layer's levels fails here
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            for name in layer_names:
+                for side in ("k", "v"):
+                    scheme.side_levels(extract_layer_index(name), side)
         if self.page_size % scheme.block:
             raise ValueError(f"torch_rkv: vLLM's block_size ({self.page_size}) must be a multiple of scheme "
                              f"{scheme.name}'s block of {scheme.block} tokens (--block-size)")
