@@ -22,6 +22,7 @@ import torch
 from ..codebook import SIDES, Codebook, lloyd, load
 from ..integrations import models
 from ..ops.quant import quantize
+from ..reference import rope_pairs
 from ..scheme import Scheme, recommended
 from . import data, perplexity
 from .sensitivity import CALIBRATION_TEXT, CALIBRATION_TOKENS, calibration_ids, model_key, simulations_for
@@ -73,14 +74,11 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, scaling: float, softcap:
     p = torch.softmax(scores.masked_fill(~causal, -torch.inf), dim=-1)
     received, squared = p.sum(dim=(2, 3)), p.pow(2).sum(dim=(2, 3))  # (B, Hkv, N)
     energy = qg.pow(2).mean(dim=(2, 3))  # (B, Hkv, D)
-    if half:
-        idx = torch.arange(d, device=q.device)
-        pair = idx.clone()
-        if interleaved:
-            pair[: 2 * half] = idx[: 2 * half] ^ 1
-        else:
-            pair[:half], pair[half : 2 * half] = idx[half : 2 * half], idx[:half]
-        energy = (energy + energy[..., pair]) / 2
+    if half:  # each rotated pair (reference.rope_pairs) gets its members' mean
+        e0, e1 = rope_pairs(energy, half, interleaved)
+        mean = (e0 + e1) / 2
+        e0.copy_(mean)
+        e1.copy_(mean)
     keys = received[..., None] * energy[..., None, :]
     values = squared[..., None].expand(b, hkv, n, d)
     return keys / keys.mean(), values / values.mean()

@@ -16,8 +16,10 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from ..codebook import SIDES
 from ..layout import PageLayout, round_up, side_shapes
 from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.paged import paged_append, paged_copy, paged_prefill_attention
@@ -122,12 +124,8 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
             raise NotImplementedError("torch_rkv's vLLM backend: speculative decoding is not supported (rejected "
                                       "draft tokens would have to leave quantized pages)")
         self.page_size = kv_cache_spec.block_size
-        if scheme.levels == "calibrated":  # at engine start: a codebook without some layer's levels fails here
-            from vllm.model_executor.models.utils import extract_layer_index
-
-            for name in layer_names:
-                for side in ("k", "v"):
-                    scheme.side_levels(extract_layer_index(name), side)
+        for name in layer_names:  # at engine start: a codebook without some layer's levels fails here
+            codebook_rows(scheme, name)
         if self.page_size % scheme.block:
             raise ValueError(f"torch_rkv: vLLM's block_size ({self.page_size}) must be a multiple of scheme "
                              f"{scheme.name}'s block of {scheme.block} tokens (--block-size)")
@@ -165,6 +163,16 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
 
 
 INITIAL_SLOTS = 16  # the side pool's first size; it doubles as more requests run at once
+
+
+def codebook_rows(scheme: Scheme, layer_name: str) -> tuple:
+    """(k_levels, v_levels) of vLLM's layer `layer_name`: its rows of the scheme's codebook, found by vLLM's
+    layer index (the number in the layer's name: the model's own numbering, which calibrate-levels uses),
+    or None each (the uniform grid)."""
+    if scheme.levels != "calibrated":
+        return None, None
+    index = extract_layer_index(layer_name)
+    return tuple(scheme.side_levels(index, side) for side in SIDES)
 
 
 def side_slot_count(vllm_config) -> int:
@@ -214,16 +222,10 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.levels = None  # (k_levels, v_levels) of this layer, read on the first forward (it names the layer)
 
     def _layer_levels(self, layer, device) -> tuple:
-        """(k_levels, v_levels): this layer's rows of the scheme's codebook (vLLM's layer index, from the
-        layer's name: the model's own numbering, which calibrate-levels uses), or None each (uniform)."""
+        """codebook_rows of this layer, on the device (read once)."""
         if self.levels is None:
-            if self.scheme.levels == "calibrated":
-                from vllm.model_executor.models.utils import extract_layer_index
-
-                index = extract_layer_index(layer.layer_name)
-                self.levels = tuple(self.scheme.side_levels(index, side).to(device) for side in ("k", "v"))
-            else:
-                self.levels = (None, None)
+            rows = codebook_rows(self.scheme, layer.layer_name)
+            self.levels = tuple(None if t is None else t.to(device) for t in rows)
         return self.levels
 
     def _layer_state(self, query: torch.Tensor, slots: int):
@@ -310,10 +312,12 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                     sink[init.dst, :, : len(sinks)] = sink[init.sinks_from, :, : len(sinks)]
             elif sinks:  # no request with the same first page left its sinks: their quantized rows
                 t = torch.tensor(sinks)
-                sink[init.dst, :, : len(sinks)] = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv).to(sink.dtype)
+                rows = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv)
+                sink[init.dst, :, : len(sinks)] = rows.to(sink.dtype)
             if ring:  # the window of a shared prefix: its quantized rows (its full-precision rows are gone)
                 t = torch.tensor(ring)
-                window[init.dst, :, t % w] = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv).to(window.dtype)
+                rows = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv)
+                window[init.dst, :, t % w] = rows.to(window.dtype)
 
 
 # vLLM models whose rotary embedding is a get_rope(...) table built from the config the way each model
