@@ -3,19 +3,22 @@ process per row (scripts/vllm_engine.py), all in this run. Runs in the vLLM venv
 
   pressure   N concurrent requests at a KV budget where the `auto` cache holds only --fit of them at
              once (kv_cache_memory_bytes); requests/s and output tokens/s. Goal: rkv-4 and rkv-3 at
-             least 2x `auto`.
+             least 2x `auto`. The plugin's side pool (full-precision sinks and window rows) is
+             memory outside that budget, so `auto+side` runs `auto` again with the largest side pool
+             added to its budget: the comparison at the same total memory (vs_auto_same_memory).
   roomy      the same workload with room for all of them (VLLM_CPU_KVCACHE_SPACE=2). Goal: at least
              0.9x `auto`.
   decode     one request at a --context-token prompt: the decode step time (first to last token over
              the steps between, vLLM's own request timestamps), rkv-4 against `auto`.
 
     .venv-vllm/bin/python bench/bench_vllm.py [--json] [--cases pressure roomy decode]
-        [--requests 16 --prompt 1024 --new 64 --fit 4] [--context 16384] [--dtype bfloat16]
+        [--requests 16 --prompt 1024 --new 64 --fit 4] [--context 16384] [--dtype bfloat16] [--in-process]
 
 Prompts are alice29 tokens (the report's text) through the default model's HF export
 (python -m torch_rkv export-model). The throughput rows take the wall time of one generate call with
 every request submitted at once (greedy, fixed output length); each row is one engine, timed once after
-vLLM's start (its load time is not counted).
+vLLM's start (its load time is not counted). By default each engine runs vLLM's multiprocess layout
+(what a server runs); --in-process keeps its engine core and worker in one process.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import vllm_engine
 from common import emit, print_machine
 
 SCHEMES = ("auto", "rkv-4", "rkv-3")
+SAME = "auto+side"  # pressure: auto at the KV budget plus the largest side pool of the plugin's rows
 
 
 def model_bytes_per_token(model_dir: str, dtype: str) -> int:
@@ -51,9 +55,12 @@ def side_pool_mib(log: str) -> float:
     return float(sizes[-1]) if sizes else 0.0
 
 
+IN_PROCESS = False  # --in-process
+
+
 def engine_run(model_dir, scheme, engine_args, tasks) -> dict:
     job = {"model": model_dir, "engine": {"disable_log_stats": False, **engine_args}, "tasks": tasks}
-    return vllm_engine.run(None if scheme == "auto" else scheme, job, timeout=1800)
+    return vllm_engine.run(None if scheme == "auto" else scheme, job, timeout=1800, in_process=IN_PROCESS)
 
 
 def throughput_row(run: dict) -> dict:
@@ -72,6 +79,8 @@ def decode_row(run: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--in-process", action="store_true",
+                    help="vLLM's engine core and worker in the engine's process (scripts/vllm_engine.py)")
     ap.add_argument("--cases", nargs="+", default=["pressure", "roomy", "decode"],
                     choices=["pressure", "roomy", "decode"])
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES))
@@ -83,6 +92,8 @@ def main() -> int:
     ap.add_argument("--decode-new", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
+    global IN_PROCESS
+    IN_PROCESS = args.in_process
 
     from transformers import AutoTokenizer
 
@@ -93,7 +104,8 @@ def main() -> int:
     ids = tok("<|endoftext|>" + data.read_text()).input_ids
     print_machine()
     print(f"# vLLM {__import__('vllm').__version__}, model {Path(model_dir).name}, dtype {args.dtype}, "
-          f"{os.cpu_count()} CPUs", file=sys.stderr)
+          f"{os.cpu_count()} CPUs, {'in-process engine' if args.in_process else 'multiprocess engine'}",
+          file=sys.stderr)
 
     need = args.prompt + args.new
     prompts = [[ids[0]] + ids[1 + i * 997 : i * 997 + args.prompt] for i in range(args.requests)]
@@ -121,12 +133,21 @@ def main() -> int:
                 runs[case, s] = engine_run(model_dir, s, {"dtype": args.dtype, "max_num_seqs": seqs, **extra}, t)
         if case not in args.cases:
             continue
-        rows = {s: throughput_row(runs[case, s]) for s in args.schemes}
+        budgets = {s: budget for s in args.schemes}
+        side = max(side_pool_mib(runs[case, s]["log"]) for s in args.schemes)
+        if case == "pressure" and "auto" in args.schemes and side:
+            # the plugin's side pool is memory outside the KV budget: auto again with that memory added
+            budgets[SAME] = budget + int(side * 2**20)
+            runs[case, SAME] = engine_run(model_dir, "auto", {"dtype": args.dtype, "max_num_seqs": seqs, **extra,
+                                                              "kv_cache_memory_bytes": budgets[SAME]}, tasks)
+        rows = {s: throughput_row(runs[case, s]) for s in budgets}
         for s, r in rows.items():
-            ratio = r["output_tokens_per_s"] / rows["auto"]["output_tokens_per_s"] if "auto" in rows else None
+            tps = r["output_tokens_per_s"]
             emit({"case": case, "scheme": s, "requests": args.requests, "prompt": args.prompt, "new": args.new,
-                  "kv_budget_mib": budget / 2**20 if case == "pressure" else None, "side_pool_mib": side_pool_mib(runs[case, s]["log"]),
-                  **r, "vs_auto": ratio}, args.json)
+                  "kv_budget_mib": budgets[s] / 2**20 if case == "pressure" else None,
+                  "side_pool_mib": side_pool_mib(runs[case, s]["log"]), **r,
+                  "vs_auto": tps / rows["auto"]["output_tokens_per_s"] if "auto" in rows else None,
+                  "vs_auto_same_memory": tps / rows[SAME]["output_tokens_per_s"] if SAME in rows else None}, args.json)
     if "decode" in args.cases:
         rows = {s: decode_row(runs["roomy", s]) for s in args.schemes if s in ("auto", "rkv-4")}
         for s, r in rows.items():

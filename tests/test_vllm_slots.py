@@ -3,7 +3,7 @@ step by the pages they write, new slots initialized on a prefix-cache hit, least
 
 import pytest
 
-from torch_rkv.integrations.vllm_slots import SlotTracker
+from torch_rkv.integrations.vllm_slots import SlotTracker, growth_beyond_headroom
 
 P = 4  # tokens per page
 
@@ -76,3 +76,15 @@ def test_the_pool_grows_with_the_requests_running_at_once_not_past_its_limit():
     assert slots2 == slots and len(t.slots) == 8
     with pytest.raises(RuntimeError, match="more running requests than the 8 side slots"):
         t.assign([0] * 9, [1] * 9, [[30 + i] for i in range(9)])
+
+
+def test_side_pool_growth_past_the_gpu_headroom_is_named():
+    """A 32 MiB slot (every layer's; Llama-3-8B's at rkv-4 in bf16 is 24 MiB) on an 80 GiB GPU at vLLM's
+    default utilization (0.92: 6.4 GiB free): vLLM's H100-class default of 1024 running requests would
+    grow the pool by 31.8 GiB, past that; 64 of them by 1.8 GiB, within half of it."""
+    slot, gpu = 32 * 2**20, 80 * 2**30
+    warning = growth_beyond_headroom(slot, 16, 1024 + 8, gpu, 0.92)
+    assert warning is not None and "max_num_seqs" in warning and "gpu_memory_utilization=0.92" in warning
+    assert "31.8 GiB" in warning  # (1032 - 16) slots of 32 MiB
+    assert growth_beyond_headroom(slot, 16, 64 + 8, gpu, 0.92) is None
+    assert growth_beyond_headroom(slot, 16, 8, gpu, 0.92) is None  # a pool that never grows

@@ -10,6 +10,7 @@ per sequence; the paged one is a pool of small pages that sequences address thro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -29,7 +30,7 @@ def _nbytes(shapes) -> int:
         n = 1
         for x in shape:
             n *= x
-        total += n * torch.empty((), dtype=dt).element_size()
+        total += n * dt.itemsize
     return total
 
 
@@ -154,7 +155,7 @@ class PageLayout:
     def regions(self):
         return page_regions(self.scheme, self.kv_heads, self.head_dim, self.page_size)
 
-    @property
+    @cached_property  # (a frozen dataclass: computed once, per layout)
     def offsets(self) -> dict[str, int]:
         at, out = 0, {}
         for name, shape, dt in self.regions():

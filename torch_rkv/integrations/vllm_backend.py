@@ -28,7 +28,7 @@ from ..reference import quantized_count, read_rows
 from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE
 from .vllm import ENV, configured_scheme, overridden_backend
-from .vllm_slots import SlotInit, SlotTracker
+from .vllm_slots import SlotInit, SlotTracker, growth_beyond_headroom
 
 logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed with its log
 
@@ -47,7 +47,7 @@ def content_bytes(scheme: Scheme, kv_heads: int, head_dim: int, dtype: torch.dty
     multiple of the scheme's block (the per-block metadata is amortized over the block)."""
     base = PageLayout(scheme, kv_heads, head_dim, round_up(16, scheme.block), dtype)
     per_token = -(-base.page_bytes // base.page_size)
-    return round_up(per_token, torch.empty((), dtype=dtype).element_size())
+    return round_up(per_token, dtype.itemsize)
 
 
 class RKVAttentionBackend(AttentionBackend):
@@ -133,6 +133,14 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         self.slot_bytes = len(layer_names) * PageLayout(
             scheme, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, scheme.block, kv_cache_spec.dtype).slot_bytes
         self.logged_slots = 0
+        logger.info("torch_rkv: side pool of at most %d slots (max_num_seqs + 8), %.1f MiB, outside vLLM's KV pages",
+                    self.tracker.limit, self.tracker.limit * self.slot_bytes / 2**20)
+        if torch.device(device).type == "cuda":
+            warning = growth_beyond_headroom(self.slot_bytes, INITIAL_SLOTS, self.tracker.limit,
+                                             torch.cuda.get_device_properties(device).total_memory,
+                                             vllm_config.cache_config.gpu_memory_utilization)
+            if warning:
+                logger.warning(warning)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RKVMetadata:
@@ -219,6 +227,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             layer_type = "sliding_attention" if self.sliding_window else "full_attention"
             self.rope_cos, self.rope_sin, self.rope_interleaved = model_rope_tables(config, head_size, layer_type)
         self._tensors = None  # per-layer side pool and signs, made on the first forward
+        self._views = None  # (key, page region views) of the cache tensor (regions)
         self.levels = None  # (k_levels, v_levels) of this layer, read on the first forward (it names the layer)
 
     def _layer_levels(self, layer, device) -> tuple:
@@ -250,10 +259,15 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         return self._tensors
 
     def regions(self, kv_cache: torch.Tensor, page_size: int, dtype: torch.dtype) -> dict:
-        """The page regions of this layer's cache view [blocks, 1, block tokens, content]."""
-        layout = PageLayout(self.scheme, self.num_kv_heads, self.head_size, page_size, dtype)
-        raw = kv_cache.view(torch.uint8).flatten(1)  # (blocks, block tokens * content bytes): one page each
-        return layout.views(raw[:, : layout.page_bytes])
+        """The page regions of this layer's cache view [blocks, 1, block tokens, content], made once per
+        cache tensor (vLLM allocates it once; a step would otherwise spend more time building views than
+        a short decode spends in the kernel)."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, page_size, dtype)
+        if self._views is None or self._views[0] != key:
+            layout = PageLayout(self.scheme, self.num_kv_heads, self.head_size, page_size, dtype)
+            raw = kv_cache.view(torch.uint8).flatten(1)  # (blocks, block tokens * content bytes): one page each
+            self._views = (key, layout.views(raw[:, : layout.page_bytes]))
+        return self._views[1]
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: RKVMetadata | None, output: torch.Tensor, output_scale=None,

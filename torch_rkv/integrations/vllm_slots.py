@@ -110,3 +110,17 @@ class SlotTracker:
             if n + m > 0:
                 self.key[pages[(n + m - 1) // p]] = slot
         return slots, inits
+
+
+def growth_beyond_headroom(slot_bytes: int, initial: int, limit: int, device_bytes: int,
+                           utilization: float) -> str | None:
+    """On a GPU, vLLM sizes its pages from a memory profile that holds the side pool's first `initial`
+    slots; the pool's growth to `limit` slots comes out of the (1 - gpu_memory_utilization) share vLLM
+    leaves free. A warning when that growth would take more than half of it, else None."""
+    growth, headroom = (limit - initial) * slot_bytes, (1.0 - utilization) * device_bytes
+    if growth <= headroom / 2:
+        return None
+    return (f"torch_rkv: the side pool may grow by {growth / 2**30:.1f} GiB past vLLM's memory profile "
+            f"({limit} slots at most: max_num_seqs + 8, {slot_bytes / 2**20:.1f} MiB each), more than half of "
+            f"the {headroom / 2**30:.1f} GiB that gpu_memory_utilization={utilization} leaves free; lower "
+            "max_num_seqs to the requests you run at once, or gpu_memory_utilization")
