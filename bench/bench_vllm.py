@@ -55,12 +55,9 @@ def side_pool_mib(log: str) -> float:
     return float(sizes[-1]) if sizes else 0.0
 
 
-IN_PROCESS = False  # --in-process
-
-
-def engine_run(model_dir, scheme, engine_args, tasks) -> dict:
+def engine_run(model_dir, scheme, engine_args, tasks, in_process: bool) -> dict:
     job = {"model": model_dir, "engine": {"disable_log_stats": False, **engine_args}, "tasks": tasks}
-    return vllm_engine.run(None if scheme == "auto" else scheme, job, timeout=1800, in_process=IN_PROCESS)
+    return vllm_engine.run(None if scheme == "auto" else scheme, job, timeout=1800, in_process=in_process)
 
 
 def throughput_row(run: dict) -> dict:
@@ -92,8 +89,6 @@ def main() -> int:
     ap.add_argument("--decode-new", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    global IN_PROCESS
-    IN_PROCESS = args.in_process
 
     from transformers import AutoTokenizer
 
@@ -130,7 +125,8 @@ def main() -> int:
             t = (tasks if case in args.cases else []) + (decode if case == "roomy" and "decode" in args.cases
                                                           and s in ("auto", "rkv-4") else [])
             if t:
-                runs[case, s] = engine_run(model_dir, s, {"dtype": args.dtype, "max_num_seqs": seqs, **extra}, t)
+                runs[case, s] = engine_run(model_dir, s, {"dtype": args.dtype, "max_num_seqs": seqs, **extra}, t,
+                                           args.in_process)
         if case not in args.cases:
             continue
         budgets = {s: budget for s in args.schemes}
@@ -139,7 +135,8 @@ def main() -> int:
             # the plugin's side pool is memory outside the KV budget: auto again with that memory added
             budgets[SAME] = budget + int(side * 2**20)
             runs[case, SAME] = engine_run(model_dir, "auto", {"dtype": args.dtype, "max_num_seqs": seqs, **extra,
-                                                              "kv_cache_memory_bytes": budgets[SAME]}, tasks)
+                                                              "kv_cache_memory_bytes": budgets[SAME]}, tasks,
+                                         args.in_process)
         rows = {s: throughput_row(runs[case, s]) for s in budgets}
         for s, r in rows.items():
             tps = r["output_tokens_per_s"]
