@@ -37,16 +37,18 @@ import time
 
 ENV = "TORCH_RKV_SCHEME"  # torch_rkv.integrations.vllm.ENV (not imported: this side needs no torch_rkv)
 CODEBOOK_ENV = "TORCH_RKV_CODEBOOK"  # (its CODEBOOK_ENV)
+ALLOCATION_ENV = "TORCH_RKV_ALLOCATION"  # (its ALLOCATION_ENV)
 
 
 def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900, in_process: bool = False,
-        codebook: str | None = None) -> dict:
+        codebook: str | None = None, allocation: str | None = None) -> dict:
     """Run one engine in a new process (scheme None: vLLM's own cache): the task results, with vLLM's
     reported KV cache size ("kv_tokens") and maximum concurrency ("concurrency", at "concurrency_len"
     tokens a request), and its log ("log"). kv_gb: VLLM_CPU_KVCACHE_SPACE, unless the job sets
     kv_cache_memory_bytes (which the variable would override). codebook: the scheme's calibrated levels
-    (the plugin's TORCH_RKV_CODEBOOK)."""
-    env = {k: v for k, v in os.environ.items() if k not in (ENV, CODEBOOK_ENV, "VLLM_CPU_KVCACHE_SPACE")}
+    (the plugin's TORCH_RKV_CODEBOOK). allocation: per-layer bits in place of a scheme (TORCH_RKV_ALLOCATION)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (ENV, CODEBOOK_ENV, ALLOCATION_ENV, "VLLM_CPU_KVCACHE_SPACE")}
     env["PYTHONUNBUFFERED"] = "1"
     if "kv_cache_memory_bytes" not in job.get("engine", {}):
         env["VLLM_CPU_KVCACHE_SPACE"] = kv_gb
@@ -54,6 +56,8 @@ def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900, in_
         env[ENV] = scheme
     if codebook:
         env[CODEBOOK_ENV] = codebook
+    if allocation:
+        env[ALLOCATION_ENV] = allocation
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         job = {**job, "engine": {"distributed_executor_backend": "uni", **job.get("engine", {})}}

@@ -78,6 +78,86 @@ def test_layers_of_one_allocation_differ_only_in_bits():
         [getattr(S.recommended(2), f) for f in fields]
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_a_split_keeps_every_layers_total_and_takes_its_cheapest_split(seed):
+    """allocate_split: every layer at 2 x target key + value bits, each layer's split the cheapest of
+    its choices (brute force over the levels; ties to more key bits)."""
+    rng = random.Random(seed)
+    layers = rng.randint(1, 6)
+    p = profile(layers, [(rng.uniform(0, 1), rng.uniform(0, 1)) for _ in range(layers)],
+                [(rng.uniform(0, 1), rng.uniform(0, 1)) for _ in range(layers)])
+    for target in (2.0, 2.5, 3.0, 3.5, 4.0):
+        alloc = A.allocate_split(p, target)
+        assert alloc.layer_totals() == [int(2 * target)] * layers
+        for layer, (k, v) in enumerate(alloc.bits):
+            options = [(p.cost(layer, "k", kk) + p.cost(layer, "v", 2 * target - kk), -kk)
+                       for kk in (2, 3, 4) if 2 * target - kk in (2, 3, 4)]
+            assert (p.cost(layer, "k", k) + p.cost(layer, "v", v), -k) == min(options)
+        assert math.isclose(alloc.predicted, sum(p.cost(i, "k", k) + p.cost(i, "v", v)
+                                                 for i, (k, v) in enumerate(alloc.bits)))
+    costs = [(0.5, 0.01), (0.02, 0.9)]  # layer 0's keys, layer 1's values hurt most when dropped
+    assert A.allocate_split(profile(2, costs, [(0.0, 0.0)] * 2), 2.5).bits == ((3, 2), (2, 3))
+    assert A.allocate_split(profile(1, [(0.0, 0.0)], [(0.0, 0.0)]), 3.0).bits == ((4, 2),)  # a tie: keys
+    for bad in (2.25, 1.5, 4.5):
+        with pytest.raises(ValueError, match="multiple of 0.5"):
+            A.allocate_split(p, bad)
+
+
+def test_a_split_gives_every_layer_pages_of_the_same_bytes():
+    """Equal key + value bits: every layer's page has the same bytes (one page size serves them, what
+    vLLM needs); a free allocation's layers do not, and common_page_bytes names the first that differs."""
+    from torch_rkv.layout import PageLayout, common_page_bytes
+
+    split = A.Allocation(((4, 2), (3, 3), (2, 4)), (2, 3, 4), 0.0).schemes()
+    for heads, dim in ((3, 64), (8, 128), (1, 80)):
+        got = common_page_bytes(split, heads, dim, 128)
+        assert got == PageLayout(split[1], heads, dim, 128).page_bytes
+        assert got != PageLayout(A.layer_scheme(3, 2, (2, 3, 4)), heads, dim, 128).page_bytes
+    free = A.Allocation(((3, 3), (3, 3), (4, 3)), (2, 3, 4), 0.0).schemes()
+    with pytest.raises(ValueError, match="layer 2's page"):
+        common_page_bytes(free, 3, 64, 128)
+
+
+def test_an_allocation_file_round_trips_and_is_checked(tmp_path):
+    alloc = A.Allocation(((4, 2), (3, 3)), (2, 3, 4), 0.25)
+    path = tmp_path / "a.json"
+    alloc.save(path, model="tiny", calibration="64 tokens")
+    assert A.Allocation.load(path) == alloc
+    d = json.loads(path.read_text())
+    for change, match in (({"format": "other"}, "not a torch_rkv.allocation"), ({"bits": [[4, 5]]}, "layer 0"),
+                          ({"bits": []}, "no layers"), ({"version": 2}, "version 1")):
+        path.write_text(json.dumps({**d, **change}))
+        with pytest.raises(ValueError, match=match):
+            A.Allocation.load(path)
+    path.write_text("{")
+    with pytest.raises(ValueError, match="JSON"):
+        A.Allocation.load(path)
+
+
+def test_the_vllm_plugin_takes_an_allocation_with_one_page_size(tmp_path, monkeypatch):
+    """TORCH_RKV_ALLOCATION (torch_rkv.integrations.vllm; vLLM itself is not imported here): each
+    layer's scheme from the file, layer 0's for the shared page; a file whose layers' totals differ, or
+    one beside TORCH_RKV_SCHEME, is refused by name."""
+    from torch_rkv.integrations import vllm as plugin
+
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    monkeypatch.delenv(plugin.CODEBOOK_ENV, raising=False)
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    A.Allocation(((4, 2), (3, 3), (2, 4)), (2, 3, 4), 0.0).save(good)
+    A.Allocation(((3, 3), (4, 3)), (2, 3, 4), 0.0).save(bad)
+    monkeypatch.setenv(plugin.ALLOCATION_ENV, str(good))
+    layers = plugin.configured_layers()
+    assert [(s.k_bits, s.v_bits) for s in layers] == [(4, 2), (3, 3), (2, 4)]
+    assert plugin.configured_scheme() == layers[0]
+    monkeypatch.setenv(plugin.ENV, "rkv-3")
+    with pytest.raises(ValueError, match="unset TORCH_RKV_SCHEME"):
+        plugin.configured_scheme()
+    monkeypatch.delenv(plugin.ENV)
+    monkeypatch.setenv(plugin.ALLOCATION_ENV, str(bad))
+    with pytest.raises(ValueError, match="layer 1 keeps 4\\+3"):
+        plugin.configured_scheme()
+
+
 GEMMA_LIKE = plan.ModelShape("gemma-like", 6, 2, 64, 1e6, sliding_layers=4, sliding_window=256,
                              sliding=(True, True, False, True, True, False))
 

@@ -305,8 +305,8 @@ def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     model, tok, text = smollm2_alice
     opts = Options(tokens=256, bits=(4,), families=("rkv (recommended)",), noise=False, loc_lengths=(512,),
                    loc_schemes=("rkv-4",), decode_tokens=96, decode_schemes=("rkv-4",), chunk_sizes=(128,),
-                   chunk_schemes=("rkv-4",), alloc_levels=(2, 3), alloc_targets=(2.5,), alloc_tokens=384,
-                   second_text="asyoulik.txt", second_schemes=("rkv-4",), peers=False, out_dir=str(tmp_path))
+                   chunk_schemes=("rkv-4",), alloc_levels=(2, 3), alloc_targets=(2.5,), split_targets=(2.5,),
+                   alloc_tokens=384, second_text="asyoulik.txt", second_schemes=("rkv-4",), peers=False, out_dir=str(tmp_path))
     lines = []
     results = Report(model, tok, text, opts, log=lines.append).run()
     assert set(results["plots"]) == {"ppl_vs_bits", "localization", "key_magnitudes"}
@@ -315,6 +315,9 @@ def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     assert "Schemes as served" in table and "Per-layer allocation" in table and "same ranking" in table
     alloc = results["allocation"][0]
     assert len(alloc["bits"]) == 30 and sum(k + v for k, v in alloc["bits"]) == 150  # 2.5 bits on average
-    assert [x["scheme"] for x in results["second_text"]] == ["full precision", "rkv-4", "rkv-alloc-2.5"]
+    split = results["allocation"][1]
+    assert split["scheme"] == "rkv-split-2.5" and {k + v for k, v in split["bits"]} == {5}  # 5 bits every layer
+    assert [x["scheme"] for x in results["second_text"]] == ["full precision", "rkv-4", "rkv-alloc-2.5",
+                                                             "rkv-split-2.5"]
     percents = [int(line[1:4]) for line in lines]  # "[ 37% 1:02 ETA 1:45] ..."
     assert percents == sorted(percents) and "ETA" in lines[-1]

@@ -18,6 +18,12 @@ measures how far that holds by evaluating the allocation it picks.
 
 Every layer of an allocation stores the library's recommended layout (`layer_scheme`); only the bit
 widths differ, so the bytes a choice costs are its code bytes and the rest of the cache is fixed.
+
+`allocate_split` is the allocation an engine with one page size serves (vLLM gives every layer pages of
+the same bytes): every layer keeps the same key + value bits, and only how it splits them between its
+keys and values follows the profile. A page's metadata does not depend on the widths, so equal totals
+mean equal pages. An allocation is saved as a small JSON file (`save` / `load`; docs/format.md) that
+the vLLM plugin reads (TORCH_RKV_ALLOCATION).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from functools import reduce
+from pathlib import Path
 
 import numpy as np
 
@@ -124,6 +131,37 @@ class Allocation:
     def describe(self) -> str:
         return " ".join(f"{k}{v}" for k, v in self.bits)
 
+    def layer_totals(self) -> list[int]:
+        return [k + v for k, v in self.bits]
+
+    def save(self, path, model: str = "", calibration: str = "") -> None:
+        d = {"format": FILE_FORMAT, "version": FILE_VERSION, "model": model, "calibration": calibration,
+             "levels": list(self.levels), "bits": [list(b) for b in self.bits], "predicted": self.predicted}
+        Path(path).write_text(json.dumps(d, indent=1))
+
+    @classmethod
+    def load(cls, path) -> Allocation:
+        """An allocation file (save), checked: its format, and every width one of its levels."""
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"allocation file {path}: cannot be read as JSON ({e})") from e
+        if not isinstance(d, dict) or d.get("format") != FILE_FORMAT or d.get("version") != FILE_VERSION:
+            raise ValueError(f"allocation file {path}: not a {FILE_FORMAT} file of version {FILE_VERSION}")
+        levels = tuple(d["levels"])
+        bits = tuple(tuple(b) for b in d["bits"])
+        for layer, b in enumerate(bits):
+            if len(b) != 2 or any(x not in levels for x in b):
+                raise ValueError(f"allocation file {path}: layer {layer}'s bits {list(b)} are not a (key, value) "
+                                 f"pair of its levels {list(levels)}")
+        if not bits:
+            raise ValueError(f"allocation file {path}: no layers")
+        return cls(bits, levels, float(d.get("predicted", 0.0)))
+
+
+FILE_FORMAT = "torch_rkv.allocation"
+FILE_VERSION = 1
+
 
 def solve(groups: list[list[tuple[int, float]]], capacity: int) -> list[int]:
     """Multiple-choice knapsack: one (weight, cost) choice per group, total weight <= capacity, total cost
@@ -182,3 +220,24 @@ def allocate_average(profile: Sensitivity, target_bits: float) -> Allocation:
     if not min(profile.levels) <= target_bits <= max(profile.levels):
         raise ValueError(f"allocate: target {target_bits} bits is outside the profile's levels {profile.levels}")
     return allocate(profile, math.floor(target_bits * 2 * profile.layers + 1e-9))
+
+
+def allocate_split(profile: Sensitivity, target_bits: float) -> Allocation:
+    """Every layer at 2 x target_bits key + value code bits (so every layer's page has the same bytes),
+    each layer's split between keys and values the one of least predicted cost. target_bits: a multiple
+    of 0.5 between the profile's lowest and highest level."""
+    profile.check()
+    total = target_bits * 2
+    lo, hi = min(profile.levels), max(profile.levels)
+    if total != int(total) or not 2 * lo <= total <= 2 * hi:
+        raise ValueError(f"allocate_split: target {target_bits} bits must be a multiple of 0.5 within the profile's "
+                         f"levels {profile.levels}")
+    total = int(total)
+    bits = []
+    for layer in range(profile.layers):
+        splits = [(k, total - k) for k in profile.levels if total - k in profile.levels]
+        # (ties go to more key bits: keys decide where attention goes)
+        bits.append(min(splits, key=lambda kv: (profile.cost(layer, "k", kv[0]) + profile.cost(layer, "v", kv[1]),
+                                                -kv[0])))
+    predicted = sum(profile.cost(i, "k", k) + profile.cost(i, "v", v) for i, (k, v) in enumerate(bits))
+    return Allocation(tuple(bits), profile.levels, predicted)

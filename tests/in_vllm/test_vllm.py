@@ -54,17 +54,18 @@ def alice(model_dir) -> list[int]:
     return tok("<|endoftext|>" + text).input_ids
 
 
-def run_engine(scheme: str | None, job: dict, timeout: int = 900, codebook: str | None = None) -> dict:
-    return vllm_engine.run(scheme, job, KV_GB, timeout, in_process=True, codebook=codebook)
+def run_engine(scheme: str | None, job: dict, timeout: int = 900, codebook: str | None = None,
+               allocation: str | None = None) -> dict:
+    return vllm_engine.run(scheme, job, KV_GB, timeout, in_process=True, codebook=codebook, allocation=allocation)
 
 
 _runs: dict = {}
 
 
-def engine(name: str, scheme: str | None, job_fn, codebook: str | None = None) -> dict:
+def engine(name: str, scheme: str | None, job_fn, codebook: str | None = None, allocation: str | None = None) -> dict:
     """An engine run shared by the module's tests (started on first use)."""
     if name not in _runs:
-        _runs[name] = run_engine(scheme, job_fn(), codebook=codebook)
+        _runs[name] = run_engine(scheme, job_fn(), codebook=codebook, allocation=allocation)
     return _runs[name]
 
 
@@ -236,10 +237,22 @@ def layer_codebook(model_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def transformers_ppl(model_dir, layer_codebook):
+def split_allocation(model_dir, tmp_path_factory) -> str:
+    """An allocation file for SmolLM2 whose layers split 6 bits three ways, K4/V2, K3/V3 and K2/V4 by
+    turns (the shape `calibrate --split 3` writes, without the calibration)."""
+    from torch_rkv.allocate import Allocation
+
+    layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    path = tmp_path_factory.mktemp("allocation") / "split.json"
+    Allocation(tuple(((4, 2), (3, 3), (2, 4))[i % 3] for i in range(layers)), (2, 3, 4), 0.0).save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def transformers_ppl(model_dir, layer_codebook, split_allocation):
     """The same chunked protocol through torch_rkv's transformers integration, in the main venv
     (TORCH_RKV_HF_PYTHON: it needs transformers >= 5.24; vLLM pins an older one); "rkv-3+codebook":
-    rkv-3 with layer_codebook's levels."""
+    rkv-3 with layer_codebook's levels; "split": split_allocation's per-layer schemes."""
     py = os.environ.get("TORCH_RKV_HF_PYTHON")
     if not py:
         pytest.skip("TORCH_RKV_HF_PYTHON (the main venv's python) is not set")
@@ -251,6 +264,8 @@ def transformers_ppl(model_dir, layer_codebook):
             "schemes = {name: S.by_name(name) for name in ('rkv-4', 'rkv-3', 'rkv-2')}\n"
             "schemes['rkv-3+codebook'] = schemes['rkv-3'].replace(levels='calibrated', "
             f"codebook={layer_codebook!r})\n"
+            "from torch_rkv.allocate import Allocation\n"
+            f"schemes['split'] = Allocation.load({split_allocation!r}).schemes()\n"
             "for name, scheme in schemes.items():\n"
             "    out[name] = perplexity.chunked(model, ids, lambda n, s=scheme: RKVCache(model, s, capacity=n), 256)\n"
             "print('RESULT ' + json.dumps(out))\n")
@@ -278,6 +293,19 @@ def test_calibrated_levels_give_the_same_perplexity_in_both_engines(model_dir, a
     want = transformers_ppl["rkv-3+codebook"]
     assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
     assert abs(want / transformers_ppl["rkv-3"] - 1) > 3e-3, (want, transformers_ppl["rkv-3"])
+
+
+def test_per_layer_bits_give_the_same_perplexity_in_both_engines(model_dir, alice, split_allocation,
+                                                                  transformers_ppl):
+    """TORCH_RKV_ALLOCATION: each layer stores its own key and value bits (K4/V2, K3/V3, K2/V4 by turns;
+    one page size) in vLLM as in the transformers integration (1e-3 relative; the same chunked
+    protocol), and the per-layer bits change the result (they are read, not ignored)."""
+    got = engine("split-chunked", None, lambda: chunked_job(model_dir, alice), allocation=split_allocation)
+    want = transformers_ppl["split"]
+    assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
+    assert abs(want / transformers_ppl["rkv-3"] - 1) > 3e-3, (want, transformers_ppl["rkv-3"])
+    same_bits = engine("rkv-3-chunked", "rkv-3", lambda: chunked_job(model_dir, alice))
+    assert got["kv_tokens"] == same_bits["kv_tokens"]  # 6 bits a layer, as rkv-3: pages of the same bytes
 
 
 def test_capacity_follows_the_packed_bytes(model_dir, alice):

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import scheme as S
-from ..allocate import Sensitivity, allocate_average
+from ..allocate import Allocation, Sensitivity, allocate_average, allocate_split
 from ..reference import full_precision_count
 from ..scheme import Scheme
 from . import data, levels, localization, perplexity, plots, sensitivity
@@ -78,6 +78,7 @@ FULL_FAMILIES = tuple(FAMILIES)
 DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("grouped g32", "rkv + 0.5% sparse outliers (simulated)",
                                                           CALIBRATED_LEVELS))
 ALLOCATED = "rkv-alloc-"  # the report's name of a per-layer allocation: rkv-alloc-<average code bits>
+SPLIT = "rkv-split-"  # every layer the same key + value bits, split by the profile (what vLLM serves)
 NON_UNIFORM = "rkv-nu-"  # rkv-<bits> with the model's calibrated levels (torch_rkv.eval.levels)
 
 
@@ -98,6 +99,7 @@ class Options:
     chunk_schemes: tuple = ("rkv-4", "rkv-3", "rkv-2")
     alloc_levels: tuple = (2, 3, 4)  # per-layer allocation: widths to choose among, and average code bits
     alloc_targets: tuple = (2.5, 3.0)
+    split_targets: tuple = (3.0, 3.5)  # allocate_split: average code bits (multiples of 0.5)
     alloc_tokens: int = sensitivity.CALIBRATION_TOKENS  # of the calibration text
     second_text: str = ""  # --full: asyoulik.txt, the same schemes ranked on a text the calibration never saw
     second_schemes: tuple = ("rkv-4", "rkv-3", "rkv-mixed-2", "rkv-2")
@@ -184,15 +186,15 @@ class Report:
         stored = sensitivity.stored_profile(self.model, levels, sensitivity.CALIBRATION_TEXT, o.alloc_tokens)
         cached = stored is not None and stored.covers(levels)
         named = o.loc_schemes + o.long_schemes + o.decode_schemes + o.chunk_schemes
-        used = o.alloc_targets or any(name.startswith(ALLOCATED) for name in named)
+        used = o.alloc_targets or o.split_targets or any(name.startswith((ALLOCATED, SPLIT)) for name in named)
         calibration = 0 if cached or not used else \
             (len(levels) - 1) * (2 * self.attention.layers + 1) * fwd(o.alloc_tokens)
         loc_docs = sum(fwd(length + 64) * o.loc_documents for length in o.loc_lengths)
         work = [fwd(n),
                 len(REFERENCE) * len(o.bits) * fwd(n) if n % 128 == 0 else 0,
                 rows * fwd(n),
-                calibration + len(o.alloc_targets) * fwd(n),
-                (2 + len(o.second_schemes) + len(o.alloc_targets)) * fwd(n) if o.second_text else 0,
+                calibration + len(self.allocated_names()) * fwd(n),
+                (2 + len(o.second_schemes) + len(self.allocated_names())) * fwd(n) if o.second_text else 0,
                 (1 + len(o.long_schemes)) * fwd(o.long_tokens) if o.long_tokens else 0,
                 (1 + len(o.loc_schemes)) * loc_docs,
                 (1 + len(o.decode_schemes)) * fwd(o.decode_tokens) +
@@ -217,7 +219,7 @@ class Report:
         r["reproduction"] = self._timed("reproduction", self.reproduction)
         r["schemes"] = self._timed("schemes", self.schemes)
         r["long_context"] = self._timed("long context", self.long_context) if o.long_tokens else []
-        r["allocation"] = self._timed("allocation", self.allocation) if o.alloc_targets else []
+        r["allocation"] = self._timed("allocation", self.allocation) if self.allocated_names() else []
         r["second_text"] = self._timed("second text", self.second_text) if o.second_text else []
         r["localization"] = self._timed("localization", self.localization)
         r["decode_protocol"] = self._timed("decode protocol", self.decode_protocol)
@@ -299,8 +301,8 @@ class Report:
         """A scheme as the report names it -> one per layer: a preset ("rkv-3", "rkv-mixed-2") in every
         layer, "rkv-alloc-<bits>", the per-layer allocation at that average code bits, or "rkv-nu-<bits>",
         rkv with the model's calibrated levels."""
-        if name.startswith(ALLOCATED):
-            return allocate_average(self.profile(), float(name[len(ALLOCATED):])).schemes()
+        if name.startswith((ALLOCATED, SPLIT)):
+            return self.allocation_named(name).schemes()
         if name.startswith(NON_UNIFORM):
             return [self.calibrated_levels(int(name[len(NON_UNIFORM):]))] * self.attention.layers
         return [S.by_name(name)] * self.attention.layers
@@ -314,26 +316,38 @@ class Report:
         """effective_bits_at, averaged over the layers."""
         return sum(effective_bits_at(s, self.head_dim, tokens) for s in schemes) / len(schemes)
 
+    def allocated_names(self) -> list[str]:
+        """The allocation rows: rkv-alloc-<bits> and rkv-split-<bits> at each target."""
+        o = self.opts
+        return [f"{ALLOCATED}{t:g}" for t in o.alloc_targets] + [f"{SPLIT}{t:g}" for t in o.split_targets]
+
+    def allocation_named(self, name: str) -> Allocation:
+        """rkv-alloc-<bits>: allocate_average; rkv-split-<bits>: allocate_split (on the profile)."""
+        if name.startswith(SPLIT):
+            return allocate_split(self.profile(), float(name[len(SPLIT):]))
+        return allocate_average(self.profile(), float(name[len(ALLOCATED):]))
+
     def allocation(self) -> list[dict]:
         """Per-layer K/V bits (torch_rkv.allocate) at each target average, from the model's sensitivity on
         the calibration text (measured once, cached), measured on this text like the schemes: beside
-        the uniform schemes of the same bits (the schemes table), is the allocation worth its bits?"""
-        o = self.opts
+        the uniform schemes of the same bits (the schemes table), is the allocation worth its bits? The
+        split rows keep every layer's key + value bits equal (one page size: what vLLM serves)."""
         profile = self.profile()
         fp = self.results["full_precision_ppl"]
         rows = []
-        for target in o.alloc_targets:
-            alloc = allocate_average(profile, target)
+        for name in self.allocated_names():
+            alloc = self.allocation_named(name)
+            target = float(name.rsplit("-", 1)[1])
             schemes = alloc.schemes()
             sim = self.simulation_of(schemes, fidelity_queries=64)
             ppl = self._simulated(self.ids, sim)
-            rows.append({"scheme": f"{ALLOCATED}{target:g}", "target_bits": target, "bits": alloc.bits,
+            rows.append({"scheme": name, "target_bits": target, "bits": alloc.bits,
                          "allocation": alloc.describe(), "predicted_kl": alloc.predicted, "ppl": ppl,
                          "delta": ppl - fp, "bits_per_element": alloc.effective_bits(self.head_dim),
-                         "bits_at_window": self.bits_at(schemes, o.tokens), "attention_cosine": sim.fidelity.cosine,
+                         "bits_at_window": self.bits_at(schemes, self.opts.tokens), "attention_cosine": sim.fidelity.cosine,
                          "top8_recall": sim.fidelity.recall,
                          "calibration": f"{profile.tokens} tokens of {profile.text}"})
-            self.log(f"  {ALLOCATED}{target:g} ppl {ppl:8.3f} ({ppl - fp:+7.3f})  "
+            self.log(f"  {name} ppl {ppl:8.3f} ({ppl - fp:+7.3f})  "
                      f"{rows[-1]['bits_per_element']:.2f} bits  top8 {sim.fidelity.recall:.3f}  "
                      f"K/V bits by layer {alloc.describe()}")
         return rows
@@ -347,9 +361,9 @@ class Report:
         first = {x["scheme"]: x["delta"] / self.results["full_precision_ppl"]
                  for x in self.results["schemes"] + self.results["allocation"]}
         rows = [{"scheme": "full precision", "text": o.second_text, "ppl": fp, "relative": 0.0, "first_relative": 0.0}]
-        for name in o.second_schemes + tuple(f"{ALLOCATED}{t:g}" for t in o.alloc_targets):
+        for name in list(o.second_schemes) + self.allocated_names():
             schemes = self.layer_schemes(name)
-            name = name if name.startswith(ALLOCATED) else schemes[0].name  # the schemes table's name
+            name = name if name.startswith((ALLOCATED, SPLIT)) else schemes[0].name  # the schemes table's name
             ppl = self._simulated(ids, self.simulation_of(schemes))
             rows.append({"scheme": name, "text": o.second_text, "ppl": ppl, "relative": ppl / fp - 1,
                          "first_relative": first.get(name)})
@@ -529,7 +543,8 @@ def format_tables(r: dict) -> str:
         lines.append(measured(x, x["description"].split(": ", 1)[1].split(" = ")[0]))
     if r.get("allocation"):
         lines.append(f"\nPer-layer allocation (K/V bits by layer, solved on the sensitivity measured on "
-                     f"{r['allocation'][0]['calibration']}; rkv's layout at every layer)")
+                     f"{r['allocation'][0]['calibration']}; rkv's layout at every layer; rkv-split: every layer the same "
+                     "key + value bits, one page size, what the vLLM plugin serves)")
         for x in r["allocation"]:
             lines.append(measured(x, x["allocation"]))
     if r.get("second_text"):

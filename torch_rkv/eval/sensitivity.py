@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..allocate import SIDES, Allocation, Sensitivity, allocate_average, layer_scheme
+from ..allocate import SIDES, Allocation, Sensitivity, allocate_average, allocate_split, layer_scheme
 from ..integrations import models
 from . import data, perplexity
 from .simulate import Simulation
@@ -135,6 +135,17 @@ def main(args) -> int:
         for layer, ((kk, kv), (pk, pv)) in enumerate(zip(profile.drops[base], profile.ppl_drops[base])):
             print(f"  layer {layer:3d}  K {kk:.5f} ({pk:+.3f})  V {kv:.5f} ({pv:+.3f})")
     print(profile_path(model, args.text, args.tokens, levels))
+    if args.split is not None:
+        try:
+            alloc = allocate_split(profile, args.split)
+        except ValueError as e:
+            print(f"torch_rkv calibrate --split: {e}", file=sys.stderr)
+            return 2
+        path = Path(args.out) if args.out else profile_path(model, args.text, args.tokens, levels).with_name(
+            f"split-{args.split:g}-{model_key(model)}-{Path(args.text).name}-{args.tokens}.json")
+        alloc.save(path, model=profile.model, calibration=f"{profile.tokens} tokens of {profile.text}")
+        print(f"per-layer split at {args.split:g} bits (K/V bits by layer): {alloc.describe()}\n"
+              f"TORCH_RKV_ALLOCATION={path}")
     return 0
 
 

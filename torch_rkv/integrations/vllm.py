@@ -8,7 +8,10 @@ paged ops (docs/serving.md).
 The scheme is any torch_rkv preset name (rkv-4, rkv-3, rkv-2, rkv-mixed-2, kivi-2, kvquant-3, quarot-4,
 per-token-8, ...: torch_rkv.scheme.by_name). TORCH_RKV_CODEBOOK=<file> gives it calibrated per-layer levels
 (a codebook from ``python -m torch_rkv calibrate-levels``; each layer decodes through its own rows).
-Without TORCH_RKV_SCHEME the plugin does nothing. The
+TORCH_RKV_ALLOCATION=<file>, in place of TORCH_RKV_SCHEME, gives each layer its own key and value bits
+(a per-layer split from ``python -m torch_rkv calibrate --split BITS``: every layer the same key + value
+bits, so that every page has the bytes vLLM's one page size gives it). Without either the plugin does
+nothing. The
 entry point (group ``vllm.general_plugins``) runs in every vLLM process, engine and workers, which
 inherit the variable.
 
@@ -37,21 +40,54 @@ This module is the entry point only; the backend (vllm_backend.py) imports vLLM.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 from .. import scheme as presets
 from ..scheme import Scheme
 
 ENV = "TORCH_RKV_SCHEME"
 CODEBOOK_ENV = "TORCH_RKV_CODEBOOK"
+ALLOCATION_ENV = "TORCH_RKV_ALLOCATION"
 TESTED_VLLM = ("0.32.0",)
 BACKEND = "torch_rkv.integrations.vllm_backend.RKVAttentionBackend"  # imported by vLLM when it selects it
 
 
+def configured_layers() -> list[Scheme] | None:
+    """Layer i's scheme (the model's numbering) of the TORCH_RKV_ALLOCATION file, or None when that is
+    not set. Every layer keeps the same key + value bits (one page size serves them), and shares its
+    sinks, window and block with the others."""
+    path = os.environ.get(ALLOCATION_ENV, "").strip()
+    if not path:
+        return None
+    return _allocation_schemes(path)
+
+
+@lru_cache(maxsize=4)
+def _allocation_schemes(path: str) -> list[Scheme]:
+    from ..allocate import Allocation
+
+    alloc = Allocation.load(path)
+    totals = alloc.layer_totals()
+    for layer, total in enumerate(totals):
+        if total != totals[0]:
+            k, v = alloc.bits[layer]
+            raise ValueError(f"{ALLOCATION_ENV}={path}: layer {layer} keeps {k}+{v} key + value bits where layer 0 "
+                             f"keeps {totals[0]}; vLLM gives every layer pages of one size, so every layer must "
+                             f"keep the same total (python -m torch_rkv calibrate --split BITS writes such a file)")
+    return alloc.schemes()
+
+
 def configured_scheme() -> Scheme | None:
     """The scheme TORCH_RKV_SCHEME names (with TORCH_RKV_CODEBOOK's levels when that is set), or None when
-    the plugin is off."""
+    the plugin is off. With TORCH_RKV_ALLOCATION: layer 0's scheme, whose page size, sinks, window and
+    block every layer shares (configured_layers has each layer's bits)."""
     name = os.environ.get(ENV, "").strip()
     codebook = os.environ.get(CODEBOOK_ENV, "").strip()
+    layers = configured_layers()
+    if layers is not None:
+        if name or codebook:
+            raise ValueError(f"{ALLOCATION_ENV} gives every layer its scheme: unset {ENV} and {CODEBOOK_ENV}")
+        return layers[0]
     if not name:
         if codebook:
             raise ValueError(f"{CODEBOOK_ENV} is set but {ENV} is not: name the scheme whose levels it holds")
@@ -66,7 +102,7 @@ def configured_scheme() -> Scheme | None:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: with TORCH_RKV_SCHEME set, override the platform's
+    """The ``vllm.general_plugins`` entry point: with TORCH_RKV_SCHEME (or TORCH_RKV_ALLOCATION) set, override the platform's
     attention backends with torch_rkv's; otherwise nothing."""
     scheme = configured_scheme()
     if scheme is None:
@@ -76,7 +112,7 @@ def register() -> None:
     if vllm.__version__ not in TESTED_VLLM:
         raise RuntimeError(f"torch_rkv's vLLM plugin is tested with vLLM {', '.join(TESTED_VLLM)} and relies on its "
                            f"internals (torch_rkv/integrations/vllm.py); this is vLLM {vllm.__version__}. Unset "
-                           f"{ENV} to run vLLM without it.")
+                           f"{ENV} and {ALLOCATION_ENV} to run vLLM without it.")
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(getattr(AttentionBackendEnum, overridden_backend()), BACKEND)

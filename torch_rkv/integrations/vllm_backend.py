@@ -20,33 +20,56 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..codebook import SIDES
-from ..layout import PageLayout, round_up, side_shapes
+from ..layout import PageLayout, common_page_bytes, round_up, side_shapes
 from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.paged import paged_append, paged_copy, paged_prefill_attention
 from ..ops.rope import rope
 from ..reference import quantized_count, read_rows
 from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE
-from .vllm import ENV, configured_scheme, overridden_backend
+from .vllm import ALLOCATION_ENV, ENV, configured_layers, configured_scheme, overridden_backend
 from .vllm_slots import SlotInit, SlotTracker, growth_beyond_headroom
 
 logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed with its log
 
 
 def _scheme() -> Scheme:
+    """The scheme every layer's pages are sized by (with an allocation: layer 0's, whose page bytes,
+    sinks, window and block every layer shares)."""
     s = configured_scheme()
     if s is None:
-        raise RuntimeError(f"torch_rkv's vLLM backend is in use but {ENV} is not set")
+        raise RuntimeError(f"torch_rkv's vLLM backend is in use but neither {ENV} nor {ALLOCATION_ENV} is set")
     s.check_served()
     return s
 
 
-def content_bytes(scheme: Scheme, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def _all_schemes() -> list[Scheme]:
+    """One scheme per layer of the allocation, or the one scheme."""
+    return configured_layers() or [_scheme()]
+
+
+def layer_scheme(layer_name: str) -> Scheme:
+    """The scheme of vLLM's layer `layer_name`: its row of the allocation, found by vLLM's layer index
+    (the number in the layer's name: the model's own numbering, which the calibration uses), or the one
+    scheme."""
+    layers = configured_layers()
+    if layers is None:
+        return _scheme()
+    index = extract_layer_index(layer_name)
+    if not 0 <= index < len(layers):
+        raise ValueError(f"{ALLOCATION_ENV}: the allocation has {len(layers)} layers; vLLM's layer {layer_name} "
+                         f"(index {index}) is not among them: it was made for another model")
+    layers[index].check_served()
+    return layers[index]
+
+
+def content_bytes(schemes: list[Scheme], kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes per token of one page (every KV head), rounded up to the cache dtype: vLLM's page is
     block_size x this, which holds PageLayout's page of block_size tokens for every block size that is a
-    multiple of the scheme's block (the per-block metadata is amortized over the block)."""
-    base = PageLayout(scheme, kv_heads, head_dim, round_up(16, scheme.block), dtype)
-    per_token = -(-base.page_bytes // base.page_size)
+    multiple of the scheme's block (the per-block metadata is amortized over the block). schemes: every
+    layer's (they share one page size, so their pages must have equal bytes: common_page_bytes)."""
+    page = round_up(16, schemes[0].block)
+    per_token = -(-common_page_bytes(schemes, kv_heads, head_dim, page, dtype) // page)
     return round_up(per_token, dtype.itemsize)
 
 
@@ -87,7 +110,8 @@ class RKVAttentionBackend(AttentionBackend):
         if spec.state_content_bytes is not None:
             return spec
         return replace(spec, num_head_slots=1,
-                       state_content_bytes=content_bytes(_scheme(), spec.num_kv_heads, spec.head_size, spec.dtype))
+                       state_content_bytes=content_bytes(_all_schemes(), spec.num_kv_heads, spec.head_size,
+                                                         spec.dtype))
 
     @staticmethod
     def get_impl_cls():
@@ -124,8 +148,12 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
             raise NotImplementedError("torch_rkv's vLLM backend: speculative decoding is not supported (rejected "
                                       "draft tokens would have to leave quantized pages)")
         self.page_size = kv_cache_spec.block_size
-        for name in layer_names:  # at engine start: a codebook without some layer's levels fails here
-            codebook_rows(scheme, name)
+        for name in layer_names:  # at engine start: a codebook or allocation without some layer fails here
+            codebook_rows(layer_scheme(name), name)
+        layers = configured_layers()
+        if layers is not None and len(layers) != 1 + max(extract_layer_index(n) for n in layer_names):
+            raise ValueError(f"{ALLOCATION_ENV}: the allocation has {len(layers)} layers, the model "
+                             f"{1 + max(extract_layer_index(n) for n in layer_names)}: it was made for another model")
         if self.page_size % scheme.block:
             raise ValueError(f"torch_rkv: vLLM's block_size ({self.page_size}) must be a multiple of scheme "
                              f"{scheme.name}'s block of {scheme.block} tokens (--block-size)")
@@ -229,10 +257,13 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self._tensors = None  # per-layer side pool and signs, made on the first forward
         self._views = None  # (key, page region views) of the cache tensor (regions)
         self.levels = None  # (k_levels, v_levels) of this layer, read on the first forward (it names the layer)
+        # (self.scheme is the shared one until then: side rows, signs and RoPE are the same in every layer)
 
-    def _layer_levels(self, layer, device) -> tuple:
-        """codebook_rows of this layer, on the device (read once)."""
+    def _bind(self, layer, device) -> tuple:
+        """This layer's scheme (its row of an allocation) and codebook_rows, on the device: read once, on
+        the first forward, which names the layer. Returns the levels."""
         if self.levels is None:
+            self.scheme = layer_scheme(layer.layer_name)
             rows = codebook_rows(self.scheme, layer.layer_name)
             self.levels = tuple(None if t is None else t.to(device) for t in rows)
         return self.levels
@@ -279,11 +310,11 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             return output
         md = attn_metadata
         t = md.num_actual_tokens
+        levels = self._bind(layer, query.device)
         side, (k_signs, v_signs), (cos, sin) = self._layer_state(query, md.slot_count)
         views = self.regions(kv_cache, kv_cache.shape[2], query.dtype)
         cache = [views["k_codes"], views["k_scale"], views.get("k_zero"), views["v_codes"], views["v_scale"],
                  views.get("v_zero"), side["k_window"], side["v_window"], side["k_sink"], side["v_sink"]]
-        levels = self._layer_levels(layer, query.device)
         for init in md.inits:
             self._init_slot(cache, init, kv_cache.shape[2], levels)
         s = self.scheme
