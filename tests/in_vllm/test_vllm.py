@@ -456,6 +456,19 @@ def test_a_codebook_short_of_the_models_layers_fails_at_engine_start(tiny_qwen3,
         run_engine("rkv-3", job, codebook=str(path))
 
 
+def test_an_allocation_for_another_model_fails_at_engine_start(tiny_qwen3, tmp_path):
+    """Per-layer bits for three layers, served to a two-layer model: the engine refuses at start, naming
+    both counts, rather than serving some layers with another model's bits."""
+    from torch_rkv.allocate import Allocation
+
+    path = tmp_path / "three-layers.json"
+    Allocation(((4, 2), (3, 3), (2, 4)), (2, 3, 4), 0.0).save(path)
+    job = {"model": tiny_qwen3, "engine": {"dtype": "float32", "max_model_len": 512, "skip_tokenizer_init": True},
+           "tasks": []}
+    with pytest.raises(RuntimeError, match="the allocation has 3 layers, the model 2"):
+        run_engine(None, job, allocation=str(path))
+
+
 @pytest.mark.parametrize("config, kw, refused, half, interleaved", [
     ("LlamaConfig", {}, None, 32, False), ("Qwen3Config", {}, None, 32, False),
     ("GPTJConfig", {"rotary_dim": 16}, None, 8, True),

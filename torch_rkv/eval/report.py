@@ -88,18 +88,18 @@ class Options:
     bits: tuple = (4, 3, 2)
     families: tuple = DEFAULT_FAMILIES
     noise: bool = False  # rows off their reference are rerun with eager attention: how much the kernel moves them
-    loc_lengths: tuple = (1024, 2048, 4096)
+    loc_lengths: tuple = (1024, 2048)  # (--full: to 8192; 6 needles a length are a smoke test, 24 measure)
     loc_schemes: tuple = ("per-token-3", "rkv-3", "rkv-2")
     loc_documents: int = 1  # per length, 6 needles each (--full: 4, 24 needles a length; 3.5 minutes a scheme)
     long_tokens: int = 0  # > 0 (--full): a long-context perplexity row at this many tokens
     long_schemes: tuple = ("rkv-4", "rkv-3", "rkv-2", "turboquant-4")
     decode_tokens: int = 384  # long enough that every decode scheme quantizes a block
-    decode_schemes: tuple = ("rkv-4", "rkv-2", "kivi-2")
-    chunk_sizes: tuple = (256, 1024)  # chunked prefill over the whole text, served through RKVCache
+    decode_schemes: tuple = ("rkv-4", "kivi-2")  # pre-RoPE and post-RoPE keys (--full: more)
+    chunk_sizes: tuple = (256,)  # chunked prefill over the whole text, served through RKVCache (--full: 1024 too)
     chunk_schemes: tuple = ("rkv-4", "rkv-3", "rkv-2")
     alloc_levels: tuple = (2, 3, 4)  # per-layer allocation: widths to choose among, and average code bits
     alloc_targets: tuple = (2.5, 3.0)
-    split_targets: tuple = (3.0, 3.5)  # allocate_split: average code bits (multiples of 0.5)
+    split_targets: tuple = (3.0,)  # allocate_split: average code bits (multiples of 0.5)
     alloc_tokens: int = sensitivity.CALIBRATION_TOKENS  # of the calibration text
     second_text: str = ""  # --full: asyoulik.txt, the same schemes ranked on a text the calibration never saw
     second_schemes: tuple = ("rkv-4", "rkv-3", "rkv-mixed-2", "rkv-2")
@@ -117,7 +117,7 @@ class Options:
                    loc_schemes=("rkv-3", "rkv-2", "rkv-alloc-2.5"),  # 3/4 of the run: 8K with 24 needles
                    decode_schemes=("rkv-4", "rkv-3", "rkv-2", "kivi-2", "rkv-alloc-2.5"),
                    long_schemes=("rkv-4", "rkv-3", "rkv-2", "rkv-alloc-2.5", "turboquant-4"),
-                   alloc_targets=(2.5, 3.0, 3.5),
+                   alloc_targets=(2.5, 3.0, 3.5), split_targets=(3.0, 3.5), chunk_sizes=(256, 1024),
                    second_text="asyoulik.txt", peers=True)
 
     @classmethod

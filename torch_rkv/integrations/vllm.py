@@ -102,8 +102,8 @@ def configured_scheme() -> Scheme | None:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: with TORCH_RKV_SCHEME (or TORCH_RKV_ALLOCATION) set, override the platform's
-    attention backends with torch_rkv's; otherwise nothing."""
+    """The ``vllm.general_plugins`` entry point: with TORCH_RKV_SCHEME (or TORCH_RKV_ALLOCATION) set,
+    override the platform's attention backends with torch_rkv's; otherwise nothing."""
     scheme = configured_scheme()
     if scheme is None:
         return

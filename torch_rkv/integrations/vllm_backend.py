@@ -151,9 +151,10 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         for name in layer_names:  # at engine start: a codebook or allocation without some layer fails here
             codebook_rows(layer_scheme(name), name)
         layers = configured_layers()
-        if layers is not None and len(layers) != 1 + max(extract_layer_index(n) for n in layer_names):
-            raise ValueError(f"{ALLOCATION_ENV}: the allocation has {len(layers)} layers, the model "
-                             f"{1 + max(extract_layer_index(n) for n in layer_names)}: it was made for another model")
+        total = vllm_config.model_config.get_total_num_hidden_layers()  # (every pipeline stage's)
+        if layers is not None and len(layers) != total:
+            raise ValueError(f"{ALLOCATION_ENV}: the allocation has {len(layers)} layers, the model {total}: it was "
+                             "made for another model")
         if self.page_size % scheme.block:
             raise ValueError(f"torch_rkv: vLLM's block_size ({self.page_size}) must be a multiple of scheme "
                              f"{scheme.name}'s block of {scheme.block} tokens (--block-size)")
