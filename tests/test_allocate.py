@@ -125,7 +125,8 @@ def test_an_allocation_file_round_trips_and_is_checked(tmp_path):
     assert A.Allocation.load(path) == alloc
     d = json.loads(path.read_text())
     for change, match in (({"format": "other"}, "not a torch_rkv.allocation"), ({"bits": [[4, 5]]}, "layer 0"),
-                          ({"bits": []}, "no layers"), ({"version": 2}, "version 1")):
+                          ({"bits": []}, "no layers"), ({"version": 2}, "version 1"),
+                          ({"bits": [4, 2]}, "needs 'levels'"), ({"levels": None}, "needs 'levels'")):
         path.write_text(json.dumps({**d, **change}))
         with pytest.raises(ValueError, match=match):
             A.Allocation.load(path)

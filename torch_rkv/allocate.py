@@ -148,8 +148,12 @@ class Allocation:
             raise ValueError(f"allocation file {path}: cannot be read as JSON ({e})") from e
         if not isinstance(d, dict) or d.get("format") != FILE_FORMAT or d.get("version") != FILE_VERSION:
             raise ValueError(f"allocation file {path}: not a {FILE_FORMAT} file of version {FILE_VERSION}")
-        levels = tuple(d["levels"])
-        bits = tuple(tuple(b) for b in d["bits"])
+        try:
+            levels = tuple(int(x) for x in d["levels"])
+            bits = tuple(tuple(int(x) for x in b) for b in d["bits"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"allocation file {path}: needs 'levels' (widths) and 'bits' ((key, value) widths per "
+                             f"layer) ({e!r})") from e
         for layer, b in enumerate(bits):
             if len(b) != 2 or any(x not in levels for x in b):
                 raise ValueError(f"allocation file {path}: layer {layer}'s bits {list(b)} are not a (key, value) "

@@ -354,7 +354,7 @@ def test_preempted_requests_are_recomputed_to_the_same_outputs(model_dir, alice)
     from torch_rkv.scheme import by_name
 
     roomy = engine("rkv-4-chunked", "rkv-4", lambda: chunked_job(model_dir, alice, with_prefix_prompts=True))
-    per_token = 30 * content_bytes(by_name("rkv-4"), 3, 64, torch.float32)  # SmolLM2's 30 layers, one page's bytes
+    per_token = 30 * content_bytes([by_name("rkv-4")], 3, 64, torch.float32)  # SmolLM2's 30 layers, one page's bytes
     job = chunked_job(model_dir, alice)
     job["tasks"] = [{"kind": "generate", "prompts": preempt_prompts(alice), "max_tokens": PREEMPT["new"]}]
     # (vLLM refuses a pool smaller than one max_model_len request)
