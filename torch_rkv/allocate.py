@@ -226,22 +226,27 @@ def allocate_average(profile: Sensitivity, target_bits: float) -> Allocation:
     return allocate(profile, math.floor(target_bits * 2 * profile.layers + 1e-9))
 
 
+def split_total(target_bits: float, levels: tuple[int, ...]) -> int:
+    """The key + value bits every layer of allocate_split keeps at target_bits average code bits: a
+    multiple of 0.5 between the lowest and highest of `levels` (checked before any calibration runs)."""
+    total = target_bits * 2
+    if total != int(total) or not 2 * min(levels) <= total <= 2 * max(levels):
+        raise ValueError(f"allocate_split: target {target_bits} bits must be a multiple of 0.5 within the profile's "
+                         f"levels {tuple(levels)}")
+    return int(total)
+
+
 def allocate_split(profile: Sensitivity, target_bits: float) -> Allocation:
     """Every layer at 2 x target_bits key + value code bits (so every layer's page has the same bytes),
     each layer's split between keys and values the one of least predicted cost. target_bits: a multiple
     of 0.5 between the profile's lowest and highest level."""
     profile.check()
-    total = target_bits * 2
-    lo, hi = min(profile.levels), max(profile.levels)
-    if total != int(total) or not 2 * lo <= total <= 2 * hi:
-        raise ValueError(f"allocate_split: target {target_bits} bits must be a multiple of 0.5 within the profile's "
-                         f"levels {profile.levels}")
-    total = int(total)
-    bits = []
-    for layer in range(profile.layers):
-        splits = [(k, total - k) for k in profile.levels if total - k in profile.levels]
-        # (ties go to more key bits: keys decide where attention goes)
-        bits.append(min(splits, key=lambda kv: (profile.cost(layer, "k", kv[0]) + profile.cost(layer, "v", kv[1]),
-                                                -kv[0])))
-    predicted = sum(profile.cost(i, "k", k) + profile.cost(i, "v", v) for i, (k, v) in enumerate(bits))
-    return Allocation(tuple(bits), profile.levels, predicted)
+    total = split_total(target_bits, profile.levels)
+
+    def cost(layer: int, kv: tuple[int, int]) -> float:
+        return profile.cost(layer, "k", kv[0]) + profile.cost(layer, "v", kv[1])
+
+    splits = [(k, total - k) for k in profile.levels if total - k in profile.levels]
+    # (ties go to more key bits: keys decide where attention goes)
+    bits = tuple(min(splits, key=lambda kv: (cost(layer, kv), -kv[0])) for layer in range(profile.layers))
+    return Allocation(bits, profile.levels, sum(cost(layer, kv) for layer, kv in enumerate(bits)))

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..allocate import SIDES, Allocation, Sensitivity, allocate_average, allocate_split, layer_scheme
+from ..allocate import SIDES, Allocation, Sensitivity, allocate_average, allocate_split, layer_scheme, split_total
 from ..integrations import models
 from . import data, perplexity
 from .simulate import Simulation
@@ -119,6 +119,12 @@ def main(args) -> int:
     if len(levels) < 2 or any(b not in (2, 3, 4) for b in levels) or levels[-1] - levels[0] != len(levels) - 1:
         print("torch_rkv calibrate: --levels must be consecutive widths among 2, 3, 4 (e.g. 2 3 4)", file=sys.stderr)
         return 2
+    if args.split is not None:
+        try:  # before the calibration, which may take minutes
+            split_total(args.split, levels)
+        except ValueError as e:
+            print(f"torch_rkv calibrate --split: {e}", file=sys.stderr)
+            return 2
     try:
         model, tok = data.load_model(args.model, args.gguf)
         profile = load_or_measure(model, tok, levels, args.text, args.tokens,
@@ -136,11 +142,7 @@ def main(args) -> int:
             print(f"  layer {layer:3d}  K {kk:.5f} ({pk:+.3f})  V {kv:.5f} ({pv:+.3f})")
     print(profile_path(model, args.text, args.tokens, levels))
     if args.split is not None:
-        try:
-            alloc = allocate_split(profile, args.split)
-        except ValueError as e:
-            print(f"torch_rkv calibrate --split: {e}", file=sys.stderr)
-            return 2
+        alloc = allocate_split(profile, args.split)
         path = Path(args.out) if args.out else profile_path(model, args.text, args.tokens, levels).with_name(
             f"split-{args.split:g}-{model_key(model)}-{Path(args.text).name}-{args.tokens}.json")
         alloc.save(path, model=profile.model, calibration=f"{profile.tokens} tokens of {profile.text}")
