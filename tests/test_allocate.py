@@ -101,6 +101,9 @@ def test_a_split_keeps_every_layers_total_and_takes_its_cheapest_split(seed):
     for bad in (2.25, 1.5, 4.5):
         with pytest.raises(ValueError, match="multiple of 0.5"):
             A.allocate_split(p, bad)
+    gap = A.Sensitivity("tiny", "calibration", 64, (2, 4), 10.0, {4: 10.0}, {4: [(0.0, 0.0)]}, {4: [(0.0, 0.0)]})
+    with pytest.raises(ValueError, match="5 key \\+ value bits have no split"):
+        A.allocate_split(gap, 2.5)
 
 
 def test_a_split_gives_every_layer_pages_of_the_same_bytes():
@@ -185,6 +188,29 @@ def test_planned_allocation_bytes_are_the_layouts_bytes(context, batch):
         plan.allocation_for_budget(GEMMA_LIKE, p, low - 1, context, batch)
 
 
+@pytest.mark.parametrize("context,batch", [(4096, 1), (1000, 3)])
+def test_a_planned_split_is_the_most_bits_that_fit(context, batch):
+    """plan --split: every layer the same key + value bits (one page size: what vLLM serves), the most
+    that fit the budget, each layer's split the cheapest; its bytes are the layouts' bytes."""
+    costs = [(1.0, 0.1), (0.1, 1.0), (1.0, 0.1), (0.5, 0.5), (0.1, 1.0), (1.0, 0.1)]
+    p = profile(6, costs, costs)
+
+    def nbytes(total):
+        return sum(lay.nbytes() for lay in plan.layer_layouts(GEMMA_LIKE, A.allocate_split(p, total / 2).schemes(),
+                                                               context, batch))
+
+    assert [nbytes(t) for t in range(4, 9)] == sorted(nbytes(t) for t in range(4, 9))
+    for total in range(4, 9):
+        for budget in (nbytes(total), nbytes(total + 1) - 1 if total < 8 else 10 * nbytes(8)):
+            alloc, got, _ = plan.split_for_budget(GEMMA_LIKE, p, budget, context, batch)
+            assert set(alloc.layer_totals()) == {total}, (total, budget, alloc.bits)
+            assert alloc == A.allocate_split(p, total / 2) and got == nbytes(total) <= budget
+    with pytest.raises(ValueError, match="even at 2 bits"):
+        plan.split_for_budget(GEMMA_LIKE, p, nbytes(4) - 1, context, batch)
+    free, _, _ = plan.allocation_for_budget(GEMMA_LIKE, p, nbytes(6), context, batch)
+    assert free.predicted <= A.allocate_split(p, 3.0).predicted  # the split is one of the free solver's choices
+
+
 def test_a_model_whose_sliding_layers_are_unknown_is_refused():
     p = profile(6, [(1.0, 1.0)] * 6)
     unknown = plan.ModelShape("unknown", 6, 2, 64, 1e6, sliding_layers=4, sliding_window=256)
@@ -209,6 +235,14 @@ def test_plan_budget_gb_prints_the_allocation(tmp_path, capsys):
     got = json.loads(capsys.readouterr().out)["allocation"]
     assert got["kv_bytes"] <= 2.5e9 and len(got["bits"]) == 30
     assert got["bits"][0][0] >= got["bits"][-1][0]  # the first layers' keys cost the most here
+    out_file = tmp_path / "split.json"
+    assert main(["plan", "--model", "smollm2-135m", "--budget-gb", "2.5", "--batch", "4", "--sensitivity", str(path),
+                 "--split", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    alloc = A.Allocation.load(out_file)
+    assert len(set(alloc.layer_totals())) == 1 and f"TORCH_RKV_ALLOCATION={out_file}" in out
+    with pytest.raises(SystemExit, match="needs --sensitivity"):
+        main(["plan", "--model", "smollm2-135m", "--budget-gb", "2.5", "--split"])
 
 
 def test_kl_divergence_is_torch_kl():

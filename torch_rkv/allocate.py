@@ -247,6 +247,9 @@ def allocate_split(profile: Sensitivity, target_bits: float) -> Allocation:
         return profile.cost(layer, "k", kv[0]) + profile.cost(layer, "v", kv[1])
 
     splits = [(k, total - k) for k in profile.levels if total - k in profile.levels]
+    if not splits:
+        raise ValueError(f"allocate_split: {total} key + value bits have no split into the profile's levels "
+                         f"{tuple(profile.levels)}")
     # (ties go to more key bits: keys decide where attention goes)
     bits = tuple(min(splits, key=lambda kv: (cost(layer, kv), -kv[0])) for layer in range(profile.layers))
     return Allocation(bits, profile.levels, sum(cost(layer, kv) for layer, kv in enumerate(bits)))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import scheme as S
-from .allocate import Allocation, Sensitivity, allocate, layer_scheme
+from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
 from .integrations.models import uses_sliding_window
 from .layout import CacheLayout, PageLayout, default_page_size
 from .scheme import Scheme
@@ -215,6 +215,22 @@ def layer_layouts(model: ModelShape, schemes: list[Scheme], context: int, batch:
             for i, s in enumerate(schemes)]
 
 
+def _lowest(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int,
+            dtype) -> list[CacheLayout]:
+    """Every layer's layout at the profile's lowest level; refuses a profile of another model, or a budget
+    that does not hold even that."""
+    if profile.layers != model.layers:
+        raise ValueError(f"plan: the sensitivity profile has {profile.layers} layers, {model.name} has {model.layers} "
+                         "layers")
+    low = layer_layouts(model, [layer_scheme(min(profile.levels), min(profile.levels), profile.levels)] * model.layers,
+                        context, batch, dtype)
+    lowest = sum(lay.nbytes() for lay in low)
+    if budget < lowest:
+        raise ValueError(f"plan: {budget / GB:.2f} GB does not hold {batch} x {context:,} tokens even at "
+                         f"{min(profile.levels)} bits in every layer ({lowest / GB:.2f} GB)")
+    return low
+
+
 def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int = 1,
                           dtype=torch.float16) -> tuple[Allocation, int, list[int]]:
     """(the per-layer K/V bits of least predicted cost whose cache of `batch` sequences of `context` tokens
@@ -222,22 +238,31 @@ def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float
     code bytes, rows x head_dim x bits / 8 per kv head and side, so the knapsack weighs each layer by its
     rows (a sliding layer's ring holds fewer) and everything else is a fixed cost, counted at the lowest
     level."""
-    if profile.layers != model.layers:
-        raise ValueError(f"plan: the sensitivity profile has {profile.layers} layers, {model.name} has {model.layers} "
-                         "layers")
-    low = layer_layouts(model, [layer_scheme(min(profile.levels), min(profile.levels), profile.levels)] * model.layers,
-                        context, batch, dtype)
+    low = _lowest(model, profile, budget, context, batch, dtype)
     rows = [lay.packed_capacity for lay in low]
     per_unit = batch * model.kv_heads * model.head_dim  # bits of code per (row x bit)
-    lowest = sum(lay.nbytes() for lay in low)
-    fixed = lowest - 2 * min(profile.levels) * sum(rows) * per_unit // 8
-    if budget < lowest:
-        raise ValueError(f"plan: {budget / GB:.2f} GB does not hold {batch} x {context:,} tokens even at "
-                         f"{min(profile.levels)} bits in every layer ({lowest / GB:.2f} GB)")
+    fixed = sum(lay.nbytes() for lay in low) - 2 * min(profile.levels) * sum(rows) * per_unit // 8
     alloc = allocate(profile, int((budget - fixed) * 8 // per_unit), weights=rows)
     exact = sum(lay.nbytes() for lay in layer_layouts(model, alloc.schemes(), context, batch, dtype))
     assert exact <= budget, (exact, budget)  # the knapsack's weights are the layouts' code bytes
     return alloc, exact, rows
+
+
+def split_for_budget(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int = 1,
+                     dtype=torch.float16) -> tuple[Allocation, int, list[int]]:
+    """allocation_for_budget for an allocation vLLM serves (allocate_split: every layer the same key +
+    value bits, so every page the same bytes): the most bits per layer, in steps of one, whose cache fits
+    `budget`, each layer's split the one of least predicted cost."""
+    rows = [lay.packed_capacity for lay in _lowest(model, profile, budget, context, batch, dtype)]
+    for total in range(2 * max(profile.levels), 2 * min(profile.levels) - 1, -1):
+        try:
+            alloc = allocate_split(profile, total / 2)
+        except ValueError:  # no split of this total into the profile's levels (levels 2 and 4: no 5)
+            continue
+        exact = sum(lay.nbytes() for lay in layer_layouts(model, alloc.schemes(), context, batch, dtype))
+        if exact <= budget:
+            return alloc, exact, rows
+    raise AssertionError("unreachable: _lowest checked the lowest level fits")
 
 
 def plan(model: ModelShape, gpu_bytes: float, weight_bytes: float, reserve_bytes: float, context: int, batch: int,
@@ -276,6 +301,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with --sensitivity, also the per-layer bit allocation that fits it")
     p.add_argument("--sensitivity", help="a per-layer sensitivity profile of this model (JSON, written by "
                    "python -m torch_rkv calibrate)")
+    p.add_argument("--split", action="store_true", help="with --sensitivity: an allocation whose layers all keep the "
+                   "same key + value bits (what the vLLM plugin serves, TORCH_RKV_ALLOCATION)")
+    p.add_argument("--out", help="with --sensitivity: write the allocation to this file (docs/format.md)")
     p.add_argument("--json", action="store_true")
 
 
@@ -297,18 +325,24 @@ def main(args) -> int:
     budget = gpu - weight - reserve
     rows = plan(model, gpu, weight, reserve, args.context, args.batch, schemes)
     allocation = None
+    if (args.split or args.out) and not args.sensitivity:
+        raise SystemExit("torch_rkv plan: --split and --out choose a per-layer allocation, which needs --sensitivity")
     if args.sensitivity:
         with open(args.sensitivity) as f:
             profile = Sensitivity.from_json(f.read())
         try:
-            allocation = allocation_for_budget(model, profile, budget, args.context, args.batch)
+            solver = split_for_budget if args.split else allocation_for_budget
+            allocation = solver(model, profile, budget, args.context, args.batch)
         except ValueError as e:
             raise SystemExit(f"torch_rkv {e}")
+        if args.out:
+            allocation[0].save(args.out, model=model.name, calibration=f"{profile.model} on {profile.text}")
     if args.json:
         out = {"model": model.__dict__, "rows": rows}
         if allocation:
-            out["allocation"] = {"bits": allocation[0].bits, "kv_bytes": allocation[1],
-                                 "predicted_kl": allocation[0].predicted, "profile": args.sensitivity}
+            out["allocation"] = {"bits": allocation[0].bits, "kv_bytes": allocation[1], "split": args.split,
+                                 "predicted_kl": allocation[0].predicted, "profile": args.sensitivity,
+                                 "file": args.out}
         print(json.dumps(out, indent=1))
         return 0
     if args.budget_gb is not None:
@@ -339,4 +373,10 @@ def main(args) -> int:
         print(f"  {alloc.average_bits(weights):.2f} code bits ({alloc.effective_bits(model.head_dim, weights):.2f} "
               f"with metadata) per element, {nbytes / GB:.2f} GB; predicted cost {alloc.predicted:.4f} nats/token "
               "(the profile's KL, summed)")
+        if args.split:
+            print(f"  every layer keeps {alloc.layer_totals()[0]} key + value bits: one page size, what the vLLM "
+                  "plugin serves")
+        if args.out:
+            serve = f": serve it with TORCH_RKV_ALLOCATION={args.out}" if args.split else ""
+            print(f"  written to {args.out}{serve}")
     return 0
