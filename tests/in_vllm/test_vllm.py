@@ -1,9 +1,10 @@
 """torch_rkv inside vLLM (the plugin, torch_rkv/integrations/vllm.py): SmolLM2 served with its KV cache in
 torch_rkv's pages. Runs in the vLLM venv (scripts/vllm_venv.sh; .ci/run); skipped where vLLM is not
 installed (this folder is not named vllm: on sys.path it would pass for the package). Each engine is its
-own process (scripts/vllm_engine.py), with vLLM's engine core and worker inside it (about 9 s a start on 2
-cores, where the three processes of the default take 36), started once per module and shared by the tests
-that read it; `vllm serve` runs the default multiprocess layout."""
+own process (scripts/vllm_engine.py), forked from one that imported vLLM once, with vLLM's engine core and
+worker inside it (about 5 s a start on 2 cores, where the three processes of the default take 36),
+started once per module and shared by the tests that read it; `vllm serve` runs the default multiprocess
+layout."""
 
 from __future__ import annotations
 
