@@ -63,7 +63,6 @@ def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900, in_
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         job = {**job, "engine": {"distributed_executor_backend": "uni", **job.get("engine", {})}}
-    if in_process:
         exit_code, log = _forked(job, env, timeout)
     else:
         # the job on standard input: a 16K-token prompt is past the size of one command-line argument
@@ -89,7 +88,7 @@ def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900, in_
     return out
 
 
-_server = None
+_forkserver = None  # the multiprocessing context whose server has vLLM imported
 
 
 def _forked(job: dict, env: dict, timeout: int) -> tuple[int, str]:
@@ -98,13 +97,13 @@ def _forked(job: dict, env: dict, timeout: int) -> tuple[int, str]:
     import multiprocessing
     import tempfile
 
-    global _server
-    if _server is None:
-        _server = multiprocessing.get_context("forkserver")
+    global _forkserver
+    if _forkserver is None:
+        _forkserver = multiprocessing.get_context("forkserver")
         # the server imports these once; this file is importable there (multiprocessing passes sys.path)
-        _server.set_forkserver_preload([__spec__.name if __spec__ else "vllm_engine", "vllm.entrypoints.llm"])
+        _forkserver.set_forkserver_preload([__spec__.name if __spec__ else "vllm_engine", "vllm.entrypoints.llm"])
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
-        child = _server.Process(target=_child, args=(job, env, log.name))
+        child = _forkserver.Process(target=_child, args=(job, env, log.name))
         child.start()
         child.join(timeout)
         timed_out = child.exitcode is None

@@ -215,10 +215,15 @@ def layer_layouts(model: ModelShape, schemes: list[Scheme], context: int, batch:
             for i, s in enumerate(schemes)]
 
 
+def layouts_bytes(model: ModelShape, schemes: list[Scheme], context: int, batch: int, dtype=torch.float16) -> int:
+    """The bytes of every layer's CacheLayout under a per-layer allocation."""
+    return sum(lay.nbytes() for lay in layer_layouts(model, schemes, context, batch, dtype))
+
+
 def _lowest(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int,
-            dtype) -> list[CacheLayout]:
-    """Every layer's layout at the profile's lowest level; refuses a profile of another model, or a budget
-    that does not hold even that."""
+            dtype) -> tuple[list[int], int]:
+    """(each layer's packed rows, the cache's bytes) at the profile's lowest level; refuses a profile of
+    another model, or a budget that does not hold even that."""
     if profile.layers != model.layers:
         raise ValueError(f"plan: the sensitivity profile has {profile.layers} layers, {model.name} has {model.layers} "
                          "layers")
@@ -228,7 +233,7 @@ def _lowest(model: ModelShape, profile: Sensitivity, budget: float, context: int
     if budget < lowest:
         raise ValueError(f"plan: {budget / GB:.2f} GB does not hold {batch} x {context:,} tokens even at "
                          f"{min(profile.levels)} bits in every layer ({lowest / GB:.2f} GB)")
-    return low
+    return [lay.packed_capacity for lay in low], lowest
 
 
 def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int = 1,
@@ -238,12 +243,11 @@ def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float
     code bytes, rows x head_dim x bits / 8 per kv head and side, so the knapsack weighs each layer by its
     rows (a sliding layer's ring holds fewer) and everything else is a fixed cost, counted at the lowest
     level."""
-    low = _lowest(model, profile, budget, context, batch, dtype)
-    rows = [lay.packed_capacity for lay in low]
+    rows, lowest = _lowest(model, profile, budget, context, batch, dtype)
     per_unit = batch * model.kv_heads * model.head_dim  # bits of code per (row x bit)
-    fixed = sum(lay.nbytes() for lay in low) - 2 * min(profile.levels) * sum(rows) * per_unit // 8
+    fixed = lowest - 2 * min(profile.levels) * sum(rows) * per_unit // 8
     alloc = allocate(profile, int((budget - fixed) * 8 // per_unit), weights=rows)
-    exact = sum(lay.nbytes() for lay in layer_layouts(model, alloc.schemes(), context, batch, dtype))
+    exact = layouts_bytes(model, alloc.schemes(), context, batch, dtype)
     assert exact <= budget, (exact, budget)  # the knapsack's weights are the layouts' code bytes
     return alloc, exact, rows
 
@@ -251,18 +255,16 @@ def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float
 def split_for_budget(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int = 1,
                      dtype=torch.float16) -> tuple[Allocation, int, list[int]]:
     """allocation_for_budget for an allocation vLLM serves (allocate_split: every layer the same key +
-    value bits, so every page the same bytes): the most bits per layer, in steps of one, whose cache fits
-    `budget`, each layer's split the one of least predicted cost."""
-    rows = [lay.packed_capacity for lay in _lowest(model, profile, budget, context, batch, dtype)]
-    for total in range(2 * max(profile.levels), 2 * min(profile.levels) - 1, -1):
-        try:
-            alloc = allocate_split(profile, total / 2)
-        except ValueError:  # no split of this total into the profile's levels (levels 2 and 4: no 5)
-            continue
-        exact = sum(lay.nbytes() for lay in layer_layouts(model, alloc.schemes(), context, batch, dtype))
+    value bits, so every page the same bytes): the most bits per layer whose cache fits `budget`, each
+    layer's split the one of least predicted cost."""
+    rows, _ = _lowest(model, profile, budget, context, batch, dtype)
+    # the totals a layer can keep: a key level plus a value level (levels 2 and 4 have no 5)
+    for total in sorted({k + v for k in profile.levels for v in profile.levels}, reverse=True):
+        alloc = allocate_split(profile, total / 2)
+        exact = layouts_bytes(model, alloc.schemes(), context, batch, dtype)
         if exact <= budget:
             return alloc, exact, rows
-    raise AssertionError("unreachable: _lowest checked the lowest level fits")
+    raise AssertionError("unreachable: _lowest checked that the lowest total fits")
 
 
 def plan(model: ModelShape, gpu_bytes: float, weight_bytes: float, reserve_bytes: float, context: int, batch: int,
