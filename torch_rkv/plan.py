@@ -15,6 +15,7 @@ import torch
 from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
 from .integrations.models import uses_sliding_window
+from .integrations.vllm_pool import VllmPool, preferred_block_size
 from .layout import CacheLayout, PageLayout, default_page_size
 from .scheme import Scheme
 
@@ -221,15 +222,16 @@ def layouts_bytes(model: ModelShape, schemes: list[Scheme], context: int, batch:
 
 
 def _lowest(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int,
-            dtype) -> tuple[list[int], int]:
+            dtype, nbytes=None) -> tuple[list[int], int]:
     """(each layer's packed rows, the cache's bytes) at the profile's lowest level; refuses a profile of
-    another model, or a budget that does not hold even that."""
+    another model, or a budget that does not hold even that. nbytes(schemes): the bytes to fit (default
+    the layers' CacheLayouts, layouts_bytes)."""
     if profile.layers != model.layers:
         raise ValueError(f"plan: the sensitivity profile has {profile.layers} layers, {model.name} has {model.layers} "
                          "layers")
-    low = layer_layouts(model, [layer_scheme(min(profile.levels), min(profile.levels), profile.levels)] * model.layers,
-                        context, batch, dtype)
-    lowest = sum(lay.nbytes() for lay in low)
+    schemes = [layer_scheme(min(profile.levels), min(profile.levels), profile.levels)] * model.layers
+    low = layer_layouts(model, schemes, context, batch, dtype)
+    lowest = sum(lay.nbytes() for lay in low) if nbytes is None else nbytes(schemes)
     if budget < lowest:
         raise ValueError(f"plan: {budget / GB:.2f} GB does not hold {batch} x {context:,} tokens even at "
                          f"{min(profile.levels)} bits in every layer ({lowest / GB:.2f} GB)")
@@ -253,18 +255,75 @@ def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float
 
 
 def split_for_budget(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int = 1,
-                     dtype=torch.float16) -> tuple[Allocation, int, list[int]]:
+                     dtype=torch.float16, nbytes=None) -> tuple[Allocation, int, list[int]]:
     """allocation_for_budget for an allocation vLLM serves (allocate_split: every layer the same key +
     value bits, so every page the same bytes): the most bits per layer whose cache fits `budget`, each
-    layer's split the one of least predicted cost."""
-    rows, _ = _lowest(model, profile, budget, context, batch, dtype)
+    layer's split the one of least predicted cost. nbytes(schemes): the bytes to fit (default the
+    layers' CacheLayouts; vllm_bytes: a vLLM engine's pages and side pool)."""
+    if nbytes is None:
+        def nbytes(schemes):
+            return layouts_bytes(model, schemes, context, batch, dtype)
+    rows, _ = _lowest(model, profile, budget, context, batch, dtype, nbytes)
     # the totals a layer can keep: a key level plus a value level (levels 2 and 4 have no 5)
     for total in sorted({k + v for k in profile.levels for v in profile.levels}, reverse=True):
         alloc = allocate_split(profile, total / 2)
-        exact = layouts_bytes(model, alloc.schemes(), context, batch, dtype)
+        exact = nbytes(alloc.schemes())
         if exact <= budget:
             return alloc, exact, rows
     raise AssertionError("unreachable: _lowest checked that the lowest total fits")
+
+
+# ------------------------------------------------------------------------------------------------
+# A vLLM engine with the plugin (integrations/vllm_pool.py): its KV pages and the plugin's side pool
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmEngine:
+    """How the engine runs: the model dtype (vLLM's own cache and the side rows), the device ("cuda" or
+    "cpu": its default block size), the block size (None: the one vLLM picks for the backend) and
+    max_num_seqs (the side pool's limit)."""
+
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cuda"
+    block_size: int | None = None
+    max_num_seqs: int = 256
+
+    def pool(self, model: ModelShape, schemes: list[Scheme] | None) -> VllmPool:
+        if model.sliding_layers:
+            raise ValueError(f"plan --vllm: {model.name} has sliding-window layers, which vLLM sizes in KV-cache "
+                             "groups of their own; only models whose layers all attend to the whole context are "
+                             "planned for vLLM")
+        block = self.block_size or preferred_block_size(schemes[0] if schemes else None, self.device)
+        return VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
+                        None if schemes is None else tuple(schemes), block)
+
+
+def vllm_bytes(model: ModelShape, engine: VllmEngine, schemes: list[Scheme] | None, context: int, batch: int) -> int:
+    """Memory `batch` requests of `context` tokens take at once in a vLLM engine: their KV blocks, whole,
+    and the plugin's side pool at its most for that many requests (VllmPool.side_bytes)."""
+    pool = engine.pool(model, schemes)
+    return pool.pages_bytes(context, batch) + pool.side_bytes(batch, engine.max_num_seqs)
+
+
+def vllm_rows(model: ModelShape, engine: VllmEngine, budget: float, context: int, batch: int,
+              schemes: list[tuple[str, Scheme | None]]) -> list[dict]:
+    """Per scheme (None: vLLM's own cache in the model dtype), what a vLLM engine holds in `budget`
+    bytes with `batch` requests running at once: the plugin's side pool for them comes first, and the
+    rest is the KV memory to give vLLM (kv_cache_memory_bytes), whose tokens and concurrency for requests
+    of `context` tokens are what vLLM logs."""
+    rows = []
+    for name, scheme in schemes:
+        if scheme is not None:
+            scheme.check_served()
+        pool = engine.pool(model, None if scheme is None else [scheme] * model.layers)
+        side = pool.side_bytes(batch, engine.max_num_seqs)
+        kv = max(0, int(budget) - side)
+        tokens, concurrency = pool.capacity(kv, context)
+        rows.append({"scheme": name, "block_size": pool.block_size, "bits_per_element": 16.0 if scheme is None else scheme.effective_bits(model.head_dim),
+                     "page_bytes": pool.page_bytes, "side_pool_bytes": side, "kv_cache_memory_bytes": kv,
+                     "kv_tokens": tokens, "max_concurrency": concurrency, "fits": concurrency >= batch})
+    return rows
 
 
 def plan(model: ModelShape, gpu_bytes: float, weight_bytes: float, reserve_bytes: float, context: int, batch: int,
@@ -306,6 +365,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", action="store_true", help="with --sensitivity: an allocation whose layers all keep the "
                    "same key + value bits (what the vLLM plugin serves, TORCH_RKV_ALLOCATION)")
     p.add_argument("--out", help="with --sensitivity: write the allocation to this file (docs/format.md)")
+    p.add_argument("--vllm", action="store_true", help="plan a vLLM engine with the plugin (docs/serving.md): per "
+                   "scheme, the KV memory to give vLLM once the side pool for --batch requests at once is set aside, "
+                   "and the tokens and concurrency vLLM reports for requests of --context tokens; with --split, "
+                   "the allocation whose pages and side pool fit")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="with --vllm: the model dtype (vLLM's own cache and the plugin's full-precision rows)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="with --vllm: where vLLM runs (its "
+                   "default block size: 16 tokens on CUDA, 128 on CPU)")
+    p.add_argument("--block-size", type=int, help="with --vllm: vLLM's block size in tokens (default: the one vLLM "
+                   "picks, the device's default or the smallest the scheme takes: a multiple of its block, 128 "
+                   "for the rkv presets)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="with --vllm: vLLM's max_num_seqs (bounds the side "
+                   "pool)")
     p.add_argument("--json", action="store_true")
 
 
@@ -317,7 +389,7 @@ def main(args) -> int:
     else:
         raise SystemExit(f"torch_rkv plan: unknown model {args.model!r}; use one of {', '.join(MODELS)} or --config")
     weight = args.weight_gb * GB if args.weight_gb is not None else model.weight_bytes(args.weight_bits)
-    schemes: list[tuple[str, Scheme | None]] = [("fp16", None)]
+    schemes: list[tuple[str, Scheme | None]] = [("auto" if args.vllm else "fp16", None)]
     for spec in args.schemes:
         schemes.append((spec, S.by_name(spec)))
     if args.budget_gb is not None:  # the KV budget itself
@@ -325,16 +397,31 @@ def main(args) -> int:
     else:
         gpu, reserve = args.gpu_gb * GB, args.reserve_gb * GB
     budget = gpu - weight - reserve
-    rows = plan(model, gpu, weight, reserve, args.context, args.batch, schemes)
+    engine = (VllmEngine(getattr(torch, args.dtype), args.device, args.block_size, args.max_num_seqs)
+              if args.vllm else None)
+    try:
+        if engine is not None:
+            rows = vllm_rows(model, engine, budget, args.context, args.batch, schemes)
+        else:
+            rows = plan(model, gpu, weight, reserve, args.context, args.batch, schemes)
+    except (ValueError, NotImplementedError) as e:
+        raise SystemExit(f"torch_rkv {e}")
     allocation = None
     if (args.split or args.out) and not args.sensitivity:
         raise SystemExit("torch_rkv plan: --split and --out choose a per-layer allocation, which needs --sensitivity")
+    if args.sensitivity and engine is not None and not args.split:
+        raise SystemExit("torch_rkv plan: vLLM serves only allocations whose layers keep the same key + value bits; "
+                         "add --split")
     if args.sensitivity:
         with open(args.sensitivity) as f:
             profile = Sensitivity.from_json(f.read())
         try:
-            solver = split_for_budget if args.split else allocation_for_budget
-            allocation = solver(model, profile, budget, args.context, args.batch)
+            if engine is not None:
+                allocation = split_for_budget(model, profile, budget, args.context, args.batch, nbytes=lambda ss:
+                                              vllm_bytes(model, engine, ss, args.context, args.batch))
+            else:
+                solver = split_for_budget if args.split else allocation_for_budget
+                allocation = solver(model, profile, budget, args.context, args.batch)
         except ValueError as e:
             raise SystemExit(f"torch_rkv {e}")
         if args.out:
@@ -347,6 +434,32 @@ def main(args) -> int:
                                  "file": args.out}
         print(json.dumps(out, indent=1))
         return 0
+    if engine is not None:
+        print_vllm(model, engine, budget, args, rows)
+    else:
+        print_contiguous(model, weight, budget, args, rows)
+    if allocation:
+        print_allocation(model, budget, args, profile, allocation, engine)
+    return 0
+
+
+def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows: list[dict]) -> None:
+    print(f"{model.name} in vLLM on {engine.device}: {model.layers} layers x {model.kv_heads} KV heads x head_dim "
+          f"{model.head_dim}, {args.dtype}, max_num_seqs {engine.max_num_seqs}; "
+          f"{budget / GB:.2f} GB for the KV pages and the plugin's side pool")
+    print(f"{args.batch} requests at once; vLLM's capacity for requests of {args.context:,} tokens (max_model_len)\n")
+    print(f"{'scheme':14s} {'bits/el':>7s} {'block':>5s} {'page KiB':>9s} {'side MiB':>9s} "
+          f"{'kv_cache_memory_bytes':>22s} {'KV tokens':>12s} {'concurrency':>11s} {'fits':>5s}")
+    for r in rows:
+        print(f"{r['scheme']:14s} {r['bits_per_element']:7.2f} {r['block_size']:5d} {r['page_bytes'] / 1024:9.1f} "
+              f"{r['side_pool_bytes'] / 2**20:9.1f} {r['kv_cache_memory_bytes']:22,d} {r['kv_tokens']:12,d} "
+              f"{r['max_concurrency']:10.2f}x {'yes' if r['fits'] else 'no':>5s}")
+    print(f"\nblock: tokens a vLLM block holds; page: one layer's block; side: the plugin's full-precision rows "
+          f"for {args.batch} requests at once, at most (outside vLLM's KV memory); fits: the concurrency holds "
+          "the requests")
+
+
+def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows: list[dict]) -> None:
     if args.budget_gb is not None:
         print(f"{model.name}: {model.layers} layers x {model.kv_heads} KV heads x head_dim {model.head_dim}; "
               f"{budget / GB:.1f} GB for the KV cache (--budget-gb)")
@@ -367,18 +480,20 @@ def main(args) -> int:
               f"{r['max_sequences_at_context']:11d} {r['paged_sequences_at_context']:6d}")
     print("\nseqs @ ctx: a contiguous cache of that batch; paged: PagedQuantizedKVCache, page rounding and each "
           "sequence's side slot (sinks and window) included")
-    if allocation:
-        alloc, nbytes, weights = allocation
-        print(f"\nper-layer allocation for {args.batch} x {args.context:,} tokens in {budget / GB:.2f} GB "
-              f"(profile {args.sensitivity}: {profile.model} on {profile.text}, levels {profile.levels}):")
-        print(f"  K/V bits by layer: {alloc.describe()}")
-        print(f"  {alloc.average_bits(weights):.2f} code bits ({alloc.effective_bits(model.head_dim, weights):.2f} "
-              f"with metadata) per element, {nbytes / GB:.2f} GB; predicted cost {alloc.predicted:.4f} nats/token "
-              "(the profile's KL, summed)")
-        if args.split:
-            print(f"  every layer keeps {alloc.layer_totals()[0]} key + value bits: one page size, what the vLLM "
-                  "plugin serves")
-        if args.out:
-            serve = f": serve it with TORCH_RKV_ALLOCATION={args.out}" if args.split else ""
-            print(f"  written to {args.out}{serve}")
-    return 0
+
+
+def print_allocation(model: ModelShape, budget: float, args, profile: Sensitivity, allocation, engine) -> None:
+    alloc, nbytes, weights = allocation
+    print(f"\nper-layer allocation for {args.batch} x {args.context:,} tokens in {budget / GB:.2f} GB "
+          f"(profile {args.sensitivity}: {profile.model} on {profile.text}, levels {profile.levels}):")
+    print(f"  K/V bits by layer: {alloc.describe()}")
+    where = "vLLM's KV pages and the side pool" if engine is not None else "the cache"
+    print(f"  {alloc.average_bits(weights):.2f} code bits ({alloc.effective_bits(model.head_dim, weights):.2f} "
+          f"with metadata) per element; {where}: {nbytes / GB:.2f} GB; predicted cost {alloc.predicted:.4f} "
+          "nats/token (the profile's KL, summed)")
+    if args.split:
+        print(f"  every layer keeps {alloc.layer_totals()[0]} key + value bits: one page size, what the vLLM "
+              "plugin serves")
+    if args.out:
+        serve = f": serve it with TORCH_RKV_ALLOCATION={args.out}" if args.split else ""
+        print(f"  written to {args.out}{serve}")

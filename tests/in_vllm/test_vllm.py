@@ -312,12 +312,25 @@ def test_per_layer_bits_give_the_same_perplexity_in_both_engines(model_dir, alic
 def test_capacity_follows_the_packed_bytes(model_dir, alice):
     """At the same KV memory (VLLM_CPU_KVCACHE_SPACE=2), the tokens vLLM reports against its bfloat16
     cache: at least 3.5x for rkv-4, 4.5x for rkv-3, 6x for rkv-2 (the rkv engines run in float32, where
-    a page takes as many bytes or more), and the maximum concurrency follows."""
+    a page takes as many bytes or more), and the maximum concurrency follows. Every count is the one
+    `plan --vllm` predicts (integrations/vllm_pool.py)."""
+    import torch
+
+    from torch_rkv.integrations.vllm_pool import VllmPool
+    from torch_rkv.scheme import by_name
+
+    def planned(dtype, scheme):
+        schemes = None if scheme is None else (by_name(scheme),) * 30  # SmolLM2: 30 layers, 3 KV heads of 64
+        return VllmPool(30, 3, 64, dtype, schemes).capacity(float(KV_GB) * 2**30, 4096)
+
     bf16 = engine("auto-bf16", None, lambda: {"model": model_dir, "engine": {"dtype": "bfloat16", "max_model_len": 4096},
                                               "tasks": []})
+    assert bf16["kv_tokens"] == planned(torch.bfloat16, None)[0]
     for scheme, factor in (("rkv-4", 3.5), ("rkv-3", 4.5), ("rkv-2", 6.0)):
         run = engine(f"{scheme}-chunked", scheme,
                      lambda s=scheme: chunked_job(model_dir, alice, with_prefix_prompts=s == "rkv-4"))
+        tokens, concurrency = planned(torch.float32, scheme)
+        assert (run["kv_tokens"], run["concurrency"]) == (tokens, round(concurrency, 2)), scheme
         ratio = run["kv_tokens"] / bf16["kv_tokens"]
         assert ratio >= factor, (scheme, run["kv_tokens"], bf16["kv_tokens"])
         assert run["concurrency_len"] == bf16["concurrency_len"]
@@ -351,7 +364,7 @@ def test_preempted_requests_are_recomputed_to_the_same_outputs(model_dir, alice)
     by the portable criterion."""
     import torch
 
-    from torch_rkv.integrations.vllm_backend import content_bytes
+    from torch_rkv.integrations.vllm_pool import content_bytes
     from torch_rkv.scheme import by_name
 
     roomy = engine("rkv-4-chunked", "rkv-4", lambda: chunked_job(model_dir, alice, with_prefix_prompts=True))

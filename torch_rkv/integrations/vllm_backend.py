@@ -20,7 +20,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..codebook import SIDES
-from ..layout import PageLayout, common_page_bytes, round_up, side_shapes
+from ..layout import PageLayout, side_shapes
 from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.paged import paged_append, paged_copy, paged_prefill_attention
 from ..ops.rope import rope
@@ -28,7 +28,8 @@ from ..reference import quantized_count, read_rows
 from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE
 from .vllm import ALLOCATION_ENV, ENV, configured_layers, configured_scheme, overridden_backend
-from .vllm_slots import SlotInit, SlotTracker, growth_beyond_headroom
+from .vllm_pool import block_multiple, content_bytes
+from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, growth_beyond_headroom, slot_limit
 
 logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed with its log
 
@@ -63,16 +64,6 @@ def layer_scheme(layer_name: str) -> Scheme:
     return layers[index]
 
 
-def content_bytes(schemes: list[Scheme], kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes per token of one page (every KV head), rounded up to the cache dtype: vLLM's page is
-    block_size x this, which holds PageLayout's page of block_size tokens for every block size that is a
-    multiple of the scheme's block (the per-block metadata is amortized over the block). schemes: every
-    layer's (they share one page size, so their pages must have equal bytes: common_page_bytes)."""
-    page = round_up(16, schemes[0].block)
-    per_token = -(-common_page_bytes(schemes, kv_heads, head_dim, page, dtype) // page)
-    return round_up(per_token, dtype.itemsize)
-
-
 class RKVAttentionBackend(AttentionBackend):
     """torch_rkv's paged quantized KV cache as a vLLM attention backend (decoder self-attention)."""
 
@@ -87,7 +78,7 @@ class RKVAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
-        return [MultipleOf(max(16, _scheme().block))]
+        return [MultipleOf(block_multiple(_scheme()))]
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -199,9 +190,6 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
                            inits=inits)
 
 
-INITIAL_SLOTS = 16  # the side pool's first size; it doubles as more requests run at once
-
-
 def codebook_rows(scheme: Scheme, layer_name: str) -> tuple:
     """(k_levels, v_levels) of vLLM's layer `layer_name`: its rows of the scheme's codebook, found by vLLM's
     layer index (the number in the layer's name: the model's own numbering, which calibrate-levels uses),
@@ -213,9 +201,8 @@ def codebook_rows(scheme: Scheme, layer_name: str) -> tuple:
 
 
 def side_slot_count(vllm_config) -> int:
-    """The side pool's limit: one slot per request vLLM may run at once, and a few for requests that
-    just left."""
-    return vllm_config.scheduler_config.max_num_seqs + 8
+    """The side pool's limit (slot_limit) for this engine's max_num_seqs."""
+    return slot_limit(vllm_config.scheduler_config.max_num_seqs)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,6 +8,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+INITIAL_SLOTS = 16  # a vLLM engine's side pool's first size; it doubles as more requests run at once
+
+
+def slot_limit(max_num_seqs: int) -> int:
+    """A vLLM engine's side pool's most slots: one per request it may run at once, and a few for requests
+    that just left."""
+    return max_num_seqs + 8
+
+
+def pool_slots(running: int, limit: int, initial: int = INITIAL_SLOTS) -> int:
+    """The most slots SlotTracker's pool grows to while at most `running` requests run at once. It grows
+    only when every slot it may take is busy: used in this step or the last (at most 2 x running) or a
+    hit's donor (one more); so it stops at the first doubling of `initial` past 2 x running + 1, or at
+    `limit`."""
+    n = min(initial, limit)
+    while n <= 2 * running + 1 and n < limit:
+        n = min(2 * n, limit)
+    return n
+
 
 @dataclass
 class SlotInit:

@@ -1,0 +1,105 @@
+"""What a vLLM engine holds in a given memory, with the plugin or with its own cache: vLLM's KV pages,
+sized from the bytes each page publishes (content_bytes), and the plugin's side pool of full-precision
+rows beside them. Plain arithmetic over torch_rkv's layouts, no vLLM: `python -m torch_rkv plan --vllm`
+and the main suite use it, the backend publishes content_bytes from here, and tests/in_vllm checks the
+token counts against the ones vLLM logs ("KV cache size: N tokens, Maximum concurrency ...").
+
+vLLM 0.32 (v1/core/kv_cache_utils.py) cuts its KV memory into blocks of `block_size` tokens of every
+layer: blocks = memory // (layers x page bytes). A request of L tokens takes ceil(L / block_size) of
+them, so the engine runs blocks / ceil(L / block_size) such requests at once ("maximum concurrency"),
+and logs int(concurrency x L) tokens as its KV cache size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import PageLayout, common_page_bytes, round_up
+from ..scheme import Scheme
+from .vllm_slots import INITIAL_SLOTS, pool_slots
+
+# vLLM's default block sizes: on CPU platforms/cpu.py's, on CUDA CacheConfig.DEFAULT_BLOCK_SIZE
+DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
+
+
+def content_bytes(schemes: list[Scheme], kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes per token of one page (every KV head), rounded up to the cache dtype: vLLM's page is
+    block_size x this, which holds PageLayout's page of block_size tokens for every block size that is a
+    multiple of the scheme's block (the per-block metadata is amortized over the block). schemes: every
+    layer's (they share one page size, so their pages must have equal bytes: common_page_bytes)."""
+    page = round_up(16, schemes[0].block)
+    per_token = -(-common_page_bytes(schemes, kv_heads, head_dim, page, dtype) // page)
+    return round_up(per_token, dtype.itemsize)
+
+
+def block_multiple(scheme: Scheme) -> int:
+    """The block sizes the plugin takes with this scheme are multiples of this: a page holds whole
+    quantization blocks, and at least vLLM's 16 tokens."""
+    return max(16, scheme.block)
+
+
+def preferred_block_size(scheme: Scheme | None, device: str) -> int:
+    """The block size vLLM runs a backend with (AttentionBackend.get_preferred_block_size): the device's
+    default when the backend takes it, else the smallest it takes. scheme None: vLLM's own backends,
+    which take the default."""
+    default = DEFAULT_BLOCK_SIZE[device]
+    if scheme is None or default % block_multiple(scheme) == 0:
+        return default
+    return block_multiple(scheme)
+
+
+@dataclass(frozen=True)
+class VllmPool:
+    """One engine's KV pool: `layers` attention layers (none sliding) of `kv_heads` x `head_dim`, the
+    model in `dtype`, blocks of `block_size` tokens. schemes: each layer's torch_rkv scheme (the plugin;
+    one page size: equal key + value bits), or None: vLLM's own cache in the model dtype ("auto")."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    schemes: tuple[Scheme, ...] | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE["cpu"]
+
+    def __post_init__(self):
+        if self.schemes is not None and len(self.schemes) != self.layers:
+            raise ValueError(f"VllmPool: {len(self.schemes)} schemes for {self.layers} layers")
+        for s in self.schemes or ():
+            if self.block_size % block_multiple(s):
+                raise ValueError(f"VllmPool: block_size {self.block_size} is not a multiple of "
+                                 f"{block_multiple(s)} tokens, which {s.name}'s pages need")
+
+    @property
+    def page_bytes(self) -> int:
+        """One layer's page: block_size tokens of every KV head."""
+        if self.schemes is None:
+            return self.block_size * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return self.block_size * content_bytes(list(self.schemes), self.kv_heads, self.head_dim, self.dtype)
+
+    def blocks(self, kv_bytes: float) -> int:
+        """Blocks (of every layer) in `kv_bytes` of KV memory."""
+        return int(kv_bytes // (self.layers * self.page_bytes))
+
+    def capacity(self, kv_bytes: float, max_model_len: int) -> tuple[int, float]:
+        """(KV cache size in tokens, maximum concurrency for requests of max_model_len tokens), as vLLM
+        logs them for `kv_bytes` of KV memory."""
+        concurrency = self.blocks(kv_bytes) / -(-max_model_len // self.block_size)
+        return int(concurrency * max_model_len), concurrency
+
+    def pages_bytes(self, context: int, requests: int) -> int:
+        """KV memory `requests` requests of `context` tokens take at once: their blocks, whole."""
+        return requests * -(-context // self.block_size) * self.layers * self.page_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """The side pool's bytes per request slot, every layer (0 for vLLM's own cache)."""
+        if self.schemes is None:
+            return 0
+        return self.layers * PageLayout(self.schemes[0], self.kv_heads, self.head_dim, self.schemes[0].block,
+                                        self.dtype).slot_bytes
+
+    def side_bytes(self, running: int, max_num_seqs: int) -> int:
+        """The side pool's bytes at most, while at most `running` requests run at once (pool_slots)."""
+        return pool_slots(running, max_num_seqs + 8, INITIAL_SLOTS) * self.slot_bytes
