@@ -10,8 +10,12 @@ per-channel 4-bit keys in blocks of 128, Hadamard per-token 4-bit values, pages 
              during the call, from torch.profiler) under 10% of the dequantized copy.
   batch16    one rkv::paged_decode_attention call for 16 sequences of ragged lengths (1K-16K) against 16
              rkv::decode_attention calls, one per sequence.
+  step       a decode step's attention for the same 16 sequences, one new token each (the append, the
+             same either way, left out): rkv::paged_prefill_attention over the cache before the token,
+             given fresh, against rkv::paged_decode_attention over the cache holding it in its window
+             (the vLLM plugin's two orders, docs/serving.md).
 
-    python bench/bench_paged.py [--json] [--shapes 9q/3kv/d64 32q/8kv/d128] [--cases decode prefill batch16]
+    python bench/bench_paged.py [--json] [--shapes 9q/3kv/d64 32q/8kv/d128] [--cases decode prefill batch16 step]
 
 Every case checks its result against the baseline before timing. Caches are cold: each method cycles
 through enough copies (like the layers of a model) to exceed the last-level cache. Each pair is timed
@@ -237,10 +241,44 @@ def batch16_case(shape_name, min_run_time, as_json, gen):
               sixteen_calls_ms=t_s, speedup=t_s / t_p, cache_bytes=nbytes), as_json)
 
 
+def step_case(shape_name, min_run_time, as_json, gen):
+    hq, hkv, d = SHAPES[shape_name]
+    s = presets.recommended(4)
+    lengths = []
+    for x in torch.linspace(1024, 16384, 16):
+        n = int(x)
+        while ref.quantized_count(n + 1, s.recent, s.block) != ref.quantized_count(n, s.recent, s.block):
+            n -= 1  # a step whose append completes no block (the one the decode kernel takes)
+        lengths.append(n)
+    held = [n + 1 for n in lengths]
+    layout, bufs = contiguous_cache(s, held, hkv, d, gen)
+    cos, sin, signs = rope_args(s, d, layout.max_tokens)
+    paged, tables = paged_copy_of(layout, bufs, held, 128, gen)
+    slots = torch.arange(16, dtype=torch.int32)
+    q = torch.randn(16, hq, d, generator=gen)
+    fresh = [torch.stack([bufs[f"{side}_window"][b, :, n % layout.window] for b, n in enumerate(lengths)])
+             for side in ("k", "v")]  # (16, hkv, d): the new token of each sequence, in storage space
+    qsl = torch.arange(17)
+    n = torch.tensor(lengths)
+    args = (s.k_bits, s.v_bits, s.block, s.recent, cos, sin, False, None, signs)
+
+    def run_prefill(t):
+        return ops.paged_prefill_attention(q, *fresh, qsl, 1, *t, tables, slots, n, *args)
+
+    def run_decode(t):
+        return ops.paged_decode_attention(q, *t, tables, slots, n + 1, *args)
+
+    assert (run_prefill(paged) - run_decode(paged)).abs().max().item() < 1e-4, "the two kernels disagree"
+    copies, nbytes = copies_for(paged)
+    t_p, t_d = paired(cycled(run_prefill, copies), cycled(run_decode, copies), min_run_time)
+    emit(dict(case="step", shape=shape_name, lengths="1024-16384", scheme=s.name, prefill_kernel_ms=t_p,
+              decode_kernel_ms=t_d, speedup=t_p / t_d, cache_bytes=nbytes), as_json)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--cases", nargs="+", default=["decode", "prefill", "batch16"])
+    ap.add_argument("--cases", nargs="+", default=["decode", "prefill", "batch16", "step"])
     ap.add_argument("--min-run-time", type=float, default=0.5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -255,6 +293,8 @@ def main() -> int:
             prefill_case(shape, 16384, 512, args.min_run_time, args.json, gen)
         if "batch16" in args.cases:
             batch16_case(shape, args.min_run_time, args.json, gen)
+        if "step" in args.cases:
+            step_case(shape, args.min_run_time, args.json, gen)
     return 0
 
 

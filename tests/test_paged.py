@@ -9,7 +9,7 @@ import pytest
 import torch
 from cachebuild import attention_fp32, float_tolerance, levels_of, random_levels
 from conftest import device_params
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from pagedbuild import Pool, fill, random_tables
@@ -84,11 +84,12 @@ def test_paged_append_matches_reference_and_writes_nothing_else(device, s, data)
         assert got.equal(want)
 
 
-def attention_inputs(s: Scheme, data, device, prefill: bool):
-    """A filled pool, its tables, the raw keys/values (post-RoPE originals) and the op's rope / signs."""
+def attention_inputs(s: Scheme, data, device, prefill: bool, one_new: bool = False):
+    """A filled pool, its tables, the raw keys/values (post-RoPE originals) and the op's rope / signs.
+    one_new: one new token a sequence (a decode step), with room for it in the tables."""
     # a long chunk (prefill): 100 tokens of a GQA group of 3 or 4 span several of the CPU kernel's work
     # items (prefill_rows(d) / group tokens each)
-    long = prefill and data.draw(st.booleans())
+    long = prefill and not one_new and data.draw(st.booleans())
     d = data.draw(st.sampled_from([64, 96] if long else [32, 64, 96]))
     page = data.draw(st.sampled_from([16, 32]))
     kv_heads, ratio = data.draw(st.integers(1, 2)), data.draw(st.sampled_from([3, 4] if long else [1, 3, 4]))
@@ -96,6 +97,8 @@ def attention_inputs(s: Scheme, data, device, prefill: bool):
     edges = [0, 1, s.sinks, s.recent + s.block - 1, s.recent + s.block, page, page + 1, 70]
     lengths = [data.draw(st.sampled_from(edges)) for _ in range(batch)]
     counts = [data.draw(st.integers(0, 9)) for _ in range(batch)] if prefill else [0] * batch
+    if one_new:
+        counts = [1] * batch
     if long:
         counts[0] = 100
     seed = data.draw(st.integers(0, 2**16))
@@ -193,6 +196,40 @@ def test_paged_prefill_matches_reference(device, s, data):
     tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
     assert (got.cpu().float() - want.float()).abs().max().item() <= tol
     assert torch.equal(got[-2:].cpu(), torch.zeros_like(got[-2:].cpu()))
+
+
+@pytest.mark.parametrize("device", device_params("paged_decode_attention"))
+@given(s=schemes(), data=st.data())
+def test_a_decode_step_reads_the_same_through_either_kernel(device, s, data):
+    """One new token a sequence (the vLLM plugin's decode step): appended first and read back from the
+    window by the decode kernel, it gives what the prefill kernel gives over the cache before it, to float
+    tolerance, when the append completes no block (it then writes only window rows: every token reads
+    the same values either way)."""
+    s = s.replace(recent=max(1, s.recent))  # (with recent 0 and block 1 every append completes a block)
+    c = attention_inputs(s, data, device, prefill=True, one_new=True)
+    lengths = c["lengths"]
+    assume(all(ref.quantized_count(n + 1, s.recent, s.block) == ref.quantized_count(n, s.recent, s.block)
+               for n in lengths))
+    b = len(lengths)
+    q = torch.randn(b, c["heads"], c["d"], generator=c["gen"]).to(c["q_dtype"])
+    fp = c["pool"].layout.dtype
+    kn, vn = rows_of(c["ks"], c["counts"], lengths).to(fp), rows_of(c["vs"], c["counts"], lengths).to(fp)
+    on = lambda x: None if x is None else x.to(device)  # noqa: E731
+    qsl, n = on(torch.arange(b + 1)), on(torch.tensor(lengths))
+    kl, vl = c["levels"]
+    common = (on(c["tables"]), on(c["slots"]))
+    attend = {"rope_cos": on(c["rope"][0]), "rope_sin": on(c["rope"][1]), "rope_interleaved": c["interleaved"],
+              "k_signs": on(c["k_signs"]), "v_signs": on(c["v_signs"]), "split_tokens": c["split"],
+              "k_levels": on(kl), "v_levels": on(vl)}
+    bits = (s.k_bits, s.v_bits, s.block, s.recent)
+    prefilled = ops.paged_prefill_attention(on(q), on(kn), on(vn), qsl, 1, *c["pool"].clone(device).tensors(),
+                                            *common, n, *bits, **attend)
+    pool = c["pool"].clone(device)
+    ops.paged_append(*pool.tensors(), None, *common, n, qsl, on(kn), on(vn), *bits, s.k_clip, s.v_clip,
+                     k_levels=on(kl), v_levels=on(vl))
+    decoded = ops.paged_decode_attention(on(q), *pool.tensors(), *common, n + 1, *bits, **attend)
+    tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
+    assert (decoded.cpu().float() - prefilled.cpu().float()).abs().max().item() <= tol
 
 
 # ------------------------------------------------------------------------------------------------

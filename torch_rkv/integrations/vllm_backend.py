@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ..codebook import SIDES
 from ..layout import PageLayout, side_shapes
 from ..ops.hadamard import hadamard, hadamard_signs
-from ..ops.paged import paged_append, paged_copy, paged_prefill_attention
+from ..ops.paged import paged_append, paged_copy, paged_decode_attention, paged_prefill_attention
 from ..ops.rope import rope
 from ..reference import quantized_count, read_rows
 from ..scheme import Scheme
@@ -124,6 +124,8 @@ class RKVMetadata:
     max_query_len: int
     query_start_loc: torch.Tensor  # (B+1,) int64
     lengths: torch.Tensor  # (B,) int64: tokens cached before this step
+    seq_lens: torch.Tensor  # (B,) int64: and after it
+    decode: bool  # one new token a request and no block completed: the decode kernel may read it (forward)
     block_tables: torch.Tensor  # (B, max_pages) int32
     side_slots: torch.Tensor  # (B,) int32
     slot_count: int  # the side pool's size this step (it grows with the requests running at once)
@@ -134,7 +136,7 @@ class RKVMetadata:
 class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        scheme = _scheme()
+        self.scheme = scheme = _scheme()  # (every layer's recent, block and sinks: an allocation's layers share them)
         if vllm_config.speculative_config is not None:
             raise NotImplementedError("torch_rkv's vLLM backend: speculative decoding is not supported (rejected "
                                       "draft tokens would have to leave quantized pages)")
@@ -183,8 +185,12 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
                         self.tracker.limit)
         positions = torch.cat([torch.arange(n, n + m) for n, m in zip(host_cached, host_counts)] or
                               [torch.zeros(0, dtype=torch.int64)]).to(qsl.device)
-        return RKVMetadata(num_actual_tokens=int(qsl[-1]), max_query_len=int(cm.max_query_len), query_start_loc=qsl,
-                           lengths=cached, block_tables=tables.contiguous(),
+        tokens = int(qsl[-1])
+        s = self.scheme
+        decode = tokens == b and all(m == 1 and quantized_count(n + 1, s.recent, s.block) ==
+                                     quantized_count(n, s.recent, s.block) for n, m in zip(host_cached, host_counts))
+        return RKVMetadata(num_actual_tokens=tokens, max_query_len=int(cm.max_query_len), query_start_loc=qsl,
+                           lengths=cached, seq_lens=seq_lens, decode=decode, block_tables=tables.contiguous(),
                            side_slots=torch.tensor(slots, dtype=torch.int32, device=qsl.device),
                            slot_count=len(self.tracker.slots), positions=positions,
                            inits=inits)
@@ -314,13 +320,23 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         if v_signs is not None:
             v = hadamard(v, v_signs)
         k, v = k.to(query.dtype).contiguous(), v.to(query.dtype).contiguous()
-        out = paged_prefill_attention(query[:t], k, v, md.query_start_loc, md.max_query_len, *cache, md.block_tables,
-                                      md.side_slots, md.lengths, s.k_bits, s.v_bits, s.block, s.recent, cos, sin,
-                                      self.rope_interleaved, k_signs, v_signs, self.scale, 0, self.sliding_window,
-                                      self.softcap, k_levels=levels[0], v_levels=levels[1])
+        kw = {"k_levels": levels[0], "v_levels": levels[1]}
+        common = (md.block_tables, md.side_slots)
+        attend = (s.k_bits, s.v_bits, s.block, s.recent, cos, sin, self.rope_interleaved, k_signs, v_signs, self.scale,
+                  0, self.sliding_window, self.softcap)
+
+        def append():
+            paged_append(*cache, None, *common, md.lengths, md.query_start_loc, k, v, s.k_bits, s.v_bits, s.block,
+                         s.recent, s.k_clip, s.v_clip, **kw)
+
+        if md.decode:  # one new token a request, and the append only writes window rows: appended first, it is
+            append()  # read from the window by the decode kernel (faster for one query), every token as below
+            out = paged_decode_attention(query[:t], *cache, *common, md.seq_lens, *attend, **kw)
+        else:  # the new tokens see the cache as stored and themselves in full precision, then are appended
+            out = paged_prefill_attention(query[:t], k, v, md.query_start_loc, md.max_query_len, *cache, *common,
+                                          md.lengths, *attend, **kw)
+            append()
         output[:t].copy_(out.view_as(output[:t]))
-        paged_append(*cache, None, md.block_tables, md.side_slots, md.lengths, md.query_start_loc, k, v, s.k_bits,
-                     s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, k_levels=levels[0], v_levels=levels[1])
         return output
 
     def _init_slot(self, cache: list, init: SlotInit, page_size: int, levels: tuple) -> None:
