@@ -320,7 +320,8 @@ def vllm_rows(model: ModelShape, engine: VllmEngine, budget: float, context: int
         side = pool.side_bytes(batch, engine.max_num_seqs)
         kv = max(0, int(budget) - side)
         tokens, concurrency = pool.capacity(kv, context)
-        rows.append({"scheme": name, "block_size": pool.block_size, "bits_per_element": 16.0 if scheme is None else scheme.effective_bits(model.head_dim),
+        bits = 16.0 if scheme is None else scheme.effective_bits(model.head_dim)
+        rows.append({"scheme": name, "bits_per_element": bits, "block_size": pool.block_size,
                      "page_bytes": pool.page_bytes, "side_pool_bytes": side, "kv_cache_memory_bytes": kv,
                      "kv_tokens": tokens, "max_concurrency": concurrency, "fits": concurrency >= batch})
     return rows

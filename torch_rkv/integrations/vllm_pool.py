@@ -18,7 +18,7 @@ import torch
 
 from ..layout import PageLayout, common_page_bytes, round_up
 from ..scheme import Scheme
-from .vllm_slots import INITIAL_SLOTS, pool_slots
+from .vllm_slots import INITIAL_SLOTS, pool_slots, slot_limit
 
 # vLLM's default block sizes: on CPU platforms/cpu.py's, on CUDA CacheConfig.DEFAULT_BLOCK_SIZE
 DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
@@ -102,4 +102,4 @@ class VllmPool:
 
     def side_bytes(self, running: int, max_num_seqs: int) -> int:
         """The side pool's bytes at most, while at most `running` requests run at once (pool_slots)."""
-        return pool_slots(running, max_num_seqs + 8, INITIAL_SLOTS) * self.slot_bytes
+        return pool_slots(running, slot_limit(max_num_seqs), INITIAL_SLOTS) * self.slot_bytes
