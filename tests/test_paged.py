@@ -203,24 +203,24 @@ def test_paged_prefill_matches_reference(device, s, data):
 def test_a_decode_step_reads_the_same_through_either_kernel(device, s, data):
     """One new token a sequence (the vLLM plugin's decode step): appended first and read back from the
     window by the decode kernel, it gives what the prefill kernel gives over the cache before it, to float
-    tolerance, when the append completes no block (it then writes only window rows: every token reads
-    the same values either way)."""
-    s = s.replace(recent=max(1, s.recent))  # (with recent 0 and block 1 every append completes a block)
+    tolerance, when no block leaves the recent window (append_keeps_reads: every older token is read
+    where it was), sliding window and soft cap included."""
+    s = s.replace(recent=max(1, s.recent))  # (with recent 0 and block 1 every token leaves the window at once)
     c = attention_inputs(s, data, device, prefill=True, one_new=True)
     lengths = c["lengths"]
-    assume(all(ref.quantized_count(n + 1, s.recent, s.block) == ref.quantized_count(n, s.recent, s.block)
-               for n in lengths))
+    assume(all(ref.append_keeps_reads(n, s.recent, s.block) for n in lengths))
+    window, cap = window_and_cap(data)
     b = len(lengths)
     q = torch.randn(b, c["heads"], c["d"], generator=c["gen"]).to(c["q_dtype"])
     fp = c["pool"].layout.dtype
     kn, vn = rows_of(c["ks"], c["counts"], lengths).to(fp), rows_of(c["vs"], c["counts"], lengths).to(fp)
-    on = lambda x: None if x is None else x.to(device)  # noqa: E731
+    on = lambda x: None if x is None else x.to(device)
     qsl, n = on(torch.arange(b + 1)), on(torch.tensor(lengths))
     kl, vl = c["levels"]
     common = (on(c["tables"]), on(c["slots"]))
     attend = {"rope_cos": on(c["rope"][0]), "rope_sin": on(c["rope"][1]), "rope_interleaved": c["interleaved"],
               "k_signs": on(c["k_signs"]), "v_signs": on(c["v_signs"]), "split_tokens": c["split"],
-              "k_levels": on(kl), "v_levels": on(vl)}
+              "k_levels": on(kl), "v_levels": on(vl), "sliding_window": window, "softcap": cap}
     bits = (s.k_bits, s.v_bits, s.block, s.recent)
     prefilled = ops.paged_prefill_attention(on(q), on(kn), on(vn), qsl, 1, *c["pool"].clone(device).tensors(),
                                             *common, n, *bits, **attend)

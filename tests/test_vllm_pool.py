@@ -106,12 +106,17 @@ def test_the_side_pool_holds_every_layers_slots():
 
 
 def test_the_block_size_is_the_one_vllm_picks():
-    """The device's default (16 tokens on CUDA, 128 on CPU) when the scheme's pages take it, else the
-    smallest multiple of the scheme's block they take."""
+    """On CUDA the default (16 tokens) when the scheme's pages take it, else the smallest multiple of the
+    scheme's block they take; on CPU always 128, and a scheme whose pages cannot hold 128 is refused."""
     assert preferred_block_size(None, "cuda") == 16 and preferred_block_size(None, "cpu") == 128
     assert preferred_block_size(S.by_name("rkv-4"), "cuda") == 128 == preferred_block_size(S.by_name("rkv-4"), "cpu")
     assert preferred_block_size(S.by_name("kivi-2"), "cuda") == 32 and preferred_block_size(S.by_name("per-token-8"),
                                                                                             "cuda") == 16
+    assert preferred_block_size(S.by_name("kivi-2"), "cpu") == 128
+    wide = S.by_name("rkv-4").replace(k_block_tokens=256)
+    assert preferred_block_size(wide, "cuda") == 256 and preferred_block_size(wide, "cpu") == 128
+    with pytest.raises(ValueError, match="multiple of 256"):
+        plan.VllmEngine(device="cpu").pool(SMOLLM2, [wide] * SMOLLM2.layers)
 
 
 def run_plan(capsys, *args):
@@ -131,6 +136,9 @@ def test_plan_vllm_sets_the_side_pool_aside_and_reports_vllms_capacity(capsys):
     assert rkv4["kv_cache_memory_bytes"] == 2e9 - rkv4["side_pool_bytes"]
     assert (rkv4["kv_tokens"], rkv4["max_concurrency"]) == pool.capacity(rkv4["kv_cache_memory_bytes"], 4096)
     assert rkv4["fits"] and rkv4["max_concurrency"] > 3.5 * auto["max_concurrency"]
+    rows = json.loads(run_plan(capsys, "--budget-gb", "2", "--context", "4096", "--batch", "8", "--max-num-seqs", "4",
+                               "--schemes", "rkv-4", "--json"))["rows"]
+    assert rows[1]["max_concurrency"] >= 8 and not rows[1]["fits"]  # vLLM runs at most 4 at once
     out = run_plan(capsys, "--budget-gb", "2", "--context", "4096", "--schemes", "rkv-3")
     assert "kv_cache_memory_bytes" in out and "rkv-3" in out
 
@@ -151,14 +159,21 @@ def test_plan_vllm_split_is_the_most_bits_whose_pages_and_side_pool_fit(tmp_path
     def nbytes(total):
         return plan.vllm_bytes(SMOLLM2, engine, A.allocate_split(profile, total / 2).schemes(), 32768, 8)
 
+    def split(budget):
+        return plan.split_for_budget(SMOLLM2, profile, budget, 32768, 8, nbytes=lambda ss:
+                                     plan.vllm_bytes(SMOLLM2, engine, ss, 32768, 8))
+
     for total in (5, 6, 7):
         for budget in (nbytes(total), nbytes(total + 1) - 1):
-            out = json.loads(run_plan(capsys, "--budget-gb", str(budget / 1e9), "--context", "32768", "--batch", "8",
-                                      "--sensitivity", str(path), "--split", "--json"))["allocation"]
-            assert {k + v for k, v in out["bits"]} == {total} and out["kv_bytes"] == nbytes(total) <= budget
+            alloc, got, _ = split(budget)
+            assert set(alloc.layer_totals()) == {total} and got == nbytes(total) <= budget
     # the pages alone would fit one more bit a layer: the side pool is counted
     pages_only = plan.VllmPool(30, 3, 64, torch.bfloat16, tuple(A.allocate_split(profile, 3.5).schemes()))
     assert pages_only.pages_bytes(32768, 8) <= nbytes(6) < nbytes(7)
+    budget = (nbytes(6) + nbytes(7)) // 2  # the CLI: the same choice
+    out = json.loads(run_plan(capsys, "--budget-gb", str(budget / 1e9), "--context", "32768", "--batch", "8",
+                              "--sensitivity", str(path), "--split", "--json"))["allocation"]
+    assert {k + v for k, v in out["bits"]} == {6} and out["kv_bytes"] == nbytes(6)
     with pytest.raises(SystemExit, match="add --split"):
         run_plan(capsys, "--budget-gb", "2", "--sensitivity", str(path))
 

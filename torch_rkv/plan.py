@@ -323,7 +323,8 @@ def vllm_rows(model: ModelShape, engine: VllmEngine, budget: float, context: int
         bits = 16.0 if scheme is None else scheme.effective_bits(model.head_dim)
         rows.append({"scheme": name, "bits_per_element": bits, "block_size": pool.block_size,
                      "page_bytes": pool.page_bytes, "side_pool_bytes": side, "kv_cache_memory_bytes": kv,
-                     "kv_tokens": tokens, "max_concurrency": concurrency, "fits": concurrency >= batch})
+                     "kv_tokens": tokens, "max_concurrency": concurrency,
+                     "fits": concurrency >= batch and batch <= engine.max_num_seqs})
     return rows
 
 
@@ -377,8 +378,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="with --vllm: vLLM's block size in tokens (default: the one vLLM "
                    "picks, the device's default or the smallest the scheme takes: a multiple of its block, 128 "
                    "for the rkv presets)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="with --vllm: vLLM's max_num_seqs (bounds the side "
-                   "pool)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="with --vllm: the engine's max_num_seqs (it bounds the "
+                   "side pool and the requests run at once; vLLM 0.32's default depends on the device and entry "
+                   "point, 1024 on GPUs of 70 GiB or more: pass the engine's)")
     p.add_argument("--json", action="store_true")
 
 
@@ -456,8 +458,8 @@ def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows:
               f"{r['side_pool_bytes'] / 2**20:9.1f} {r['kv_cache_memory_bytes']:22,d} {r['kv_tokens']:12,d} "
               f"{r['max_concurrency']:10.2f}x {'yes' if r['fits'] else 'no':>5s}")
     print(f"\nblock: tokens a vLLM block holds; page: one layer's block; side: the plugin's full-precision rows "
-          f"for {args.batch} requests at once, at most (outside vLLM's KV memory); fits: the concurrency holds "
-          "the requests")
+          f"for {args.batch} requests at once, at most (outside vLLM's KV memory); fits: the concurrency and "
+          "max_num_seqs hold the requests")
 
 
 def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows: list[dict]) -> None:

@@ -353,6 +353,14 @@ def quantized_count(n: int, recent: int, block: int) -> int:
     return block * (max(0, n - recent) // block)
 
 
+def append_keeps_reads(n: int, recent: int, block: int) -> bool:
+    """Whether appending token n to n cached tokens leaves every one of them read where it was: no block
+    leaves the recent window (Q(n + 1) == Q(n)). Then attention over the n + 1 tokens after the append
+    reads the same values as attention over the n before it with token n given fresh (the vLLM plugin's
+    decode steps, docs/serving.md)."""
+    return quantized_count(n + 1, recent, block) == quantized_count(n, recent, block)
+
+
 def ring_rows(sliding_window: int, block: int) -> int:
     """Quantized rows per sequence and head of a sliding-window layer's ring (include/rkv/attention.h's
     ring_rows): an append writes a block's rows as soon as the block is complete (its tokens are still

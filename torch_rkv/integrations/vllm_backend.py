@@ -24,11 +24,11 @@ from ..layout import PageLayout, side_shapes
 from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.paged import paged_append, paged_copy, paged_decode_attention, paged_prefill_attention
 from ..ops.rope import rope
-from ..reference import quantized_count, read_rows
+from ..reference import append_keeps_reads, quantized_count, read_rows
 from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE
 from .vllm import ALLOCATION_ENV, ENV, configured_layers, configured_scheme, overridden_backend
-from .vllm_pool import block_multiple, content_bytes
+from .vllm_pool import block_multiple, content_bytes, slot_bytes
 from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, growth_beyond_headroom, slot_limit
 
 logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed with its log
@@ -125,7 +125,7 @@ class RKVMetadata:
     query_start_loc: torch.Tensor  # (B+1,) int64
     lengths: torch.Tensor  # (B,) int64: tokens cached before this step
     seq_lens: torch.Tensor  # (B,) int64: and after it
-    decode: bool  # one new token a request and no block completed: the decode kernel may read it (forward)
+    decode: bool  # one new token a request, no block leaving the recent window: the decode kernel may read it
     block_tables: torch.Tensor  # (B, max_pages) int32
     side_slots: torch.Tensor  # (B,) int32
     slot_count: int  # the side pool's size this step (it grows with the requests running at once)
@@ -152,8 +152,8 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
             raise ValueError(f"torch_rkv: vLLM's block_size ({self.page_size}) must be a multiple of scheme "
                              f"{scheme.name}'s block of {scheme.block} tokens (--block-size)")
         self.tracker = SlotTracker(side_slot_count(vllm_config), self.page_size, scheme.sinks, INITIAL_SLOTS)
-        self.slot_bytes = len(layer_names) * PageLayout(
-            scheme, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size, scheme.block, kv_cache_spec.dtype).slot_bytes
+        self.slot_bytes = slot_bytes(scheme, len(layer_names), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
+                                     kv_cache_spec.dtype)
         self.logged_slots = 0
         logger.info("torch_rkv: side pool of at most %d slots (max_num_seqs + 8), %.1f MiB, outside vLLM's KV pages",
                     self.tracker.limit, self.tracker.limit * self.slot_bytes / 2**20)
@@ -187,8 +187,8 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
                               [torch.zeros(0, dtype=torch.int64)]).to(qsl.device)
         tokens = int(qsl[-1])
         s = self.scheme
-        decode = tokens == b and all(m == 1 and quantized_count(n + 1, s.recent, s.block) ==
-                                     quantized_count(n, s.recent, s.block) for n, m in zip(host_cached, host_counts))
+        decode = tokens == b and all(m == 1 and append_keeps_reads(n, s.recent, s.block)
+                                     for n, m in zip(host_cached, host_counts))
         return RKVMetadata(num_actual_tokens=tokens, max_query_len=int(cm.max_query_len), query_start_loc=qsl,
                            lengths=cached, seq_lens=seq_lens, decode=decode, block_tables=tables.contiguous(),
                            side_slots=torch.tensor(slots, dtype=torch.int32, device=qsl.device),
@@ -329,8 +329,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             paged_append(*cache, None, *common, md.lengths, md.query_start_loc, k, v, s.k_bits, s.v_bits, s.block,
                          s.recent, s.k_clip, s.v_clip, **kw)
 
-        if md.decode:  # one new token a request, and the append only writes window rows: appended first, it is
-            append()  # read from the window by the decode kernel (faster for one query), every token as below
+        if md.decode:  # one new token a request and every older token read where it was (append_keeps_reads):
+            append()  # appended first, it is read from the window by the decode kernel (faster for one query)
             out = paged_decode_attention(query[:t], *cache, *common, md.seq_lens, *attend, **kw)
         else:  # the new tokens see the cache as stored and themselves in full precision, then are appended
             out = paged_prefill_attention(query[:t], k, v, md.query_start_loc, md.max_query_len, *cache, *common,

@@ -41,13 +41,19 @@ def block_multiple(scheme: Scheme) -> int:
 
 
 def preferred_block_size(scheme: Scheme | None, device: str) -> int:
-    """The block size vLLM runs a backend with (AttentionBackend.get_preferred_block_size): the device's
-    default when the backend takes it, else the smallest it takes. scheme None: vLLM's own backends,
-    which take the default."""
+    """The block size vLLM runs a backend with. On CUDA, AttentionBackend.get_preferred_block_size: the
+    default when the backend takes it, else the smallest it takes. On CPU vLLM sets 128 whatever the
+    backend (a scheme whose pages cannot hold it is refused: VllmPool). scheme None: vLLM's own
+    backends, which take the default."""
     default = DEFAULT_BLOCK_SIZE[device]
-    if scheme is None or default % block_multiple(scheme) == 0:
+    if device == "cpu" or scheme is None or default % block_multiple(scheme) == 0:
         return default
     return block_multiple(scheme)
+
+
+def slot_bytes(scheme: Scheme, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """One request's side slot over `layers` layers: its sinks and window ring, keys and values."""
+    return layers * PageLayout(scheme, kv_heads, head_dim, scheme.block, dtype).slot_bytes
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,7 @@ class VllmPool:
         """The side pool's bytes per request slot, every layer (0 for vLLM's own cache)."""
         if self.schemes is None:
             return 0
-        return self.layers * PageLayout(self.schemes[0], self.kv_heads, self.head_dim, self.schemes[0].block,
-                                        self.dtype).slot_bytes
+        return slot_bytes(self.schemes[0], self.layers, self.kv_heads, self.head_dim, self.dtype)
 
     def side_bytes(self, running: int, max_num_seqs: int) -> int:
         """The side pool's bytes at most, while at most `running` requests run at once (pool_slots)."""
