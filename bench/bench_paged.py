@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -122,17 +123,26 @@ def rope_args(scheme, d, n):
     return cos, sin, signs
 
 
-def decode_case(shape_name, batch, lengths, min_run_time, as_json, gen):
+def ragged(shape_name, lengths, gen) -> SimpleNamespace:
+    """rkv-4 sequences of `lengths` tokens: the contiguous buffers (bufs), their paged copy (paged,
+    tables, slots), one query a sequence (q) and the scheme / rope / sign arguments every op takes
+    after the lengths (args)."""
     hq, hkv, d = SHAPES[shape_name]
     s = presets.recommended(4)
     layout, bufs = contiguous_cache(s, lengths, hkv, d, gen)
     cos, sin, signs = rope_args(s, d, layout.max_tokens)
-    q = torch.randn(batch, hq, d, generator=gen)
-    n = torch.tensor(lengths)
-    contiguous = [bufs[k] for k in NAMES]
     paged, tables = paged_copy_of(layout, bufs, lengths, 128, gen)
-    slots = torch.arange(batch, dtype=torch.int32)
-    args = (s.k_bits, s.v_bits, s.block, s.recent, cos, sin, False, None, signs)
+    return SimpleNamespace(s=s, hkv=hkv, d=d, layout=layout, bufs=bufs, paged=paged, tables=tables,
+                           slots=torch.arange(len(lengths), dtype=torch.int32),
+                           q=torch.randn(len(lengths), hq, d, generator=gen),
+                           args=(s.k_bits, s.v_bits, s.block, s.recent, cos, sin, False, None, signs))
+
+
+def decode_case(shape_name, batch, lengths, min_run_time, as_json, gen):
+    c = ragged(shape_name, lengths, gen)
+    s, q, paged, tables, slots, args = c.s, c.q, c.paged, c.tables, c.slots, c.args
+    n = torch.tensor(lengths)
+    contiguous = [c.bufs[k] for k in NAMES]
 
     def run_contiguous(t):
         return torch_rkv.decode_attention(q, *t, n, *args)
@@ -205,20 +215,14 @@ def prefill_case(shape_name, prefix, chunk, min_run_time, as_json, gen):
 
 
 def batch16_case(shape_name, min_run_time, as_json, gen):
-    hq, hkv, d = SHAPES[shape_name]
-    s = presets.recommended(4)
     lengths = [int(x) for x in torch.linspace(1024, 16384, 16)]
-    layout, bufs = contiguous_cache(s, lengths, hkv, d, gen)
-    cos, sin, signs = rope_args(s, d, layout.max_tokens)
-    paged, tables = paged_copy_of(layout, bufs, lengths, 128, gen)
-    slots = torch.arange(16, dtype=torch.int32)
-    q = torch.randn(16, hq, d, generator=gen)
-    args = (s.k_bits, s.v_bits, s.block, s.recent, cos, sin, False, None, signs)
+    c = ragged(shape_name, lengths, gen)
+    s, q, bufs, paged, tables, slots, args = c.s, c.q, c.bufs, c.paged, c.tables, c.slots, c.args
     n = torch.tensor(lengths)
     # 16 contiguous caches of one sequence each, sized to their own length
     singles = []
     for b, length in enumerate(lengths):
-        lay, one = contiguous_cache(s, [length], hkv, d, torch.Generator().manual_seed(b))
+        lay, one = contiguous_cache(s, [length], c.hkv, c.d, torch.Generator().manual_seed(b))
         for name in NAMES:
             if bufs[name] is not None:
                 rows = one[name].shape[2]
@@ -242,7 +246,6 @@ def batch16_case(shape_name, min_run_time, as_json, gen):
 
 
 def step_case(shape_name, min_run_time, as_json, gen):
-    hq, hkv, d = SHAPES[shape_name]
     s = presets.recommended(4)
     lengths = []
     for x in torch.linspace(1024, 16384, 16):
@@ -250,17 +253,12 @@ def step_case(shape_name, min_run_time, as_json, gen):
         while not ref.append_keeps_reads(n, s.recent, s.block):
             n -= 1  # a step the plugin gives the decode kernel
         lengths.append(n)
-    held = [n + 1 for n in lengths]
-    layout, bufs = contiguous_cache(s, held, hkv, d, gen)
-    cos, sin, signs = rope_args(s, d, layout.max_tokens)
-    paged, tables = paged_copy_of(layout, bufs, held, 128, gen)
-    slots = torch.arange(16, dtype=torch.int32)
-    q = torch.randn(16, hq, d, generator=gen)
-    fresh = [torch.stack([bufs[f"{side}_window"][b, :, n % layout.window] for b, n in enumerate(lengths)])
+    c = ragged(shape_name, [n + 1 for n in lengths], gen)  # the caches holding the new token
+    q, paged, tables, slots, args = c.q, c.paged, c.tables, c.slots, c.args
+    fresh = [torch.stack([c.bufs[f"{side}_window"][b, :, n % c.layout.window] for b, n in enumerate(lengths)])
              for side in ("k", "v")]  # (16, hkv, d): the new token of each sequence, in storage space
     qsl = torch.arange(17)
     n = torch.tensor(lengths)
-    args = (s.k_bits, s.v_bits, s.block, s.recent, cos, sin, False, None, signs)
 
     def run_prefill(t):
         return ops.paged_prefill_attention(q, *fresh, qsl, 1, *t, tables, slots, n, *args)

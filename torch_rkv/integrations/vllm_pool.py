@@ -13,6 +13,7 @@ and logs int(concurrency x L) tokens as its KV cache size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -77,7 +78,7 @@ class VllmPool:
                 raise ValueError(f"VllmPool: block_size {self.block_size} is not a multiple of "
                                  f"{block_multiple(s)} tokens, which {s.name}'s pages need")
 
-    @property
+    @cached_property  # (a frozen dataclass: computed once; content_bytes walks every layer's layout)
     def page_bytes(self) -> int:
         """One layer's page: block_size tokens of every KV head."""
         if self.schemes is None:
