@@ -18,6 +18,11 @@ def buffers_args(bufs: dict) -> list:
     return [bufs.get(name) for name in BUFFERS]
 
 
+def outliers_args(bufs: dict) -> dict:
+    """The sparse-outlier buffers of a layout's buffers (None each without outliers), as op keywords."""
+    return {name: bufs.get(name) for name in ("k_outliers", "v_outliers")}
+
+
 def stored_keys(scheme: Scheme, keys_post: torch.Tensor, cos, sin, signs, interleaved=False):
     """What the cache stores for post-RoPE keys (B, H, n, D): pre-RoPE, or rotated, or as is."""
     n = keys_post.shape[-2]
@@ -65,7 +70,7 @@ def fill(layout: CacheLayout, keys: torch.Tensor, values: torch.Tensor, lengths:
             j = min(n, i + step)
             ref.cache_append(*buffers_args(view), torch.tensor([i]), keys[b : b + 1, :, i:j].to(layout.dtype),
                              values[b : b + 1, :, i:j].to(layout.dtype), s.k_bits, s.v_bits, s.block, s.recent,
-                             sliding_window=w, k_levels=levels[0], v_levels=levels[1])
+                             sliding_window=w, k_levels=levels[0], v_levels=levels[1], **outliers_args(view))
     return bufs
 
 

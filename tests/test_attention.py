@@ -6,7 +6,8 @@ import re
 
 import pytest
 import torch
-from cachebuild import attention_fp32, buffers_args, build, case_levels, float_tolerance, quantization_bound
+from cachebuild import (attention_fp32, buffers_args, build, case_levels, float_tolerance, outliers_args,
+                        quantization_bound)
 from conftest import device_params
 from hypothesis import given
 from hypothesis import strategies as st
@@ -35,6 +36,7 @@ def attention_cases(draw):
         pre_rope=key_space == "pre", k_hadamard=key_space == "hadamard", v_hadamard=draw(st.booleans()),
         sinks=draw(st.sampled_from([0, 1, 4])), recent=draw(st.sampled_from([0, 8])),
         meta_dtype=draw(st.sampled_from([torch.float16, torch.float32, torch.bfloat16])),
+        outliers=draw(st.sampled_from([0.0, 0.0, 0.02])),  # sparse outliers in both sides' blocks
     )
     batch = draw(st.integers(1, 3))
     cap = draw(st.sampled_from([40, 100]))
@@ -61,7 +63,7 @@ def run_kernel(case, device, bufs, q, rope, k_signs, v_signs, split=None):
         q, *buffers_args(bufs), lengths, s.k_bits, s.v_bits, s.block, s.recent, rope[0], rope[1],
         case["interleaved"], k_signs, v_signs, split_tokens=case["split"] if split is None else split,
         sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0),
-        k_levels=case_levels(case, device)[0], v_levels=case_levels(case, device)[1])
+        k_levels=case_levels(case, device)[0], v_levels=case_levels(case, device)[1], **outliers_args(bufs))
 
 
 def run_reference(case, bufs, q, rope, k_signs, v_signs):
@@ -71,7 +73,7 @@ def run_reference(case, bufs, q, rope, k_signs, v_signs):
         q.cpu(), *[cpu(t) for t in buffers_args(bufs)], torch.tensor(case["lengths"]), s.k_bits, s.v_bits, s.block,
         s.recent, cpu(rope[0]), cpu(rope[1]), case["interleaved"], cpu(k_signs), cpu(v_signs),
         sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0), k_levels=case_levels(case)[0],
-        v_levels=case_levels(case)[1])
+        v_levels=case_levels(case)[1], **{k: cpu(t) for k, t in outliers_args(bufs).items()})
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -89,13 +91,14 @@ def test_matches_reference_over_the_dequantized_cache(device, case):
 
 
 @pytest.mark.parametrize("d", [64, 96, 128])
-@pytest.mark.parametrize("bits, levels", [((3, 4), False), ((3, 4), True), ((4, 2), True)])
-def test_every_cpu_level_matches_the_reference(d, bits, levels):
+@pytest.mark.parametrize("bits, levels, outliers", [((3, 4), False, 0.0), ((3, 4), True, 0.0), ((4, 2), True, 0.0),
+                                                    ((2, 2), False, 0.02)])
+def test_every_cpu_level_matches_the_reference(d, bits, levels, outliers):
     """The portable and the AVX2 kernels (every level this CPU runs, switched in one process) each equal
     the reference to float tolerance, for an unrolled and a generic head dim, with uniform codes and with
     codebooks (AVX2 looks codes up in registers: one permute up to 8 levels, two and a blend for 16)."""
     s = Scheme(k_bits=bits[0], v_bits=bits[1], k_group_size=1, k_block_tokens=16, v_group_size=32, pre_rope=True,
-               v_hadamard=True, sinks=2, recent=8, meta_dtype=torch.bfloat16)
+               v_hadamard=True, sinks=2, recent=8, meta_dtype=torch.bfloat16, outliers=outliers)
     case = dict(d=d, kv_heads=2, q_heads=6, scheme=s, capacity=100, lengths=[100, 37], rot=d, interleaved=False,
                 q_dtype=torch.float32, fp_dtype=torch.bfloat16, split=32, seed=3, levels=levels)
     _, bufs, q, keys, values, rope, ks, vs = build(case)

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from cachebuild import BUFFERS, attention_fp32, buffers_args, quantization_bound
+from cachebuild import BUFFERS, attention_fp32, buffers_args, outliers_args, quantization_bound
 from conftest import device_params
 from hypothesis import given
 from hypothesis import strategies as st
@@ -32,6 +32,7 @@ def append_cases(draw):
         k_symmetric=draw(st.booleans()), v_symmetric=draw(st.booleans()),
         sinks=draw(st.sampled_from([0, 2])), recent=draw(st.sampled_from([0, 3, 8])),
         meta_dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])),
+        outliers=draw(st.sampled_from([0.0, 0.0, 0.05])),  # sparse outliers: each block's entries too
     )
     scheme = scheme.replace(k_clip=not scheme.k_symmetric and draw(st.booleans()),
                             v_clip=not scheme.v_symmetric and draw(st.booleans()))
@@ -67,9 +68,10 @@ def test_append_matches_reference_and_writes_nothing_else(device, case):
     for m in chunks:
         k, v = random_tokens(case, m, gen), random_tokens(case, m, gen)
         ref.cache_append(*buffers_args(want), lengths, k, v, s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip,
-                         w)
+                         w, **outliers_args(want))
         torch_rkv.ops.cache.cache_append(*buffers_args(got), lengths.to(device), k.to(device), v.to(device),
-                                         s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, w)
+                                         s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, w,
+                                         **outliers_args(got))
         lengths = lengths + m
     for name in want:
         assert torch.equal(got[name].cpu(), want[name]), name

@@ -90,7 +90,54 @@ def cache_samples(device):
     out.append((torch.ops.rkv.cache_append.default,
                 (*buffers_args(bufs), lengths, k[:, :, :9], k[:, :, :9].clone(), 4, 4, s.block, s.recent, False, False,
                  12)))
-    return out + paged_samples(device)
+    return out + outlier_samples(device) + paged_samples(device)
+
+
+def outlier_samples(device):
+    """Every cache op with sparse-outlier buffers: contiguous appends and decode, and the paged ops over a
+    PagedQuantizedKVCache's layer (region views, outliers included) after a prefill."""
+    from torch_rkv.cache import layer_outliers
+    from torch_rkv.paged import PagedQuantizedKVCache
+
+    out = []
+    s = presets.recommended(2).replace(sinks=2, recent=4, k_block_tokens=8, outliers=0.02)
+    cos, sin = (t.to(device) for t in torch_rkv.rope_tables(64, 256))
+    case = dict(d=64, kv_heads=2, q_heads=6, scheme=s, capacity=40, lengths=[40, 9], rot=64, interleaved=False,
+                q_dtype=torch.float16, fp_dtype=torch.float16, split=16, seed=1)
+    _, bufs, q, _, _, rope, _, vs = build(case, device)
+    outl = (bufs["k_outliers"], bufs["v_outliers"])
+    lengths = torch.tensor(case["lengths"], device=device)
+    out.append((torch.ops.rkv.decode_attention.default,
+                (q, *buffers_args(bufs), lengths, 2, 2, s.block, s.recent, *rope, False, None, vs, 0.125, 16, 0, 0.0,
+                 None, None, *outl)))
+    k = torch.randn(2, 2, 9, 64, device=device).half()
+    out.append((torch.ops.rkv.cache_append.default,
+                (*buffers_args(bufs), torch.tensor([3, 20], device=device), k, k.clone(), 2, 2, s.block, s.recent,
+                 True, True, 0, None, None, *outl)))
+    cache = PagedQuantizedKVCache(s, 1, 2, 64, 8, 2, dtype=torch.float16, device=device, rope=(cos, sin))
+    seqs = [cache.add(), cache.add()]
+    batch = cache.schedule(seqs, [20, 9])
+    kr = torch.randn(29, 2, 64, device=device).half()
+    cache.append(0, batch, kr, kr.clone())
+    cache.commit(batch)
+    t = cache.layer_tensors(0)
+    po = layer_outliers(cache, 0)
+    batch = cache.schedule(seqs, [1, 1])
+    common = (batch.block_tables, batch.side_slots)
+    out.append((torch.ops.rkv.paged_append.default,
+                (*t, None, *common, batch.lengths, batch.query_start_loc, kr[:2], kr[:2].clone(), 2, 2, s.block,
+                 s.recent, True, True, None, None, None, *po)))
+    out.append((torch.ops.rkv.paged_decode_attention.default,
+                (q[:2], *t, *common, batch.lengths, 2, 2, s.block, s.recent, cache.rope_cos, cache.rope_sin, False,
+                 None, cache.v_signs, 0.125, 8, 0, 0.0, None, None, *po)))
+    out.append((torch.ops.rkv.paged_prefill_attention.default,
+                (q[:2], kr[:2], kr[:2].clone(), batch.query_start_loc, 1, *t, *common, batch.lengths, 2, 2, s.block,
+                 s.recent, cache.rope_cos, cache.rope_sin, False, None, cache.v_signs, 0.125, 0, 0, 0.0, None, None,
+                 *po)))
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    out.append((torch.ops.rkv.paged_copy.default,
+                (*t, None, torch.tensor([1], device=device), torch.tensor([5], device=device), empty, empty, *po)))
+    return out
 
 
 def paged_samples(device):

@@ -253,7 +253,8 @@ def calibrated_preset(bits: int = 2, layers: int = 2):
 
 PRESETS = [presets.per_token(4), presets.kivi(2, block=16, recent=8), presets.quarot(3),
            presets.recommended(4).replace(k_block_tokens=16, recent=8),
-           presets.recommended(2).replace(k_block_tokens=32, recent=16), calibrated_preset()]
+           presets.recommended(2).replace(k_block_tokens=32, recent=16), calibrated_preset(),
+           presets.recommended(2).replace(name="rkv-sparse-2", k_block_tokens=32, recent=16, outliers=0.02)]
 H, D = 2, 32
 
 

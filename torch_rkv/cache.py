@@ -21,10 +21,17 @@ from .ops.paged import paged_prefill_attention
 from .ops.hadamard import hadamard, hadamard_signs
 from .ops.quant import Quantized, dequantize
 from .ops.rope import rope
-from .reference import quantized_count
+from .reference import outlier_residuals, quantized_count
 from .scheme import Scheme
 
 BUFFERS = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink")
+
+
+def layer_outliers(cache, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(k_outliers, v_outliers) of a cache's layer (its sparse-outlier buffers, layout.page_regions), or
+    None each (a scheme without outliers). Both caches keep them as buffers under these names."""
+    return tuple(None if getattr(cache, name, None) is None else getattr(cache, name)[layer]
+                 for name in ("k_outliers", "v_outliers"))
 
 
 class QuantizedKVCache(torch.nn.Module):
@@ -151,7 +158,7 @@ class QuantizedKVCache(torch.nn.Module):
         for i in range(0, m, step):
             cache_append(*self.layer_buffers(layer), self.lengths[layer], ks[:, :, i : i + step], vs[:, :, i : i + step],
                          s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, self.sliding_window,
-                         *layer_levels(self, layer))
+                         *layer_levels(self, layer), *layer_outliers(self, layer))
             self.lengths[layer] += min(step, m - i)
 
     def attend(self, layer: int, q: torch.Tensor, scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
@@ -161,7 +168,7 @@ class QuantizedKVCache(torch.nn.Module):
         return decode_attention(q, *self.layer_buffers(layer), self.lengths[layer], s.k_bits, s.v_bits, s.block,
                                 s.recent, self.rope_cos, self.rope_sin, self.rope_interleaved, self.k_signs,
                                 self.v_signs, scale, split_tokens, self.sliding_window, self.softcap,
-                                *layer_levels(self, layer))
+                                *layer_levels(self, layer), *layer_outliers(self, layer))
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
                 split_tokens: int = 0) -> torch.Tensor:
@@ -179,7 +186,8 @@ class QuantizedKVCache(torch.nn.Module):
         out = paged_prefill_attention(rows(q), rows(ks), rows(vs), qsl, m, *self.layer_buffers(layer), None, None,
                                       self.lengths[layer], s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
-                                      split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer))
+                                      split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer),
+                                      *layer_outliers(self, layer))
         self._append_storage(layer, ks, vs)
         return out.reshape(b, m, hq, d).transpose(1, 2)
 
@@ -207,7 +215,12 @@ class QuantizedKVCache(torch.nn.Module):
                 zero = bufs[f"{side}_zero"]
                 qt = Quantized(bufs[f"{side}_packed"][:, :, :q], bufs[f"{side}_scale"][:, :, : q // t],
                                None if zero is None else zero[:, :, : q // t], bits, lv)
-                parts.append(dequantize(qt, torch.float32)[:, :, s.sinks :])
+                deq = dequantize(qt, torch.float32)
+                entries = getattr(self, f"{side}_outliers", None)
+                if entries is not None:  # the sparse outliers' residuals, as attention adds them
+                    res = outlier_residuals(entries[layer][:, :, : q // s.block], s.block, lay.head_dim)
+                    deq = deq + res.reshape(deq.shape)
+                parts.append(deq[:, :, s.sinks :])
             if n > max(s.sinks, q):
                 slots = torch.arange(max(s.sinks, q), n, device=self.lengths.device)
                 parts.append(bufs[f"{side}_window"][:, :, slots % lay.window].float())

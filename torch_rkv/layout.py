@@ -14,6 +14,7 @@ from functools import cached_property
 
 import torch
 
+from .outliers import outlier_count
 from .reference import ring_rows  # the rows a sliding-window ring holds (the planner uses it too)
 from .scheme import Scheme
 
@@ -52,7 +53,7 @@ def window_tokens(scheme: Scheme) -> int:
 def page_regions(scheme: Scheme, kv_heads: int, head_dim: int, rows: int):
     """(name, shape (kv_heads, rows or metadata rows, last dim), dtype) of one page's regions, in their
     byte order: codes of keys, then of values, then each side's scales and zeros (absent when
-    symmetric)."""
+    symmetric), then, with sparse outliers, each side's entries (one row of K int32 per block)."""
     s, h, d = scheme, kv_heads, head_dim
     out = [(f"{side}_codes", (h, rows, d * getattr(s, f"{side}_bits") // 8), torch.uint8) for side in ("k", "v")]
     for side in ("k", "v"):
@@ -61,6 +62,9 @@ def page_regions(scheme: Scheme, kv_heads: int, head_dim: int, rows: int):
         out.append((f"{side}_scale", meta, s.meta_dtype))
         if not getattr(s, f"{side}_symmetric"):
             out.append((f"{side}_zero", meta, s.meta_dtype))
+    if s.outliers:
+        k = outlier_count(s.outliers, s.block, d)
+        out += [(f"{side}_outliers", (h, rows // s.block, k), torch.int32) for side in ("k", "v")]
     return out
 
 

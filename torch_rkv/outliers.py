@@ -1,19 +1,21 @@
-"""Dense-and-sparse outliers (KVQuant, arXiv 2401.18079), as the report simulates them.
+"""Dense-and-sparse outliers (KVQuant, arXiv 2401.18079): sizes, and the simulation's round trip.
 
-A cache block of T tokens x D channels (per kv head) keeps its k = outlier_count(...) most outlying
-values in full precision in a fixed-size side buffer (a 16-bit index within the block and an fp16
-value each: 32 bits an outlier, no dynamic allocation), and the dense part is quantized without them.
-"Outlying" is measured against the value's own quantization group, the one that would have to stretch
-its range to hold it: |x - mean| / std over the group's elements (per-channel keys: a channel's tokens
-in the block; per-token values: a token's channels). Simulation only for now: the cache kernels do not
-read a sparse buffer yet, and the caches refuse a scheme with outliers (Scheme.check_served).
+A cache block of T tokens x D channels (per kv head) keeps up to k = outlier_count(...) values outside its
+dense quantization, in a fixed-size side buffer of k 32-bit entries (a 16-bit position within the block
+and the fp16 residual against the dense part's decoded value; no dynamic allocation). They are chosen
+greedily to shrink the dense groups' ranges most (reference.select_outliers, the spec the cache kernels
+follow bit for bit; include/rkv/outliers.h), and the dense part is quantized with them left out of its
+ranges. The caches store them (layout.page_regions: k_outliers / v_outliers); the report simulates them
+through the same reference functions.
 """
 
 from __future__ import annotations
 
 import torch
 
-BITS_PER_OUTLIER = 32  # a 16-bit position within the block and an fp16 value
+from . import reference as ref
+
+BITS_PER_OUTLIER = 32  # a 16-bit position within the block and an fp16 residual
 
 
 def outlier_count(fraction: float, block_tokens: int, dim: int) -> int:
@@ -26,31 +28,29 @@ def outlier_bits(fraction: float, block_tokens: int, dim: int) -> float:
     return outlier_count(fraction, block_tokens, dim) * BITS_PER_OUTLIER / (block_tokens * dim)
 
 
-def split(x: torch.Tensor, fraction: float, block_tokens: int, group_size: int, group_tokens: int,
-          skip_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, H, n, D), n a multiple of block_tokens -> (dense, outlier mask). The dense part has each
-    outlier replaced by its group's mean (so it sets no range); the mask marks the k most outlying values
-    of every block of block_tokens tokens, groups of group_tokens x group_size. Rows [0, skip_rows) are
-    never chosen (the cache keeps its sinks in full precision anyway)."""
+def select(x: torch.Tensor, fraction: float, block_tokens: int, group_size: int, group_tokens: int,
+           skip_rows: int = 0) -> torch.Tensor:
+    """x (B, H, n, D), n a multiple of block_tokens -> the outlier mask: each block's values that
+    reference.select_outliers takes (groups of group_tokens x group_size; rows [0, skip_rows) of each
+    sequence are sinks, never taken), as the cache append chooses them."""
     b, h, n, d = x.shape
     if n % block_tokens or block_tokens % group_tokens or d % group_size:
-        raise ValueError(f"outliers.split: {n} tokens, blocks of {block_tokens}, groups of {group_tokens} x "
+        raise ValueError(f"outliers.select: {n} tokens, blocks of {block_tokens}, groups of {group_tokens} x "
                          f"{group_size} do not tile")
-    g = x.float().reshape(b, h, n // group_tokens, group_tokens, d // group_size, group_size)
-    mean = g.mean(dim=(3, 5), keepdim=True)
-    std = g.std(dim=(3, 5), keepdim=True, correction=0).clamp_min(1e-12)
-    score = ((g - mean).abs() / std).reshape(b, h, n, d)
-    score[:, :, :skip_rows] = -1.0
     k = outlier_count(fraction, block_tokens, d)
-    blocks = score.reshape(b, h, n // block_tokens, block_tokens * d)
-    top = blocks.topk(k, dim=-1).indices
-    mask = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top, True).reshape(b, h, n, d)
-    if skip_rows:
-        mask[:, :, :skip_rows] = False
-    dense = torch.where(mask, mean.expand_as(g).reshape(b, h, n, d), x.float())
-    return dense, mask
+    blocks = x.float().cpu().reshape(b, h, n // block_tokens, block_tokens, d)
+    mask = torch.zeros(blocks.shape, dtype=torch.bool)
+    if n:
+        first = min(skip_rows, block_tokens)  # only each sequence's first block holds sinks
+        mask[:, :, 0] = ref.select_outliers(blocks[:, :, 0].reshape(-1, block_tokens, d), k, group_tokens,
+                                            group_size, first).reshape(b, h, block_tokens, d)
+        if n > block_tokens:
+            rest = blocks[:, :, 1:].reshape(-1, block_tokens, d)
+            mask[:, :, 1:] = ref.select_outliers(rest, k, group_tokens, group_size, 0).reshape(mask[:, :, 1:].shape)
+    return mask.reshape(b, h, n, d).to(x.device)
 
 
 def merge(back: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The dense part dequantized, with the outliers read back from the side buffer (fp16)."""
-    return torch.where(mask, x.to(torch.float16).float(), back)
+    """The dense part decoded (back) with each outlier's fp16 residual added, as the kernels read it."""
+    res = (x.float() - back).clamp(-65504.0, 65504.0).half().float()
+    return torch.where(mask, back + res, back)

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .cache import layer_outliers
 from .codebook import layer_levels, level_buffers
 from .layout import PageLayout, default_page_size
 from .ops.hadamard import hadamard, hadamard_signs
@@ -204,7 +205,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         dst = torch.tensor(copy_dst, dtype=torch.int64, device=dev)
         slots = (torch.tensor([parent.slot], device=dev), torch.tensor([c.slot], device=dev))
         for layer in range(self.num_layers):
-            paged_copy(*self.layer_tensors(layer), self.page_fill[layer], src, dst, *slots)
+            paged_copy(*self.layer_tensors(layer), self.page_fill[layer], src, dst, *slots, *layer_outliers(self, layer))
         return child
 
     def schedule(self, seqs: Sequence[int], counts: Sequence[int]) -> PagedBatch:
@@ -279,7 +280,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         s = self.scheme
         paged_append(*self.layer_tensors(layer), self.page_fill[layer], batch.block_tables, batch.side_slots,
                      batch.lengths, batch.query_start_loc, ks, vs, s.k_bits, s.v_bits, s.block, s.recent, s.k_clip,
-                     s.v_clip, None, *layer_levels(self, layer))
+                     s.v_clip, None, *layer_levels(self, layer), *layer_outliers(self, layer))
 
     def attend(self, layer: int, batch: PagedBatch, q: torch.Tensor, scale: Optional[float] = None,
                split_tokens: int = 0) -> torch.Tensor:
@@ -289,7 +290,8 @@ class PagedQuantizedKVCache(torch.nn.Module):
         return paged_decode_attention(q, *self.layer_tensors(layer), batch.block_tables, batch.side_slots,
                                       batch.lengths_after, s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
-                                      split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer))
+                                      split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer),
+                                      *layer_outliers(self, layer))
 
     def prefill(self, layer: int, batch: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
@@ -302,7 +304,8 @@ class PagedQuantizedKVCache(torch.nn.Module):
                                       *self.layer_tensors(layer), batch.block_tables, batch.side_slots, batch.lengths,
                                       s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos, self.rope_sin,
                                       self.rope_interleaved, self.k_signs, self.v_signs, scale, split_tokens,
-                                      self.sliding_window, self.softcap, *layer_levels(self, layer))
+                                      self.sliding_window, self.softcap, *layer_levels(self, layer),
+                                      *layer_outliers(self, layer))
         self._append_storage(layer, batch, ks, vs)
         return out
 

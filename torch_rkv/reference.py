@@ -166,6 +166,7 @@ def quantize(
     clip: bool = False,
     sink_rows: int = 0,
     levels: Optional[torch.Tensor] = None,
+    excluded: Optional[torch.Tensor] = None,
 ):
     """x (*, N, D) -> (packed (*, N, D*bits/8) uint8, scale, zero (*, N/T, D/G) meta_dtype).
 
@@ -180,6 +181,8 @@ def quantize(
     share with other tokens (a group made of sinks only takes its range from them).
     levels (asymmetric, 2-4 bits): non-uniform code values in code units, (2^bits,) float32 strictly
     ascending within [0, 2^bits - 1]; the range and scale are unchanged, codes come from encode's lv.
+    excluded (the cache's use, a bool mask like x): values kept as sparse outliers (select_outliers),
+    encoded like the others but left out of every range and clip error.
     """
     if clip and symmetric:
         raise ValueError("rkv.quantize: clip searches asymmetric ranges; it needs symmetric=False")
@@ -193,6 +196,8 @@ def quantize(
         row = torch.arange(n, device=x.device).reshape(n // t, t)
         all_sinks = (row < sink_rows).all(dim=-1, keepdim=True)
         counted = counted & ((row >= sink_rows) | all_sinks)[:, :, None, None]
+    if excluded is not None:
+        counted = counted & ~excluded.reshape(tiles.shape)
     lo = torch.where(counted, tiles, torch.full_like(tiles, math.inf)).amin(dim=(-3, -1))
     hi = torch.where(counted, tiles, torch.full_like(tiles, -math.inf)).amax(dim=(-3, -1))
     if clip:
@@ -220,6 +225,93 @@ def dequantize(
     g = d // scale.shape[-1]
     z = None if zero is None else _expand_meta(zero, t, g)
     return decode(codes, _expand_meta(scale, t, g), z, bits, levels).to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sparse outliers (include/rkv/outliers.h): a cache block's values kept outside its dense quantization
+# --------------------------------------------------------------------------------------------------
+
+OUTLIER_EMPTY = -65536  # 0xFFFF0000 as int32: position 0xFFFF, residual 0
+
+
+def _group_view(x: torch.Tensor, t: int, g: int) -> torch.Tensor:
+    """x (H, block, D) -> (H, groups, T*G): the quantizer groups of a block in (tile row, channel group)
+    order, each group's elements in position order."""
+    h, n, d = x.shape
+    return x.reshape(h, n // t, t, d // g, g).permute(0, 1, 3, 2, 4).reshape(h, (n // t) * (d // g), t * g)
+
+
+def _f32(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def select_outliers(x: torch.Tensor, count: int, tile_rows: int, group: int, sink_rows: int = 0) -> torch.Tensor:
+    """The sparse outliers of one block x (H, block, D) float32: a bool mask (H, block, D) of at most `count`
+    values per head, chosen greedily (include/rkv/outliers.h). A candidate is a finite value of a row >=
+    sink_rows not yet taken. Per quantizer group (tile_rows x group), taking its largest candidate shrinks
+    its range r = hi - lo to r' = hi2 - lo, its smallest to r' = hi - lo2; gain = (r - r') * (r + r') in
+    float32, 0 with fewer than two candidates (NaN counts as 0). Each step takes the largest gain > 0;
+    ties: the lower group, then the high end; among equal values in a group, the lowest position."""
+    h, n, d = x.shape
+    pos = torch.arange(n * d).reshape(1, n, d).expand(h, n, d)
+    rows = torch.arange(n).reshape(1, n, 1).expand(h, n, d)
+    cand = torch.isfinite(x) & (rows >= sink_rows)
+    xv, pv = _group_view(x, tile_rows, group), _group_view(pos, tile_rows, group)
+    taken = torch.zeros_like(xv, dtype=torch.bool)
+    cv = _group_view(cand, tile_rows, group)
+    big = torch.full_like(xv, math.inf)
+    for _ in range(count):
+        alive = cv & ~taken
+        hi_vals = torch.where(alive, xv, -big)
+        lo_vals = torch.where(alive, xv, big)
+        hi = hi_vals.amax(-1)
+        lo = lo_vals.amin(-1)
+        hi_at = (alive & (xv == hi[..., None])).int().argmax(-1)  # the first (lowest position) of equal maxima
+        lo_at = (alive & (xv == lo[..., None])).int().argmax(-1)
+        hi2 = hi_vals.scatter(-1, hi_at[..., None], -math.inf).amax(-1)
+        lo2 = lo_vals.scatter(-1, lo_at[..., None], math.inf).amin(-1)
+        r = hi - lo
+        gains = []
+        for r2 in (hi2 - lo, hi - lo2):
+            gain = (r - r2) * (r + r2)
+            gain = torch.where(torch.isnan(gain) | (alive.sum(-1) < 2), torch.zeros_like(gain), gain)
+            gains.append(gain)
+        g = torch.stack(gains, dim=-1).reshape(h, -1)  # (H, groups * 2): key = group * 2 + (0 high, 1 low)
+        best = g.amax(-1)
+        key = (g == best[:, None]).int().argmax(-1)
+        grp, low = key // 2, key % 2
+        at = torch.where(low == 1, lo_at.gather(-1, grp[:, None])[:, 0], hi_at.gather(-1, grp[:, None])[:, 0])
+        take = best > 0
+        heads = torch.arange(h)[take]
+        taken[heads, grp[take], at[take]] = True
+    mask = torch.zeros(h, n * d, dtype=torch.bool)
+    mask.scatter_(1, pv.reshape(h, -1), taken.reshape(h, -1))
+    return mask.reshape(h, n, d)
+
+
+def outlier_entries(x: torch.Tensor, x_hat: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The block's entries (H, count) int32: per taken position (ascending) position << 16 | the float16
+    bits of x - x_hat (saturated to +-65504), then OUTLIER_EMPTY."""
+    h, n, d = x.shape
+    out = torch.full((h, count), OUTLIER_EMPTY, dtype=torch.int32)
+    res = (x.float() - x_hat.float()).clamp(-65504.0, 65504.0).to(torch.float16).view(torch.int16).int() & 0xFFFF
+    for i in range(h):
+        where = mask[i].reshape(-1).nonzero()[:, 0]
+        e = (where.int() << 16) | res[i].reshape(-1)[where]
+        out[i, : len(e)] = e.int()
+    return out
+
+
+def outlier_residuals(entries: torch.Tensor, block: int, dim: int) -> torch.Tensor:
+    """entries (*, K) int32 -> (*, block, D) float32: each entry's residual at its position (0 elsewhere)."""
+    lead = entries.shape[:-1]
+    e = entries.reshape(-1, entries.shape[-1]).long() & 0xFFFFFFFF
+    pos = e >> 16
+    res = (e & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16).float()
+    used = pos < block * dim
+    dense = torch.zeros(e.shape[0], block * dim + 1, dtype=torch.float32, device=entries.device)
+    dense.scatter_add_(1, torch.where(used, pos, block * dim), torch.where(used, res, torch.zeros_like(res)))
+    return dense[:, : block * dim].reshape(*lead, block, dim)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -385,8 +477,10 @@ def _slot_of(side_slots, b: int) -> int:
     return b if side_slots is None else int(side_slots[b])
 
 
-def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Tensor, lv=None) -> torch.Tensor:
-    """Quantized rows (page pages[i], row rows[i]) of every head, dequantized: (H, N, D) float32."""
+def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Tensor, lv=None, outliers=None,
+              block: int = 1) -> torch.Tensor:
+    """Quantized rows (page pages[i], row rows[i]) of every head, dequantized: (H, N, D) float32. outliers
+    (pages, H, P / block, K): each block's sparse residuals are added at their positions."""
     per_meta = codes.shape[2] // scale.shape[2]  # tokens per metadata row (the quantizer tile T)
     dev = codes.device
     pages, rows = pages.to(dev), rows.to(dev)
@@ -394,7 +488,12 @@ def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Te
     g = c.shape[-1] // scale.shape[-1]
     sc = scale[pages, :, rows // per_meta].float().repeat_interleave(g, dim=-1)
     z = None if zero is None else zero[pages, :, rows // per_meta].float().repeat_interleave(g, dim=-1)
-    return decode(c, sc, z, bits, lv).transpose(0, 1)
+    out = decode(c, sc, z, bits, lv)
+    if outliers is not None:
+        res = outlier_residuals(outliers, block, c.shape[-1])  # (pages, H, P / block, block, D)
+        res = res.reshape(res.shape[0], res.shape[1], -1, c.shape[-1])  # (pages, H, P, D)
+        out = out + res[pages, :, rows]
+    return out.transpose(0, 1)
 
 
 def window_start(end: int, window: int) -> int:
@@ -404,7 +503,7 @@ def window_start(end: int, window: int) -> int:
 
 
 def gather_tokens(codes, scale, zero, bits, window, sink, pages, n: int, recent: int, block: int, first: int = 0,
-                  ring: bool = False, lv=None) -> torch.Tensor:
+                  ring: bool = False, lv=None, outliers=None) -> torch.Tensor:
     """Tokens first..n-1 of one sequence's n cached tokens of one side (keys or values) in order, float32
     (H, n - first, D), from its pages (1-D page ids), its window ring (H, W, D) and its sinks (H, S, D).
     ring: one page whose rows are a ring (a sliding-window layer's contiguous cache): token t in row
@@ -416,21 +515,21 @@ def gather_tokens(codes, scale, zero, bits, window, sink, pages, n: int, recent:
     if q > lo:
         t = torch.arange(lo, q)
         page_ids = torch.as_tensor(pages)[torch.zeros_like(t) if ring else t // p]
-        parts.append(read_rows(codes, scale, zero, bits, page_ids, t % p, lv))
+        parts.append(read_rows(codes, scale, zero, bits, page_ids, t % p, lv, outliers, block))
     if n > max(lo, q):
         parts.append(window[:, [t % window.shape[-2] for t in range(max(lo, q), n)]].float())
     return torch.cat(parts, dim=1)
 
 
 def _cached(cache, block_tables, side_slots, b: int, n: int, k_bits, v_bits, block, recent, first: int = 0,
-            ring: bool = False, k_levels=None, v_levels=None):
+            ring: bool = False, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None):
     """(keys, values) (Hkv, n - first, D) float32 of sequence b's tokens first..n-1, in the storage space."""
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink = cache
     pages, slot = _pages_of(block_tables, b), _slot_of(side_slots, b)
     keys = gather_tokens(k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], pages, n, recent, block,
-                         first, ring, k_levels)
+                         first, ring, k_levels, k_outliers)
     values = gather_tokens(v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], pages, n, recent, block,
-                           first, ring, v_levels)
+                           first, ring, v_levels, v_outliers)
     return keys, values
 
 
@@ -471,6 +570,7 @@ def paged_decode_attention(
     k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
     scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
+    k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest query q (B, Hq, D) over its n = lengths[b] cached tokens
     (sliding_window > 0: the newest sliding_window of them; without block tables the pages are then a
@@ -480,8 +580,9 @@ def paged_decode_attention(
     dequantizing; keys/values stored Hadamard-rotated (k_signs / v_signs given) are used in the rotated
     space: scores with the rotated query, the output rotated back. Query head h reads KV head
     h // (Hq / Hkv). softcap > 0: soft-capped scores (_attend). k_levels / v_levels: each side's
-    non-uniform levels (quantize's levels), None: uniform. A sequence with no cached token gets a zero
-    output. Computed in float32.
+    non-uniform levels (quantize's levels), None: uniform. k_outliers / v_outliers (pages, Hkv, P / block,
+    K) int32: each quantized block's sparse outliers (paged_append), added to its dequantized values. A
+    sequence with no cached token gets a zero output. Computed in float32.
     """
     check_levels("paged_decode_attention", "k_levels", k_levels, k_bits, k_zero is None)
     check_levels("paged_decode_attention", "v_levels", v_levels, v_bits, v_zero is None)
@@ -494,7 +595,7 @@ def paged_decode_attention(
         n = int(lengths[b])
         first = window_start(n, sliding_window)
         keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent, first,
-                               block_tables is None and sliding_window > 0, k_levels, v_levels)
+                               block_tables is None and sliding_window > 0, k_levels, v_levels, k_outliers, v_outliers)
         if rope_cos is not None:
             keys = rope(keys, rope_cos, rope_sin, torch.arange(first, n, device=q.device), rope_interleaved)
         out[b] = _attend(qf[b][None], keys, values, torch.tensor([n]), scale, sliding_window, softcap, first)[0]
@@ -513,9 +614,11 @@ def paged_prefill_attention(
     k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
     scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
+    k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of a chunk of new tokens per sequence over its cache and the chunk itself
-    (sliding_window, softcap, k_levels, v_levels: as paged_decode_attention's, per query row).
+    (sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers: as paged_decode_attention's, per
+    query row).
 
     Sequence b has n = lengths[b] cached tokens and m = query_start_loc[b+1] - query_start_loc[b] new
     ones at positions n..n+m-1: rows query_start_loc[b].. of q (T, Hq, D) and of k_new / v_new (T, Hkv,
@@ -534,7 +637,7 @@ def paged_prefill_attention(
         n, lo, hi = int(lengths[b]), starts[b], starts[b + 1]
         first = min(n, window_start(n + 1, sliding_window))  # the earliest key the chunk's first token sees
         keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent, first,
-                               block_tables is None and sliding_window > 0, k_levels, v_levels)
+                               block_tables is None and sliding_window > 0, k_levels, v_levels, k_outliers, v_outliers)
         keys = torch.cat([keys, k_new[lo:hi].float().transpose(0, 1)], dim=1)
         values = torch.cat([values, v_new[lo:hi].float().transpose(0, 1)], dim=1)
         if rope_cos is not None:
@@ -554,6 +657,7 @@ def paged_append(
     k_bits: int, v_bits: int, block: int, recent: int, k_clip: bool = False, v_clip: bool = False,
     slot_mapping: Optional[torch.Tensor] = None, ring: bool = False,
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
+    k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
 ) -> None:
     """Append each sequence's new tokens, in place: sequence b's m = query_start_loc[b+1] -
     query_start_loc[b] tokens, rows query_start_loc[b].. of k_new / v_new (T, Hkv, D) in the storage
@@ -568,7 +672,10 @@ def paged_append(
     table, a page id out of range, a write into rows a page already holds (a full page is immutable),
     slot_mapping (T,) disagreeing with the tables (entries past query_start_loc[B] are padding). ring
     (no block tables): each sequence's one page is a ring, token t in row t % P (cache_append's
-    sliding_window). k_levels / v_levels: blocks are quantized with these non-uniform levels.
+    sliding_window). k_levels / v_levels: blocks are quantized with these non-uniform levels. k_outliers /
+    v_outliers (pages, Hkv, P / block, K) int32: each completed block's sparse outliers (select_outliers
+    with K = the last dim, its quantizer tiles, sinks never) are left out of its dense ranges, and its
+    row of entries (outlier_entries: residuals against the dense codes) is written.
     """
     check_levels("paged_append", "k_levels", k_levels, k_bits, k_zero is None)
     check_levels("paged_append", "v_levels", v_levels, v_bits, v_zero is None)
@@ -602,9 +709,9 @@ def paged_append(
         plan.append((b, n0, n1, lo, pages, _slot_of(side_slots, b)))
     for b, n0, n1, lo, pages, slot in plan:
         q1 = quantized_count(n1, recent, block)
-        for codes, scale, zero, bits, window, sink, new, clip, lv in (
-            (k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], k_new, k_clip, k_levels),
-            (v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], v_new, v_clip, v_levels),
+        for codes, scale, zero, bits, window, sink, new, clip, lv, outliers in (
+            (k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], k_new, k_clip, k_levels, k_outliers),
+            (v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], v_new, v_clip, v_levels, v_outliers),
         ):
             new = new[lo : lo + n1 - n0].to(window.dtype).transpose(0, 1)  # (H, m, D)
 
@@ -618,9 +725,18 @@ def paged_append(
                 group = codes.shape[-1] * 8 // bits // scale.shape[-1]
                 first = j * block
                 src = torch.stack([token(t) for t in range(first, first + block)], dim=1)  # (H, block, D)
+                sinks_here = max(0, min(s - first, block))
+                taken = None
+                if outliers is not None:
+                    taken = select_outliers(src.float().cpu(), outliers.shape[-1], per_meta, group, sinks_here)
                 c, sc, zr = quantize(src, bits, group, per_meta, zero is None, scale.dtype, clip,
-                                     sink_rows=max(0, min(s - first, block)), levels=lv)
+                                     sink_rows=sinks_here, levels=lv,
+                                     excluded=None if taken is None else taken.to(src.device))
                 page, row = int(pages[first // p]), first % p
+                if outliers is not None:
+                    x_hat = dequantize(c, sc, zr if zero is not None else None, bits, levels=lv)
+                    outliers[page, :, row // block] = outlier_entries(src.float().cpu(), x_hat.cpu(), taken,
+                                                                      outliers.shape[-1]).to(outliers.device)
                 codes[page, :, row : row + block] = c
                 scale[page, :, row // per_meta : (row + block) // per_meta] = sc
                 if zero is not None:
@@ -636,10 +752,10 @@ def paged_append(
 
 def paged_copy(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                page_fill: Optional[torch.Tensor], src_pages: torch.Tensor, dst_pages: torch.Tensor,
-               src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata and page_fill) and side slots
-    src_slots[j] -> dst_slots[j] (sinks and window), in place: a fork's open page and side rows."""
-    for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_fill):
+               src_slots: torch.Tensor, dst_slots: torch.Tensor, k_outliers=None, v_outliers=None) -> None:
+    """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata, sparse outliers and page_fill) and side
+    slots src_slots[j] -> dst_slots[j] (sinks and window), in place: a fork's open page and side rows."""
+    for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_fill, k_outliers, v_outliers):
         if t is not None:
             t[dst_pages.long()] = t[src_pages.long()]
     for t in (k_window, v_window, k_sink, v_sink):
@@ -665,19 +781,20 @@ def decode_attention(
     k_signs: Optional[torch.Tensor] = None, v_signs: Optional[torch.Tensor] = None,
     scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
+    k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """paged_decode_attention over the contiguous layout: k_packed (B, Hkv, C, D*bits/8) etc., sequence
     b in page b (C rows; a ring with a sliding window) and side slot b."""
     return paged_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                                   k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent, rope_cos,
                                   rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window, softcap,
-                                  k_levels, v_levels)
+                                  k_levels, v_levels, k_outliers, v_outliers)
 
 
 def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                       k_sink, v_sink, lengths, k_bits, v_bits, block, recent, rope_cos=None, rope_sin=None,
                       rope_interleaved=False, k_signs=None, v_signs=None, scale=None, sliding_window=0,
-                      softcap=0.0, k_levels=None, v_levels=None) -> torch.Tensor:
+                      softcap=0.0, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None) -> torch.Tensor:
     """paged_prefill_attention over the contiguous layout: q (B, Hq, m, D), k_new / v_new (B, Hkv, m, D);
     (B, Hq, m, D)."""
     kn, qsl = _contiguous_new(k_new)
@@ -686,7 +803,7 @@ def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_sc
     out = paged_prefill_attention(qn, kn, vn, qsl, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
                                   v_window, k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent,
                                   rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window,
-                                  softcap, k_levels, v_levels)
+                                  softcap, k_levels, v_levels, k_outliers, v_outliers)
     return out.reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
 
@@ -696,6 +813,7 @@ def cache_append(
     lengths: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     k_bits: int, v_bits: int, block: int, recent: int, k_clip: bool = False, v_clip: bool = False,
     sliding_window: int = 0, k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
+    k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
 ) -> None:
     """paged_append over the contiguous layout: k_new / v_new (B, Hkv, m, D) after each sequence's
     lengths[b] tokens. sliding_window > 0: the packed rows are a ring of C >= ring_rows rows that takes at
@@ -711,6 +829,7 @@ def cache_append(
     try:
         paged_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink, None,
                      None, None, lengths, qsl, kn, vn, k_bits, v_bits, block, recent, k_clip, v_clip,
-                     ring=sliding_window > 0, k_levels=k_levels, v_levels=v_levels)
+                     ring=sliding_window > 0, k_levels=k_levels, v_levels=v_levels, k_outliers=k_outliers,
+                     v_outliers=v_outliers)
     except ValueError as e:
         raise ValueError(str(e).replace("rkv.paged_append", "rkv.cache_append")) from None

@@ -27,7 +27,8 @@ class Scheme:
     codebook file `codebook` (torch_rkv.codebook; the kernels look codes up in them; asymmetric sides
     below 8 bits), or "gaussian": Lloyd-Max levels of a Gaussian with one norm per token row (the
     TurboQuant-style peer; simulation only, Scheme.check_served). outliers: dense-and-sparse, this
-    fraction of each block's values of both sides kept in fp16 (torch_rkv.outliers; simulation only).
+    fraction of each block's values of both sides kept as fp16 residuals in a fixed-size side buffer
+    (torch_rkv.outliers; the caches and kernels store them, the vLLM plugin does not yet).
     """
 
     name: str = "custom"
@@ -117,9 +118,6 @@ class Scheme:
         if self.levels == "gaussian":
             raise NotImplementedError(f"Scheme {self.name}: gaussian levels are simulated only (the report's "
                                       "peer); the cache kernels store codes in each group's range")
-        if self.outliers:
-            raise NotImplementedError(f"Scheme {self.name}: sparse outliers are simulated only (the report); the "
-                                      "cache kernels do not read a sparse side buffer yet")
 
     def side_levels(self, layer: int, side: str) -> Optional[torch.Tensor]:
         """The code values side ('k' or 'v') of layer `layer` decodes through, float32 (2^bits,), or None
@@ -237,16 +235,17 @@ def recommended_mixed(v_bits: int = 2) -> Scheme:
 
 
 def recommended_sparse(bits: int = 2, fraction: float = 0.005) -> Scheme:
-    """rkv with dense-and-sparse outliers (KVQuant): each 128-token block keeps its most outlying 0.5% of
-    values in fp16 beside the codes (torch_rkv.outliers). Simulated only: the kernels do not read the
-    sparse buffer yet."""
+    """rkv with dense-and-sparse outliers (KVQuant): each 128-token block keeps 0.5% of its values, those
+    whose removal shrinks their groups' ranges most, as fp16 residuals beside the codes
+    (torch_rkv.outliers, docs/format.md "Sparse outliers"). The caches and kernels serve it; the vLLM
+    plugin refuses it by name."""
     return recommended(bits).replace(name=f"rkv-sparse-{bits}", outliers=fraction)
 
 
 SERVED_PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "quarot": quarot, "rkv": recommended,
-                  "rkv-mixed": recommended_mixed}  # the caches and kernels store these
+                  "rkv-mixed": recommended_mixed, "rkv-sparse": recommended_sparse}  # the caches and kernels store these
 # and the report also simulates these
-PRESETS = {**SERVED_PRESETS, "turboquant": turboquant, "rkv-sparse": recommended_sparse}
+PRESETS = {**SERVED_PRESETS, "turboquant": turboquant}
 
 
 def by_name(spec: str) -> Scheme:

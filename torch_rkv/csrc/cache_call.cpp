@@ -103,6 +103,15 @@ CacheCall resolve_cache(const char* op, const at::Tensor& ref, const CacheTensor
   out.v_levels = check_levels(op, "v_levels", ref, c.v_levels ? *c.v_levels : none, v_bits, !c.v_zero.has_value());
   out.k.levels = levels_data(out.k_levels);
   out.v.levels = levels_data(out.v_levels);
+  const auto outliers = [&](const char* arg, const std::optional<at::Tensor>* t, const at::Tensor& codes, SideView& s) {
+    if (t == nullptr || !t->has_value()) return;
+    check_outliers(op, arg, ref, *t, codes, g);
+    s.outliers = static_cast<uint32_t*>(ptr(**t, writable));
+    s.outlier_page_stride = (*t)->stride(0);
+    s.outlier_count = (*t)->size(3);
+  };
+  outliers("k_outliers", c.k_outliers, c.k_codes, out.k);
+  outliers("v_outliers", c.v_outliers, c.v_codes, out.v);
   return out;
 }
 

@@ -413,4 +413,21 @@ void check_cache_data(const char* op, const CacheGeometry& g, const PageTable& p
   }
 }
 
+void check_outliers(const char* op, const char* arg, const at::Tensor& ref, const std::optional<at::Tensor>& outliers,
+                    const at::Tensor& codes, const CacheGeometry& g) {
+  if (!outliers.has_value()) return;
+  const at::Tensor& t = *outliers;
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, "rkv.", op, ": ", arg, " must be int32 (got ", t.scalar_type(), ")");
+  check_same_device(op, ref, arg, t);
+  const int64_t blocks = codes.size(2) / g.block;
+  TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == codes.size(0) && t.size(1) == g.kv_heads && t.size(2) == blocks &&
+                        t.size(3) >= 1,
+                    "rkv.", op, ": ", arg, " must have shape (", codes.size(0), ", ", g.kv_heads, ", ", blocks,
+                    ", outliers per block >= 1): one row of entries per block of ", g.block, " rows, got ", t.sizes());
+  TORCH_CHECK_VALUE(rows_contiguous(t), "rkv.", op, ": ", arg,
+                    " must be contiguous within each page (its pages may be any stride apart)");
+  TORCH_CHECK_VALUE(g.block * g.dim <= 0xFFFF, "rkv.", op, ": ", arg, ": outlier positions are 16 bits, so block x "
+                    "head_dim must be <= 65535 (got ", g.block, " x ", g.dim, ")");
+}
+
 }  // namespace rkv

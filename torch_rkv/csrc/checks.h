@@ -44,6 +44,12 @@ inline const float* levels_data(const at::Tensor& levels) {
   return levels.defined() ? levels.const_data_ptr<float>() : nullptr;
 }
 
+// A side's sparse-outlier buffer (include/rkv/outliers.h): int32 (pages, kv_heads, rows / block, K >= 1),
+// contiguous within each page, on ref's device, with block * head_dim <= 65535 (positions fit 16 bits).
+// `codes` is the side's codes tensor (pages and rows are read off it). None: no outliers.
+void check_outliers(const char* op, const char* arg, const at::Tensor& ref, const std::optional<at::Tensor>& outliers,
+                    const at::Tensor& codes, const CacheGeometry& g);
+
 // The ten tensors of one layer's quantized cache (reference.py, "The quantized KV cache").
 struct CacheTensors {
   const at::Tensor& k_codes;
@@ -58,6 +64,8 @@ struct CacheTensors {
   const at::Tensor& v_sink;
   const std::optional<at::Tensor>* k_levels = nullptr;  // non-uniform levels of each side (nullptr or None:
   const std::optional<at::Tensor>* v_levels = nullptr;  // uniform codes)
+  const std::optional<at::Tensor>* k_outliers = nullptr;  // sparse outliers of each side (nullptr or None:
+  const std::optional<at::Tensor>* v_outliers = nullptr;  // none)
 };
 
 // How an op addresses the cache: the paged ops pass block tables and side slots (each may be absent:

@@ -1,4 +1,4 @@
-// rkv::paged_copy: copy whole pages and side slots inside one layer's cache, for a fork (prefix sharing,
+// rkv::paged_copy: copy whole pages (and their sparse outliers) and side slots inside one layer's cache, for a fork (prefix sharing,
 // beam search): the full pages of the parent are shared by reference, only its open page and its side
 // rows are copied. One implementation for both backends, made of ATen's own copy kernels; the checks
 // name what is wrong (ids out of range, a destination given twice).
@@ -44,7 +44,8 @@ void paged_copy(const at::Tensor& k_codes, const at::Tensor& k_scale, const std:
                 const at::Tensor& v_codes, const at::Tensor& v_scale, const std::optional<at::Tensor>& v_zero,
                 const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
                 const at::Tensor& v_sink, const std::optional<at::Tensor>& page_fill, const at::Tensor& src_pages,
-                const at::Tensor& dst_pages, const at::Tensor& src_slots, const at::Tensor& dst_slots) {
+                const at::Tensor& dst_pages, const at::Tensor& src_slots, const at::Tensor& dst_slots,
+                const std::optional<at::Tensor>& k_outliers, const std::optional<at::Tensor>& v_outliers) {
   const std::pair<const char*, const at::Tensor*> paged[] = {{"k_codes", &k_codes}, {"k_scale", &k_scale},
                                                              {"v_codes", &v_codes}, {"v_scale", &v_scale}};
   const int64_t pages = k_codes.dim() >= 1 ? k_codes.size(0) : 0;
@@ -61,13 +62,20 @@ void paged_copy(const at::Tensor& k_codes, const at::Tensor& k_scale, const std:
     TORCH_CHECK_VALUE(t->dim() == 4 && t->size(0) == slots, "rkv.paged_copy: ", name, " must have shape (slots=",
                       slots, ", kv_heads, rows, head_dim), got ", t->sizes());
   }
+  for (const auto& [name, t] : {std::pair<const char*, const std::optional<at::Tensor>*>{"k_outliers", &k_outliers},
+                                {"v_outliers", &v_outliers}}) {
+    if (!t->has_value()) continue;
+    check_same_device("paged_copy", k_codes, name, **t);
+    TORCH_CHECK_VALUE((*t)->dim() == 4 && (*t)->size(0) == pages, "rkv.paged_copy: ", name, " must have shape (pages=",
+                      pages, ", kv_heads, blocks, outliers), got ", (*t)->sizes());
+  }
   if (page_fill.has_value())
     TORCH_CHECK_VALUE(page_fill->dim() == 1 && page_fill->size(0) == pages, "rkv.paged_copy: page_fill must have "
                       "shape (", pages, ",), got ", page_fill->sizes());
   check_ids(k_codes, "src_pages", src_pages, "dst_pages", dst_pages, pages, "pages");
   check_ids(k_codes, "src_slots", src_slots, "dst_slots", dst_slots, slots, "side slots");
   for (const auto& [name, t] : paged) copy_rows(*t, src_pages, dst_pages);
-  for (const auto* z : {&k_zero, &v_zero})
+  for (const auto* z : {&k_zero, &v_zero, &k_outliers, &v_outliers})
     if (z->has_value()) copy_rows(**z, src_pages, dst_pages);
   if (page_fill.has_value()) copy_rows(*page_fill, src_pages, dst_pages);
   for (const auto& [name, t] : side) copy_rows(*t, src_slots, dst_slots);

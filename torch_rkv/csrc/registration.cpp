@@ -120,17 +120,21 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor v_scale, Tensor? v_zero, Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, "
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
       "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens, "
-      "SymInt sliding_window=0, float softcap=0.0, Tensor? k_levels=None, Tensor? v_levels=None) -> Tensor");
+      "SymInt sliding_window=0, float softcap=0.0, Tensor? k_levels=None, Tensor? v_levels=None, "
+      "Tensor? k_outliers=None, Tensor? v_outliers=None) -> Tensor");
   // Appends k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens of the contiguous
   // layout, in place: completed blocks are quantized into the packed rows and metadata, other new tokens
   // go to the sinks or the window ring (reference.cache_append). Writes only the buffers marked (x!);
   // lengths is read only. k_clip / v_clip: completed blocks are quantized with quantize's clip search.
+  // k_outliers / v_outliers (int32 (pages|batch, Hkv, rows/block, K), None: none): each completed block
+  // keeps up to K sparse outliers (include/rkv/outliers.h) in its row of entries, left out of the dense
+  // ranges; every op that reads or writes codes takes them the same way, paged_copy copies them.
   m.def(
       "cache_append(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_packed, "
       "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
       "Tensor(j!) v_sink, Tensor lengths, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, "
       "SymInt recent, bool k_clip=False, bool v_clip=False, SymInt sliding_window=0, Tensor? k_levels=None, "
-      "Tensor? v_levels=None) -> ()");
+      "Tensor? v_levels=None, Tensor(k!)? k_outliers=None, Tensor(l!)? v_outliers=None) -> ()");
   // The paged layout (reference.py, "The quantized KV cache"): codes (pages, Hkv, P, D*bits/8) and
   // scale/zero (pages, Hkv, P/T, D/G), contiguous within a page and any stride apart (views into one
   // page buffer), side slots (slots, Hkv, W|S, D); sequence b reads page block_tables[b][t / P] (int32
@@ -145,8 +149,8 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
       "Tensor(j!) v_sink, Tensor(k!)? page_fill, Tensor? block_tables, Tensor? side_slots, Tensor lengths, "
       "Tensor query_start_loc, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, SymInt recent, "
-      "bool k_clip=False, bool v_clip=False, Tensor? slot_mapping=None, Tensor? k_levels=None, Tensor? v_levels=None) "
-      "-> ()");
+      "bool k_clip=False, bool v_clip=False, Tensor? slot_mapping=None, Tensor? k_levels=None, Tensor? v_levels=None, "
+      "Tensor(l!)? k_outliers=None, Tensor(m!)? v_outliers=None) -> ()");
   // decode_attention over the paged layout: q (B, Hq, D), one query per sequence.
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, "
@@ -154,7 +158,7 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor? block_tables, Tensor? side_slots, Tensor lengths, int k_bits, int v_bits, SymInt block, "
       "SymInt recent, Tensor? rope_cos, Tensor? rope_sin, bool rope_interleaved, Tensor? k_signs, "
       "Tensor? v_signs, float scale, SymInt split_tokens, SymInt sliding_window=0, float softcap=0.0, "
-      "Tensor? k_levels=None, Tensor? v_levels=None) -> Tensor");
+      "Tensor? k_levels=None, Tensor? v_levels=None, Tensor? k_outliers=None, Tensor? v_outliers=None) -> Tensor");
   // A chunk of new tokens per sequence, q (T, Hq, D) with query_start_loc (B+1) and their keys / values
   // k_new / v_new (T, Hkv, D) in the storage space: causal attention over the lengths[b] cached tokens
   // as stored and the chunk itself in full precision (reference.paged_prefill_attention). Runs before
@@ -165,12 +169,13 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, Tensor? block_tables, Tensor? side_slots, "
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
       "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens, "
-      "SymInt sliding_window=0, float softcap=0.0, Tensor? k_levels=None, Tensor? v_levels=None) -> Tensor");
+      "SymInt sliding_window=0, float softcap=0.0, Tensor? k_levels=None, Tensor? v_levels=None, "
+      "Tensor? k_outliers=None, Tensor? v_outliers=None) -> Tensor");
   // Copies pages src_pages[i] -> dst_pages[i] (codes, metadata, page_fill) and side slots src_slots[j] ->
   // dst_slots[j] (sinks, window) in place: a fork's open page and side rows (reference.paged_copy).
   m.def(
       "paged_copy(Tensor(a!) k_codes, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_codes, "
       "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
       "Tensor(j!) v_sink, Tensor(k!)? page_fill, Tensor src_pages, Tensor dst_pages, Tensor src_slots, "
-      "Tensor dst_slots) -> ()");
+      "Tensor dst_slots, Tensor(l!)? k_outliers=None, Tensor(m!)? v_outliers=None) -> ()");
 }

@@ -67,7 +67,7 @@ FAMILIES = {  # name -> bits -> scheme (None: no such row)
     "rkv (recommended)": S.recommended,
     "rkv mixed (K one step above V)": lambda b: S.recommended_mixed(b) if b in (2, 3) else None,
     "TurboQuant-style (Hadamard + Lloyd-Max + norm)": S.turboquant,
-    "rkv + 0.5% sparse outliers (simulated)": S.recommended_sparse,
+    "rkv + 0.5% sparse outliers": S.recommended_sparse,
     # per-layer codebooks fitted on the calibration text: the report resolves them (Report.family_scheme)
     "rkv + calibrated levels": lambda b: None,
 }
@@ -75,7 +75,7 @@ CALIBRATED_LEVELS = "rkv + calibrated levels"
 
 
 FULL_FAMILIES = tuple(FAMILIES)
-DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("grouped g32", "rkv + 0.5% sparse outliers (simulated)",
+DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("grouped g32", "rkv + 0.5% sparse outliers",
                                                           CALIBRATED_LEVELS))
 ALLOCATED = "rkv-alloc-"  # the report's name of a per-layer allocation: rkv-alloc-<average code bits>
 SPLIT = "rkv-split-"  # every layer the same key + value bits, split by the profile (what vLLM serves)

@@ -24,7 +24,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .. import outliers
+from .. import outliers, reference
 from ..codebook import gaussian_round_trip
 from ..integrations.models import attention_modules
 from ..ops.hadamard import hadamard, hadamard_signs
@@ -138,14 +138,17 @@ class Simulation:
         tokens = getattr(s, f"{side}_block_tokens")
         # the cache's sinks are encoded in block 0 but do not set its ranges (view "all": no sinks)
         sinks = s.sinks if self.view == "cache" else 0
-        dense, mask = (outliers.split(x, s.outliers, s.block, group, tokens, sinks) if s.outliers else (x, None))
         lv = None if layer is None else s.side_levels(layer, side)
         if lv is None and s.levels == "calibrated":
             raise ValueError(f"Simulation: scheme {s.name} has per-layer levels; round_trip needs the layer")
-        q = quantize(dense, bits, group, tokens, getattr(s, f"{side}_symmetric"), s.meta_dtype,
-                     getattr(s, f"{side}_clip"), sinks, lv)
-        back = dequantize(q, torch.float32)
-        return back if mask is None else outliers.merge(back, x, mask)
+        args = (bits, group, tokens, getattr(s, f"{side}_symmetric"), s.meta_dtype, getattr(s, f"{side}_clip"))
+        if s.outliers:  # the reference quantizer: the kernels' op takes no excluded values (the append does)
+            mask = outliers.select(x, s.outliers, s.block, group, tokens, sinks)
+            packed, scale, zero = reference.quantize(x, *args, sink_rows=sinks, levels=lv, excluded=mask)
+            back = reference.dequantize(packed, scale, None if getattr(s, f"{side}_symmetric") else zero, bits,
+                                        levels=lv)
+            return outliers.merge(back, x, mask)
+        return dequantize(quantize(x, *args, sinks, lv), torch.float32)
 
     def quantized_pairs(self, q_pos: torch.Tensor, n: int, s: Scheme) -> torch.Tensor:
         """(Nq, n) bool: whether query at position q_pos[i] sees key t in its quantized form."""

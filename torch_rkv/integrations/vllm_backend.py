@@ -27,7 +27,7 @@ from ..ops.rope import rope
 from ..reference import append_keeps_reads, quantized_count, read_rows
 from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE
-from .vllm import ALLOCATION_ENV, ENV, configured_layers, configured_scheme, overridden_backend
+from .vllm import ALLOCATION_ENV, ENV, check_vllm_served, configured_layers, configured_scheme, overridden_backend
 from .vllm_pool import block_multiple, content_bytes, slot_bytes
 from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, growth_beyond_headroom, slot_limit
 
@@ -40,7 +40,7 @@ def _scheme() -> Scheme:
     s = configured_scheme()
     if s is None:
         raise RuntimeError(f"torch_rkv's vLLM backend is in use but neither {ENV} nor {ALLOCATION_ENV} is set")
-    s.check_served()
+    check_vllm_served(s)
     return s
 
 
@@ -60,7 +60,7 @@ def layer_scheme(layer_name: str) -> Scheme:
     if not 0 <= index < len(layers):
         raise ValueError(f"{ALLOCATION_ENV}: the allocation has {len(layers)} layers; vLLM's layer {layer_name} "
                          f"(index {index}) is not among them: it was made for another model")
-    layers[index].check_served()
+    check_vllm_served(layers[index])
     return layers[index]
 
 

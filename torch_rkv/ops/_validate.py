@@ -65,6 +65,22 @@ def levels(op: str, arg: str, ref: torch.Tensor, lv, b: int, symmetric: bool) ->
     same_device(op, ref, arg, lv)
 
 
+def cache_outliers(op: str, ref: torch.Tensor, k_codes, v_codes, k_outliers, v_outliers, block, dim) -> None:
+    """Each side's sparse-outlier buffer: int32 (pages, kv_heads, rows / block, K >= 1) on ref's device, with
+    block x head_dim <= 65535 (checks.cpp check_outliers)."""
+    for arg, t, codes in (("k_outliers", k_outliers, k_codes), ("v_outliers", v_outliers, v_codes)):
+        if t is None:
+            continue
+        dtype(t.dtype == torch.int32, op, f"{arg} must be int32 (got {t.dtype})")
+        same_device(op, ref, arg, t)
+        value(t.dim() == 4 and t.shape[0] == codes.shape[0] and t.shape[1] == codes.shape[1]
+              and t.shape[2] * block == codes.shape[2] and t.shape[3] >= 1, op,
+              f"{arg} must have shape ({codes.shape[0]}, {codes.shape[1]}, {codes.shape[2] // block}, outliers per "
+              f"block >= 1): one row of entries per block of {block} rows, got {list(t.shape)}")
+        value(block * dim <= 0xFFFF, op, f"{arg}: outlier positions are 16 bits, so block x head_dim must be <= 65535 "
+              f"(got {block} x {dim})")
+
+
 def cache_levels(op: str, ref: torch.Tensor, k_levels, v_levels, k_bits: int, v_bits: int, k_zero, v_zero) -> None:
     levels(op, "k_levels", ref, k_levels, k_bits, k_zero is None)
     levels(op, "v_levels", ref, v_levels, v_bits, v_zero is None)

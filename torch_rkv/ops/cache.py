@@ -40,26 +40,32 @@ def cache_append(
     sliding_window: int = 0,
     k_levels: Optional[torch.Tensor] = None,
     v_levels: Optional[torch.Tensor] = None,
+    k_outliers: Optional[torch.Tensor] = None,
+    v_outliers: Optional[torch.Tensor] = None,
 ) -> None:
     """Mutates the ten cache buffers (layout: torch_rkv.layout.CacheLayout). k_new / v_new (B, Hkv, m, D)
     must have the window's dtype; keys in the cache's storage space (pre-RoPE / rotated as the scheme says).
     k_clip / v_clip: completed blocks are quantized with quantize's clipped-range search. sliding_window
     > 0: the packed rows are a ring (token t in row t % C, C >= layout.ring_rows), so a sequence grows past
     them; at most C - block + 1 tokens per call, so that the blocks one call completes never overlap.
-    k_levels / v_levels: each side's non-uniform code values (quantize's levels), None: uniform."""
+    k_levels / v_levels: each side's non-uniform code values (quantize's levels), None: uniform.
+    k_outliers / v_outliers: each side's sparse-outlier entries (layout.CacheLayout), written per completed
+    block, None: no outliers (reference.select_outliers)."""
     torch.ops.rkv.cache_append.default(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                                        k_sink, v_sink, lengths, k_new, v_new, k_bits, v_bits, block, recent,
-                                       k_clip, v_clip, sliding_window, k_levels, v_levels)
+                                       k_clip, v_clip, sliding_window, k_levels, v_levels, k_outliers,
+                                       v_outliers)
 
 
 @torch.library.register_fake("rkv::cache_append")
 def _cache_append_fake(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                        lengths, k_new, v_new, k_bits, v_bits, block, recent, k_clip=False, v_clip=False,
-                       sliding_window=0, k_levels=None, v_levels=None):
+                       sliding_window=0, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None):
     _validate.cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent,
                            k_zero, v_zero, k_clip, v_clip)
     _validate.window_and_cap("cache_append", sliding_window, 0.0, k_packed.shape[2], block, k_new.shape[2])
     _validate.cache_levels("cache_append", k_new, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
+    _validate.cache_outliers("cache_append", k_new, k_packed, v_packed, k_outliers, v_outliers, block, k_new.shape[-1])
     _validate.devices("cache_append", k_new, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, lengths=lengths, v_new=v_new)

@@ -24,26 +24,30 @@ def paged_append(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v
                  side_slots: Optional[torch.Tensor], lengths: torch.Tensor, query_start_loc: torch.Tensor,
                  k_new: torch.Tensor, v_new: torch.Tensor, k_bits: int, v_bits: int, block: int, recent: int,
                  k_clip: bool = False, v_clip: bool = False, slot_mapping: Optional[torch.Tensor] = None,
-                 k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None) -> None:
+                 k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
+                 k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None) -> None:
     """Append sequence b's new tokens, rows query_start_loc[b]..query_start_loc[b+1] of k_new / v_new
     (T, Hkv, D) in the cache's dtype and storage space, after its lengths[b] tokens, in place. Blocks
     the append completes are quantized into their pages (a page is final once full); page_fill (pages,)
     int32 counts the quantized rows of each page and turns a write into them into an error (None: no
     guard); slot_mapping (T,): the engine's slot of each new token, checked against the tables. k_levels /
-    v_levels: each side's non-uniform code values (quantize's levels), None: uniform."""
+    v_levels: each side's non-uniform code values (quantize's levels), None: uniform. k_outliers /
+    v_outliers: each side's sparse-outlier entries, written per completed block (cache_append's)."""
     torch.ops.rkv.paged_append.default(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
                                        v_sink, page_fill, block_tables, side_slots, lengths, query_start_loc, k_new,
                                        v_new, k_bits, v_bits, block, recent, k_clip, v_clip, slot_mapping, k_levels,
-                                       v_levels)
+                                       v_levels, k_outliers, v_outliers)
 
 
 @torch.library.register_fake("rkv::paged_append")
 def _paged_append_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                        page_fill, block_tables, side_slots, lengths, query_start_loc, k_new, v_new, k_bits, v_bits,
-                       block, recent, k_clip=False, v_clip=False, slot_mapping=None, k_levels=None, v_levels=None):
+                       block, recent, k_clip=False, v_clip=False, slot_mapping=None, k_levels=None, v_levels=None,
+                       k_outliers=None, v_outliers=None):
     _validate.paged_append(k_codes, v_codes, k_window, page_fill, block_tables, side_slots, lengths, query_start_loc,
                            k_new, v_new, k_bits, v_bits, block, recent, k_zero, v_zero, k_clip, v_clip, slot_mapping)
     _validate.cache_levels("paged_append", k_new, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
+    _validate.cache_outliers("paged_append", k_new, k_codes, v_codes, k_outliers, v_outliers, block, k_new.shape[-1])
     _validate.devices("paged_append", k_new, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, page_fill=page_fill, block_tables=block_tables, side_slots=side_slots,
@@ -59,7 +63,9 @@ def paged_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
                            v_signs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
                            split_tokens: int = 0, sliding_window: int = 0, softcap: float = 0.0,
                            k_levels: Optional[torch.Tensor] = None,
-                           v_levels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           v_levels: Optional[torch.Tensor] = None,
+                           k_outliers: Optional[torch.Tensor] = None,
+                           v_outliers: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention (B, Hq, D) of each sequence's newest query q (B, Hq, D) over its lengths[b] cached
     tokens (the newest appended): GQA/MQA, pre-RoPE keys rotated in the kernel (rope_cos/rope_sin),
     Hadamard spaces (k_signs / v_signs), sinks and window, split-K (split_tokens, 0: chosen).
@@ -69,19 +75,20 @@ def paged_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
     return torch.ops.rkv.paged_decode_attention.default(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables,
         side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, s,
-        split_tokens, sliding_window, softcap, k_levels, v_levels)
+        split_tokens, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers)
 
 
 @torch.library.register_fake("rkv::paged_decode_attention")
 def _paged_decode_attention_fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
                                  v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
                                  rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens, sliding_window=0,
-                                 softcap=0.0, k_levels=None, v_levels=None):
+                                 softcap=0.0, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None):
     _validate.decode_attention(q, k_codes, v_codes, k_window, lengths, k_bits, v_bits, block, recent, rope_cos,
                                rope_sin, k_signs, block_tables, side_slots, op="paged_decode_attention")
     _validate.window_and_cap("paged_decode_attention", sliding_window, softcap,
                              None if block_tables is not None else k_codes.shape[2], block)
     _validate.cache_levels("paged_decode_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
+    _validate.cache_outliers("paged_decode_attention", q, k_codes, v_codes, k_outliers, v_outliers, block, q.shape[-1])
     _validate.devices("paged_decode_attention", q, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, block_tables=block_tables, side_slots=side_slots, lengths=lengths,
@@ -98,7 +105,9 @@ def paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len: int
                             v_signs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
                             split_tokens: int = 0, sliding_window: int = 0, softcap: float = 0.0,
                             k_levels: Optional[torch.Tensor] = None,
-                            v_levels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            v_levels: Optional[torch.Tensor] = None,
+                            k_outliers: Optional[torch.Tensor] = None,
+                            v_outliers: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention (T, Hq, D) of a chunk of new tokens per sequence: q (T, Hq, D) and their keys
     and values k_new / v_new (T, Hkv, D) in the storage space, rows query_start_loc[b].. for sequence b,
     over its lengths[b] cached tokens as stored and the chunk itself in full precision. Call it before
@@ -108,7 +117,8 @@ def paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len: int
     return torch.ops.rkv.paged_prefill_attention.default(
         q, k_new, v_new, query_start_loc, max_query_len, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window,
         v_window, k_sink, v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
-        rope_sin, rope_interleaved, k_signs, v_signs, s, split_tokens, sliding_window, softcap, k_levels, v_levels)
+        rope_sin, rope_interleaved, k_signs, v_signs, s, split_tokens, sliding_window, softcap, k_levels, v_levels,
+        k_outliers, v_outliers)
 
 
 @torch.library.register_fake("rkv::paged_prefill_attention")
@@ -116,13 +126,14 @@ def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_le
                                   v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables, side_slots,
                                   lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved,
                                   k_signs, v_signs, scale, split_tokens, sliding_window=0, softcap=0.0, k_levels=None,
-                                  v_levels=None):
+                                  v_levels=None, k_outliers=None, v_outliers=None):
     _validate.paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len, k_codes, v_codes, k_window,
                                       block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
                                       rope_sin, k_signs)
     _validate.window_and_cap("paged_prefill_attention", sliding_window, softcap,
                              None if block_tables is not None else k_codes.shape[2], block)
     _validate.cache_levels("paged_prefill_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
+    _validate.cache_outliers("paged_prefill_attention", q, k_codes, v_codes, k_outliers, v_outliers, block, q.shape[-1])
     _validate.devices("paged_prefill_attention", q, k_new=k_new, v_new=v_new, query_start_loc=query_start_loc,
                       k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale,
                       v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink, v_sink=v_sink,
@@ -133,17 +144,19 @@ def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_le
 
 def paged_copy(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                page_fill: Optional[torch.Tensor], src_pages: torch.Tensor, dst_pages: torch.Tensor,
-               src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata and page_fill) and side slots
+               src_slots: torch.Tensor, dst_slots: torch.Tensor, k_outliers: Optional[torch.Tensor] = None,
+               v_outliers: Optional[torch.Tensor] = None) -> None:
+    """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata, sparse outliers and page_fill) and side slots
     src_slots[j] -> dst_slots[j] (sinks and window), in place: what a fork copies (its open page and side
     rows; its full pages are shared by reference)."""
     torch.ops.rkv.paged_copy.default(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
-                                     v_sink, page_fill, src_pages, dst_pages, src_slots, dst_slots)
+                                     v_sink, page_fill, src_pages, dst_pages, src_slots, dst_slots, k_outliers,
+                                     v_outliers)
 
 
 @torch.library.register_fake("rkv::paged_copy")
 def _paged_copy_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                     page_fill, src_pages, dst_pages, src_slots, dst_slots):
+                     page_fill, src_pages, dst_pages, src_slots, dst_slots, k_outliers=None, v_outliers=None):
     op = "paged_copy"
     for name, t in (("src_pages", src_pages), ("dst_pages", dst_pages), ("src_slots", src_slots),
                     ("dst_slots", dst_slots)):
@@ -152,5 +165,6 @@ def _paged_copy_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_windo
                     "src and dst ids must have the same length")
     _validate.devices(op, k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale, v_zero=v_zero,
                       k_window=k_window, v_window=v_window, k_sink=k_sink, v_sink=v_sink, page_fill=page_fill,
-                      src_pages=src_pages, dst_pages=dst_pages, src_slots=src_slots, dst_slots=dst_slots)
+                      src_pages=src_pages, dst_pages=dst_pages, src_slots=src_slots, dst_slots=dst_slots,
+                      k_outliers=k_outliers, v_outliers=v_outliers)
     return None

@@ -17,6 +17,7 @@
 #include "capability.h"
 #include "decode_kernel.h"
 #include "rkv/attention.h"
+#include "rkv/outliers.h"
 #include "rkv/paging.h"
 #include "rkv/rope.h"
 
@@ -52,6 +53,7 @@ struct RowReader {
   int64_t page_lo = 0, page_hi = 0;  // tokens [page_lo, page_hi) live in the page below
   const uint8_t* page_codes = nullptr;  // codes of this head's row 0 in that page
   int64_t page_meta = 0;                // element offset of its metadata row 0
+  int64_t page_id = 0;                  // and the page itself
 
   // whether tokens [t, t + n) are all quantized rows (no sink, window or new row among them)
   bool all_packed(int64_t t, int64_t n) const { return t >= sinks && t + n <= q_count; }
@@ -59,6 +61,7 @@ struct RowReader {
   RKV_INLINE void seek(int64_t t) {
     if (t >= page_lo && t < page_hi) return;
     const int64_t page = pt->page(b, t);
+    page_id = page;
     page_lo = t - t % g->page_size;
     page_hi = page_lo + g->page_size;
     page_codes = side->codes + side->codes_offset(*g, page, h, 0);
@@ -105,6 +108,27 @@ struct RowReader {
     meta_rows(page_meta + m * (dim / group), 1, sc, zc);
     meta_lo = page_lo + m * block_tokens;
     meta_hi = meta_lo + block_tokens;
+  }
+
+  // f(i, c, r) for each sparse outlier of quantized rows [t, t + n) (include/rkv/outliers.h): residual r
+  // of channel c of row t + i, to add to its dequantized value. Entries are sorted by position, so each
+  // block's scan stops at the first one past the rows.
+  template <typename F>
+  RKV_INLINE void for_outliers(int64_t t, int64_t n, F&& f) {
+    if (side->outliers == nullptr) return;
+    const int64_t hi = std::min(t + n, q_count);
+    for (int64_t u = std::max(t, sinks); u < hi;) {
+      seek(u);
+      const int64_t row = u - page_lo, first = u - row % g->block, end = std::min(hi, first + g->block);
+      const uint32_t* e = side->outliers + side->outlier_offset(*g, page_id, h, row);
+      const int64_t pos_lo = (u - first) * dim, pos_hi = (end - first) * dim;
+      for (int64_t k = 0; k < side->outlier_count; ++k) {
+        const int64_t pos = outlier_pos(e[k]);
+        if (pos >= pos_hi) break;
+        if (pos >= pos_lo) f(first + pos / dim - t, pos % dim, outlier_residual(e[k]));
+      }
+      u = end;
+    }
   }
 
 #if RKV_TILES_AVX2
@@ -325,6 +349,7 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
         if (!a.cos) {
           if (!keys.load_tile(tt, nt, tile))
             for (int64_t i = 0; i < nt; ++i) keys.load(tt + i, tile + i * D);
+          keys.for_outliers(tt, nt, [&](int64_t i, int64_t c, float r) { tile[i * D + c] += r; });
         } else {
           const float* cs = a.cos + tt * g.rope_half;
           const float* sn = a.sin + tt * g.rope_half;
@@ -335,6 +360,9 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
               rope_row(row, cs + i * g.rope_half, sn + i * g.rope_half, g.rope_half, g.interleaved);
             }
           }
+          keys.for_outliers(tt, nt, [&](int64_t i, int64_t c, float r) {
+            rope_add(tile + i * D, c, r, cs + i * g.rope_half, sn + i * g.rope_half, g.rope_half, g.interleaved);
+          });
         }
         tile_scores<DC>(tile, nt, D, qg, rows, scores + (tt - c0), kChunkTokens);
         tt += nt;
@@ -378,6 +406,9 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
             fold_probs(scores + (tt - c0), kChunkTokens, rows, VG, nt, sv, zv, pp, zsum);
             accumulate_codes<DC>(values.packed_row(tt), values.row_bytes, values.bits, values.side->levels, nt,
                                  FoldedProbs{pp, VG * kTileTokens, g.v_group / 8, kTileTokens}, rows, acc, D);
+            values.for_outliers(tt, nt, [&](int64_t i, int64_t c, float r) {
+              for (int64_t row = 0; row < rows; ++row) acc[row * D + c] += scores[row * kChunkTokens + tt - c0 + i] * r;
+            });
             tt += nt;
             continue;
           }
@@ -385,6 +416,7 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
 #endif
         if (!values.load_tile(tt, nt, tile))
           for (int64_t i = 0; i < nt; ++i) values.load(tt + i, tile + i * D);
+        values.for_outliers(tt, nt, [&](int64_t i, int64_t c, float r) { tile[i * D + c] += r; });
         tile_accumulate<DC>(tile, nt, D, scores + (tt - c0), rows, kChunkTokens, acc, D);
         tt += nt;
       }

@@ -84,11 +84,13 @@ struct BlockScratch {
 // packed row). Writes groups = dim / group_size scales (and zeros unless symmetric). The first
 // sink_rows rows (a cache's attention sinks, kept in full precision elsewhere) are encoded but do not
 // set the ranges, unless every row is one (reference.quantize's sink_rows). lut: the side's
-// non-uniform levels (include/rkv/quant.h), or nullptr.
+// non-uniform levels (include/rkv/quant.h), or nullptr. excluded (block_tokens x dim flags, or nullptr):
+// values kept as sparse outliers (include/rkv/outliers.h), encoded but left out of every range.
 template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
 void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, int64_t dim, int64_t group_size,
                         int bits, bool symmetric, bool clip, meta_t* scale_out, meta_t* zero_out,
-                        BlockScratch& s, int64_t sink_rows = 0, const float* lut = nullptr) {
+                        BlockScratch& s, int64_t sink_rows = 0, const float* lut = nullptr,
+                        const uint8_t* excluded = nullptr) {
   const int64_t groups = dim / group_size, counted0 = sink_rows < block_tokens ? sink_rows : 0;
   float* xs = s.x.data();
   for (int64_t t = 0; t < block_tokens; ++t) to_float(src_row(t), xs + t * dim, dim);
@@ -101,22 +103,24 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
   // 1. min / max of the finite values of each tile.
   for (int64_t t = counted0; t < block_tokens; ++t) {
     const float* x = xs + t * dim;
+    const uint8_t* ex = excluded != nullptr ? excluded + t * dim : nullptr;
     if (group_size == 1) {
 #pragma omp simd
       for (int64_t c = 0; c < dim; ++c) {
         const float v = x[c];
-        const bool fin = is_finite(v);
+        const bool fin = is_finite(v) && !(ex != nullptr && ex[c]);
         lo[c] = (fin && v < lo[c]) ? v : lo[c];
         hi[c] = (fin && v > hi[c]) ? v : hi[c];
       }
     } else {
       for (int64_t gi = 0; gi < groups; ++gi) {
         const float* xg = x + gi * group_size;
+        const uint8_t* eg = ex != nullptr ? ex + gi * group_size : nullptr;
         float l = lo[gi], h = hi[gi];
 #pragma omp simd reduction(min : l) reduction(max : h)
         for (int64_t c = 0; c < group_size; ++c) {
           const float v = xg[c];
-          const bool fin = is_finite(v);
+          const bool fin = is_finite(v) && !(eg != nullptr && eg[c]);
           l = (fin && v < l) ? v : l;
           h = (fin && v > h) ? v : h;
         }
@@ -131,7 +135,9 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
       double e = 0.0;
       for (int64_t t = counted0; t < block_tokens; ++t) {
         const float* xg = xs + t * dim + gi * group_size;
-        for (int64_t c = 0; c < group_size; ++c) e += clip_error(xg[c], p, bits, lut);
+        const uint8_t* eg = excluded != nullptr ? excluded + t * dim + gi * group_size : nullptr;
+        for (int64_t c = 0; c < group_size; ++c)
+          if (eg == nullptr || !eg[c]) e += clip_error(xg[c], p, bits, lut);
       }
       return e;
     };

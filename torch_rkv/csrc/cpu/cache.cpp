@@ -5,6 +5,7 @@
 //   1. every block the append completes is quantized, its older tokens read from the sinks and the
 //      window ring and its newer ones from the new tokens, with the block quantizer of rkv::quantize
 //      (bit-identical), into its page rows;
+//      With sparse outliers the block's are chosen first (cpu/outliers.h) and stored after it;
 //   2. new tokens t < S go to the sinks, new tokens that stay in full precision to the window ring.
 // Step 1 reads ring slots that step 2 may overwrite, so it runs first. All checks (shapes, dtypes,
 // capacity, page ids, the immutability of quantized rows) happen before the first write: a rejected
@@ -19,15 +20,25 @@
 #include "../cache_ops.h"
 #include "../dispatch.h"
 #include "block_quant.h"
+#include "outliers.h"
+#include "rkv/pack.h"
 #include "rkv/attention.h"
 #include "rkv/paging.h"
 
 namespace rkv::cpu {
 namespace {
 
+// Per-thread scratch of the outlier selection: one whole block in float, and its taken flags.
+struct OutlierScratch {
+  std::vector<float> x;
+  std::vector<uint8_t> taken;
+  OutlierScratch(int64_t block, int64_t dim, bool used) : x(used ? block * dim : 0) {}
+};
+
 template <typename fp_t, typename meta_t>
 void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& side, const fp_t* fresh,
-                const FreshRows& rows, bool clip, int64_t b, int64_t h, int64_t n0, int64_t m, BlockScratch& scratch) {
+                const FreshRows& rows, bool clip, int64_t b, int64_t h, int64_t n0, int64_t m, BlockScratch& scratch,
+                OutlierScratch& out) {
   const int64_t d = g.dim, S = g.sinks, P = g.page_size, T = side.block_tokens, n1 = n0 + m, slot = pt.slot(b);
   const int64_t q1 = quantized_count(n1, g.recent, g.block);
   fp_t* window = static_cast<fp_t*>(side.window);
@@ -38,15 +49,35 @@ void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& sid
     if (t >= n0) return fresh + rows.offset(b, h, t - n0);
     return t < S ? sink + sink_offset(g, slot, h, t) : window + window_offset(g, slot, h, t);
   };
-  // 1. completed blocks, one quantizer tile (T rows) at a time
+  // 1. completed blocks, one quantizer tile (T rows) at a time; with sparse outliers the block's are
+  // chosen first, left out of the tiles' ranges, and stored with their residuals after
   for (int64_t first = n0 / g.block * g.block; first + g.block <= n1; first += g.block) {
+    const int64_t sinks_here = std::max<int64_t>(0, std::min(S - first, g.block));
+    std::vector<int64_t> taken;
+    if (side.outliers != nullptr) {
+      for (int64_t i = 0; i < g.block; ++i) to_float(token(first + i), out.x.data() + i * d, d);
+      taken = select_outliers(out.x.data(), g.block, OutlierGroups{d, T, side.group, sinks_here},
+                              side.outlier_count, out.taken);
+    }
     for (int64_t s = first; s < first + g.block; s += T) {
       const int64_t page = pt.page(b, s), row = s % P, meta = side.meta_offset(g, page, h, row);
       quantize_block_row<fp_t, meta_t>(
           [&](int64_t i) { return token(s + i); },
           [&](int64_t i) { return side.codes + side.codes_offset(g, page, h, row + i); }, T, d, side.group,
           side.bits, zero == nullptr, clip, scale + meta, zero ? zero + meta : nullptr, scratch,
-          std::max<int64_t>(0, std::min(S - s, T)), side.levels);
+          std::max<int64_t>(0, std::min(S - s, T)), side.levels,
+          side.outliers != nullptr ? out.taken.data() + (s - first) * d : nullptr);
+    }
+    if (side.outliers != nullptr) {
+      const int64_t page = pt.page(b, first), row0 = first % P;
+      const auto x_hat = [&](int64_t pos) {
+        const int64_t row = row0 + pos / d, c = pos % d, meta = side.meta_offset(g, page, h, row) + c / side.group;
+        const QParams p{static_cast<float>(scale[meta]), zero ? static_cast<float>(zero[meta]) : 0.0f};
+        const uint32_t code = unpack_code(side.codes + side.codes_offset(g, page, h, row), c, side.bits);
+        return decode(code, p, side.bits, zero == nullptr, side.levels);
+      };
+      write_outliers(out.x.data(), taken, x_hat, side.outlier_count,
+                     side.outliers + side.outlier_offset(g, page, h, row0));
     }
   }
   // 2. sinks and window
@@ -74,11 +105,12 @@ void run_append(const char* op, const AppendCall& a) {
       at::parallel_for(0, g.batch * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
         BlockScratch k_scratch(g.k_block_tokens, g.dim / g.k_group, g.dim);
         BlockScratch v_scratch(g.v_block_tokens, g.dim / g.v_group, g.dim);
+        OutlierScratch o_scratch(g.block, g.dim, a.cache.k.outliers != nullptr || a.cache.v.outliers != nullptr);
         for (int64_t bh = begin; bh < end; ++bh) {
           const int64_t b = bh / g.kv_heads, h = bh % g.kv_heads, m = count(b);
           if (m == 0) continue;
-          append_one<fp_t, meta_t>(g, pt, a.cache.k, kn, a.rows, a.k_clip, b, h, n[b], m, k_scratch);
-          append_one<fp_t, meta_t>(g, pt, a.cache.v, vn, a.rows, a.v_clip, b, h, n[b], m, v_scratch);
+          append_one<fp_t, meta_t>(g, pt, a.cache.k, kn, a.rows, a.k_clip, b, h, n[b], m, k_scratch, o_scratch);
+          append_one<fp_t, meta_t>(g, pt, a.cache.v, vn, a.rows, a.v_clip, b, h, n[b], m, v_scratch, o_scratch);
         }
       });
     });

@@ -16,6 +16,7 @@
 #include "../op_common.h"
 #include "common.cuh"
 #include "rkv/attention.h"
+#include "rkv/outliers.h"
 #include "rkv/pack.h"
 #include "rkv/paging.h"
 #include "rkv/quant.h"
@@ -68,11 +69,38 @@ struct Side {
         const bool sym = zero == nullptr;
         const QParams pa{static_cast<float>(scale[a / view.group]), sym ? 0.0f : static_cast<float>(zero[a / view.group])};
         const QParams pc{static_cast<float>(scale[c / view.group]), sym ? 0.0f : static_cast<float>(zero[c / view.group])};
-        return make_float2(decode(unpack_code(codes, a, view.bits), pa, view.bits, sym, view.levels),
-                           decode(unpack_code(codes, c, view.bits), pc, view.bits, sym, view.levels));
+        float2 xy = make_float2(decode(unpack_code(codes, a, view.bits), pa, view.bits, sym, view.levels),
+                                decode(unpack_code(codes, c, view.bits), pc, view.bits, sym, view.levels));
+        if (view.outliers != nullptr) add_outliers(g, page, h, r, a, c, xy);
+        return xy;
       }
     }
     return make_float2(static_cast<float>(row[a]), static_cast<float>(row[c]));
+  }
+
+  // The sparse outliers (include/rkv/outliers.h) of channels a and c of quantized row r of `page`, added
+  // to their dequantized values (pre-RoPE, like the codes). The block's entries are sorted by position:
+  // a binary search finds the row's first, the scan stops past the row.
+  __device__ void add_outliers(const CacheGeometry& g, int64_t page, int64_t h, int64_t r, int64_t a, int64_t c,
+                               float2& xy) const {
+    const uint32_t* e = view.outliers + view.outlier_offset(g, page, h, r);
+    const int64_t lo = r % g.block * g.dim, hi = lo + g.dim;
+    int64_t k = 0, n = view.outlier_count;  // first entry at or past lo: in [k, k + n]
+    while (n > 0) {
+      const int64_t half = n / 2;
+      if (outlier_pos(e[k + half]) < lo) {
+        k += half + 1;
+        n -= half + 1;
+      } else {
+        n = half;
+      }
+    }
+    for (; k < view.outlier_count; ++k) {
+      const int64_t pos = outlier_pos(e[k]);
+      if (pos >= hi) break;
+      if (pos - lo == a) xy.x = add_rn(xy.x, outlier_residual(e[k]));
+      if (pos - lo == c) xy.y = add_rn(xy.y, outlier_residual(e[k]));
+    }
   }
 };
 

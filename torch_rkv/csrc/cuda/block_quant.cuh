@@ -24,25 +24,41 @@ struct EncodeAt {
   }
 };
 
+// Values kept as sparse outliers (include/rkv/outliers.h): bit first + t * dim + c of a bitmask (shared
+// memory) flags channel c of token t of the block; bits == nullptr: none.
+struct Excluded {
+  const uint32_t* bits = nullptr;
+  int64_t first = 0;
+  __device__ bool operator()(int64_t t, int64_t c, int64_t dim) const {
+    if (bits == nullptr) return false;
+    const int64_t k = first + t * dim + c;
+    return ((bits[k >> 5] >> (k & 31)) & 1u) != 0;
+  }
+};
+
 // src_row(t) -> const scalar_t* of token t of the block; dst_row(t) -> its packed row. Must be called
 // by every thread of the block (it synchronizes). Parameters go to scale_out / zero_out first and are
 // read back from there, so no shared memory is needed whatever dim is.
 // The first sink_rows rows are encoded but do not set the ranges, unless every row is one
-// (cpu/block_quant.h). lut: the side's non-uniform levels (include/rkv/quant.h), or nullptr.
+// (cpu/block_quant.h). lut: the side's non-uniform levels (include/rkv/quant.h), or nullptr. excluded:
+// values encoded but left out of every range and clip error (sparse outliers).
 template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
 __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row, int64_t block_tokens, int64_t dim,
                                    int64_t group_size, int bits, bool symmetric, bool clip, meta_t* scale_out,
-                                   meta_t* zero_out, int64_t sink_rows = 0, const float* lut = nullptr) {
+                                   meta_t* zero_out, int64_t sink_rows = 0, const float* lut = nullptr,
+                                   const Excluded& excluded = Excluded{}) {
   const int64_t groups = dim / group_size, t0 = sink_rows < block_tokens ? sink_rows : 0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   if (group_size == 1) {
     // per-channel: one thread per channel walks the block's tokens (coalesced across threads)
     for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
       Range r;
-      for (int64_t t = t0; t < block_tokens; ++t) r.add(static_cast<float>(src_row(t)[c]));
+      for (int64_t t = t0; t < block_tokens; ++t)
+        if (!excluded(t, c, dim)) r.add(static_cast<float>(src_row(t)[c]));
       const auto channel_error = [&](QParams p) {
         double e = 0.0;
-        for (int64_t t = t0; t < block_tokens; ++t) e += clip_error(static_cast<float>(src_row(t)[c]), p, bits, lut);
+        for (int64_t t = t0; t < block_tokens; ++t)
+          if (!excluded(t, c, dim)) e += clip_error(static_cast<float>(src_row(t)[c]), p, bits, lut);
         return e;
       };
       const QParams p = clip ? clipped_qparams<meta_t>(r.lo, r.hi, bits, channel_error)
@@ -54,15 +70,18 @@ __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row,
     // one warp per group, lanes over its block_tokens x group_size elements
     for (int64_t gi = warp; gi < groups; gi += warps) {
       Range r;
-      for (int64_t e = t0 * group_size + lane; e < block_tokens * group_size; e += 32)
-        r.add(static_cast<float>(src_row(e / group_size)[gi * group_size + e % group_size]));
+      for (int64_t e = t0 * group_size + lane; e < block_tokens * group_size; e += 32) {
+        const int64_t t = e / group_size, c = gi * group_size + e % group_size;
+        if (!excluded(t, c, dim)) r.add(static_cast<float>(src_row(t)[c]));
+      }
       const float lo = warp_min(r.lo), hi = warp_max(r.hi);
       // every lane runs the search in step: the warp sum gives all of them the same errors
       const auto group_error = [&](QParams p) {
         double e = 0.0;
-        for (int64_t el = t0 * group_size + lane; el < block_tokens * group_size; el += 32)
-          e += clip_error(static_cast<float>(src_row(el / group_size)[gi * group_size + el % group_size]), p, bits,
-                            lut);
+        for (int64_t el = t0 * group_size + lane; el < block_tokens * group_size; el += 32) {
+          const int64_t t = el / group_size, c = gi * group_size + el % group_size;
+          if (!excluded(t, c, dim)) e += clip_error(static_cast<float>(src_row(t)[c]), p, bits, lut);
+        }
         return warp_sum(e);
       };
       const QParams p = clip ? clipped_qparams<meta_t>(lo, hi, bits, group_error)

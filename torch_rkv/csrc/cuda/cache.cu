@@ -2,7 +2,8 @@
 //
 // 1. quantize_blocks_kernel: one thread block per (quantizer tile that the append may complete, sequence x
 //    kv head, keys|values); tiles outside the completed blocks exit at once. Reads old tokens from the
-//    sinks and the window ring, writes the tile into its page rows.
+//    sinks and the window ring, writes the tile into its page rows. A side with sparse outliers goes a
+//    whole block at a time: its outliers are chosen, its tiles quantized without them, their entries written.
 // 2. place_tokens_kernel: one thread per element of the new tokens, writing sinks and window slots (and
 //    asserting what the CPU checks on the host: capacity, page ids, immutable rows, slot_mapping).
 // 3. page_fill_kernel: one thread per sequence, advancing the quantized-row count of its pages.
@@ -11,6 +12,7 @@
 #include "../cache_ops.h"
 #include "block_quant.cuh"
 #include "rkv/attention.h"
+#include "rkv/outliers.h"
 #include "rkv/paging.h"
 
 namespace rkv::cuda {
@@ -55,29 +57,132 @@ struct DestRows {
   __device__ uint8_t* operator()(int64_t i) const { return base + i * row_bytes; }
 };
 
-// The tiles of one (sequence, kv head, side) that this thread block owns: tile = blockIdx.x + k * gridDim.x.
+// One candidate of the outlier selection: the best (gain, key) of some groups and the position it takes
+// (key -1: none). Keys are group * 2 + end, below 2 * 65535, so 32 bits hold them.
+struct OutlierPick {
+  float gain;
+  int key, pos;
+};
+
+// b into a if it wins by the selection's tie rule (outlier_better), which orders any two picks alike
+// whichever is first, so a reduction in any order finds the CPU's choice.
+__device__ __forceinline__ void keep_better(OutlierPick& a, const OutlierPick& b) {
+  if (outlier_better(b.gain, b.key, a.gain, a.key)) a = b;
+}
+
+// The greedy selection of cpu/outliers.h (select_outliers) by the whole thread block: taken (a shared
+// bitmask of the block's positions, cleared) gets the chosen positions; returns how many. Each thread
+// keeps the best pick of its groups (gi = threadIdx.x + k * blockDim.x), the block reduces them, and only
+// the owner of the group that lost a value scans its groups again (the others' extremes did not change).
+template <typename Value>
+__device__ int64_t select_outliers(const Value& value, int64_t block, const OutlierGroups& og, int64_t count,
+                                   uint32_t* taken) {
+  __shared__ OutlierPick warp_best[32];
+  __shared__ OutlierPick win;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const auto is_taken = [&](int64_t pos) { return ((taken[pos >> 5] >> (pos & 31)) & 1u) != 0; };
+  const int64_t groups = og.groups(block);
+  const auto own_best = [&] {
+    OutlierPick p{0.0f, -1, -1};
+    for (int64_t gi = threadIdx.x; gi < groups; gi += blockDim.x) {
+      const Extremes e = og.extremes(gi, value, is_taken);
+      for (int side = 0; side < 2; ++side)
+        keep_better(p, OutlierPick{e.gain(side == 0), static_cast<int>(2 * gi + side),
+                                   static_cast<int>(side == 0 ? e.hi_pos : e.lo_pos)});
+    }
+    return p;
+  };
+  OutlierPick mine = own_best();
+  int64_t k = 0;
+  for (; k < count; ++k) {
+    OutlierPick p = mine;
+    for (int o = 16; o > 0; o >>= 1)
+      keep_better(p, OutlierPick{__shfl_xor_sync(0xffffffffu, p.gain, o), __shfl_xor_sync(0xffffffffu, p.key, o),
+                                 __shfl_xor_sync(0xffffffffu, p.pos, o)});
+    if (lane == 0) warp_best[warp] = p;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < warps; ++w) keep_better(p, warp_best[w]);
+      if (p.key >= 0) taken[p.pos >> 5] |= 1u << (p.pos & 31);
+      win = p;
+    }
+    __syncthreads();
+    const OutlierPick w = win;
+    if (w.key < 0) break;  // no group's range shrinks any more (uniform across the block)
+    if ((w.key / 2) % blockDim.x == threadIdx.x) mine = own_best();
+  }
+  return k;
+}
+
+// The block's outlier_count entries (cpu/outliers.h, write_outliers): one per taken position in ascending
+// order, the residual against the dense part as stored (codes and metadata read back), then kOutlierEmpty.
+// Call after the block's tiles are written and synchronized.
+template <typename meta_t, typename Value>
+__device__ void write_outliers(const CacheGeometry& g, const SideView& side, const Value& value, int64_t page,
+                               int64_t h, int64_t row0, const uint32_t* taken, int64_t n_taken) {
+  uint32_t* out = side.outliers + side.outlier_offset(g, page, h, row0);
+  const meta_t* scale = static_cast<const meta_t*>(side.scale);
+  const meta_t* zero = static_cast<const meta_t*>(side.zero);
+  const int64_t d = g.dim;
+  if (threadIdx.x == 0) {  // the bitmask walked in order: positions come out sorted
+    int64_t i = 0;
+    for (int64_t w = 0; w * 32 < g.block * d; ++w)
+      for (uint32_t bits = taken[w]; bits != 0; bits &= bits - 1) {
+        const int64_t pos = w * 32 + __ffs(bits) - 1, row = row0 + pos / d, c = pos % d;
+        const int64_t meta = side.meta_offset(g, page, h, row) + c / side.group;
+        const QParams p{static_cast<float>(scale[meta]), zero ? static_cast<float>(zero[meta]) : 0.0f};
+        const uint32_t code = unpack_code(side.codes + side.codes_offset(g, page, h, row), c, side.bits);
+        out[i++] = outlier_entry(pos, sub_rn(value(pos), decode(code, p, side.bits, zero == nullptr, side.levels)));
+      }
+  }
+  for (int64_t i = n_taken + threadIdx.x; i < side.outlier_count; i += blockDim.x) out[i] = kOutlierEmpty;
+}
+
+// The work items of one (sequence, kv head, side) that this thread block owns: item = blockIdx.x + k *
+// gridDim.x, each one quantizer tile (T rows), or with sparse outliers one whole block (g.block rows, its
+// tiles in turn), since the outliers are chosen over the block.
 template <typename fp_t, typename meta_t>
 __device__ void quantize_tiles(const AppendArgs<fp_t>& a, const SideView& side, const fp_t* fresh, bool clip,
-                               int64_t b, int64_t h, int64_t max_tiles) {
+                               int64_t b, int64_t h, int64_t max_items) {
   const CacheGeometry& g = a.g;
   const int64_t n0 = a.lengths[b], n1 = n0 + a.count(b), T = side.block_tokens;
   const int64_t first_block = n0 / g.block * g.block, last = n1 / g.block * g.block;  // completed: [first, last)
   const int64_t slot = a.pt.slot(b);
-  for (int64_t tile = blockIdx.x; tile < max_tiles; tile += gridDim.x) {
-    const int64_t s = first_block + tile * T;  // first token of this tile
-    if (s >= last) return;  // uniform across the block
-    const int64_t page = a.pt.page(b, s), row = s % g.page_size;
-    CUDA_KERNEL_ASSERT_MSG(page >= 0 && page < g.pages, "rkv.paged_append: a block table names a page outside the pool");
-    const SourceRows<fp_t> src{&g, static_cast<const fp_t*>(side.sink), static_cast<const fp_t*>(side.window), fresh,
-                               a.rows, b, h, slot, s, n0};
-    const int64_t meta = side.meta_offset(g, page, h, row);
-    meta_t* scale = static_cast<meta_t*>(side.scale) + meta;
-    meta_t* zero = side.zero ? static_cast<meta_t*>(side.zero) + meta : nullptr;
-    const int64_t sinks_here = g.sinks - s <= 0 ? 0 : (g.sinks - s < T ? g.sinks - s : T);
-    quantize_block_row<fp_t, meta_t>(src, DestRows{side.codes + side.codes_offset(g, page, h, row), side.row_bytes(g)},
-                                     T, g.dim, side.group, side.bits, zero == nullptr, clip, scale, zero, sinks_here,
-                                     side.levels);
-    __syncthreads();
+  const bool outliers = side.outliers != nullptr;
+  const int64_t unit = outliers ? g.block : T;
+  __shared__ uint32_t taken[(kOutlierPositions + 31) / 32];  // block * dim <= kOutlierPositions
+  for (int64_t item = blockIdx.x; item < max_items; item += gridDim.x) {
+    const int64_t first = first_block + item * unit;  // first token of this item
+    if (first >= last) return;  // uniform across the block
+    const SourceRows<fp_t> block_src{&g, static_cast<const fp_t*>(side.sink), static_cast<const fp_t*>(side.window),
+                                     fresh, a.rows, b, h, slot, first, n0};
+    const auto value = [&](int64_t pos) { return static_cast<float>(block_src(pos / g.dim)[pos % g.dim]); };
+    int64_t n_taken = 0;
+    if (outliers) {
+      for (int64_t w = threadIdx.x; w * 32 < g.block * g.dim; w += blockDim.x) taken[w] = 0;
+      __syncthreads();
+      const int64_t sinks_here = g.sinks - first <= 0 ? 0 : (g.sinks - first < g.block ? g.sinks - first : g.block);
+      n_taken = select_outliers(value, g.block, OutlierGroups{g.dim, T, side.group, sinks_here}, side.outlier_count,
+                                taken);
+    }
+    for (int64_t s = first; s < first + unit; s += T) {
+      const int64_t page = a.pt.page(b, s), row = s % g.page_size;
+      CUDA_KERNEL_ASSERT_MSG(page >= 0 && page < g.pages, "rkv.paged_append: a block table names a page outside the pool");
+      const SourceRows<fp_t> src{&g, static_cast<const fp_t*>(side.sink), static_cast<const fp_t*>(side.window), fresh,
+                                 a.rows, b, h, slot, s, n0};
+      const int64_t meta = side.meta_offset(g, page, h, row);
+      meta_t* scale = static_cast<meta_t*>(side.scale) + meta;
+      meta_t* zero = side.zero ? static_cast<meta_t*>(side.zero) + meta : nullptr;
+      const int64_t sinks_here = g.sinks - s <= 0 ? 0 : (g.sinks - s < T ? g.sinks - s : T);
+      quantize_block_row<fp_t, meta_t>(src, DestRows{side.codes + side.codes_offset(g, page, h, row), side.row_bytes(g)},
+                                       T, g.dim, side.group, side.bits, zero == nullptr, clip, scale, zero, sinks_here,
+                                       side.levels, Excluded{outliers ? taken : nullptr, (s - first) * g.dim});
+      __syncthreads();
+    }
+    if (outliers) {
+      write_outliers<meta_t>(g, side, value, a.pt.page(b, first), h, first % g.page_size, taken, n_taken);
+      __syncthreads();  // thread 0 reads taken until here; the next item clears it
+    }
   }
 }
 
@@ -172,10 +277,10 @@ void run_append(const char*, const AppendCall& call) {
                          call.slot_mapping.defined() ? call.slot_mapping.const_data_ptr<int64_t>() : nullptr,
                          call.k_clip, call.v_clip};
       // one sequence's append completes at most new_tokens / block + 1 blocks (every sequence's tokens
-      // are among the new rows)
-      const int64_t most = call.q_start.defined() ? call.k_new.size(0) : call.tokens;
-      const int64_t tiles_k = (most / g.block + 1) * (g.block / g.k_block_tokens);
-      const int64_t tiles_v = (most / g.block + 1) * (g.block / g.v_block_tokens);
+      // are among the new rows); a side's work items are its tiles, or its blocks with sparse outliers
+      const int64_t most = call.q_start.defined() ? call.k_new.size(0) : call.tokens, blocks = most / g.block + 1;
+      const int64_t tiles_k = a.k.outliers != nullptr ? blocks : blocks * (g.block / g.k_block_tokens);
+      const int64_t tiles_v = a.v.outliers != nullptr ? blocks : blocks * (g.block / g.v_block_tokens);
       const int64_t max_tiles = std::max(tiles_k, tiles_v);
       const dim3 grid(static_cast<unsigned>(std::min<int64_t>(max_tiles, 65535)),
                       static_cast<unsigned>(std::min<int64_t>(g.batch * g.kv_heads, 65535)), 2);

@@ -47,6 +47,10 @@ struct SideView {
   int64_t block_tokens = 1, group = 1;
   int bits = 8;
   const float* levels = nullptr;  // non-uniform levels (2^bits code values; include/rkv/quant.h), or nullptr
+  // sparse outliers (include/rkv/outliers.h): outlier_count entries per block of g.block rows, laid out
+  // (pages, H, P / block, K) with rows contiguous and pages outlier_page_stride entries apart; nullptr: none
+  uint32_t* outliers = nullptr;
+  int64_t outlier_page_stride = 0, outlier_count = 0;
   RKV_HD int64_t row_bytes(const CacheGeometry& g) const { return g.dim * bits / 8; }
   // byte offset of the codes of row `row` of kv head h in page `page`
   RKV_HD int64_t codes_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {
@@ -55,6 +59,10 @@ struct SideView {
   // element offset of the metadata row (scales / zeros of every group) that row `row` reads
   RKV_HD int64_t meta_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {
     return page * meta_page_stride + (h * (g.page_size / block_tokens) + row / block_tokens) * (g.dim / group);
+  }
+  // entry offset of the outliers of the block that row `row` belongs to
+  RKV_HD int64_t outlier_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {
+    return page * outlier_page_stride + (h * (g.page_size / g.block) + row / g.block) * outlier_count;
   }
 };
 

@@ -31,4 +31,21 @@ RKV_HD void rope_undo(float& x0, float& x1, float c, float s) {
   x1 = y1;
 }
 
+// x (a rotated row) += the rotation of r * e_c at the position whose table rows are cs / sn: what adding
+// r to channel c before rope_apply adds after it (rope_apply is linear), so a sparse outlier's residual
+// can join a key after its dense part was dequantized and rotated.
+RKV_HD void rope_add(float* x, int64_t c, float r, const float* cs, const float* sn, int64_t half, bool interleaved) {
+  if (c >= 2 * half) {  // partial rotary: not rotated
+    x[c] = add_rn(x[c], r);
+    return;
+  }
+  const int64_t j = interleaved ? c / 2 : (c < half ? c : c - half);
+  const bool first = interleaved ? c % 2 == 0 : c < half;
+  int64_t a, b;
+  rope_pair_channels(j, half, interleaved, a, b);
+  // first member: (x0, x1) += (r c, r s); second: (x0, x1) += (-r s, r c)
+  x[a] = add_rn(x[a], first ? mul_rn(r, cs[j]) : -mul_rn(r, sn[j]));
+  x[b] = add_rn(x[b], first ? mul_rn(r, sn[j]) : mul_rn(r, cs[j]));
+}
+
 }  // namespace rkv
