@@ -6,8 +6,15 @@ import re
 
 import pytest
 import torch
-from cachebuild import (attention_fp32, buffers_args, build, case_levels, float_tolerance, outliers_args,
-                        quantization_bound)
+from cachebuild import (
+    attention_fp32,
+    buffers_args,
+    build,
+    case_levels,
+    float_tolerance,
+    outliers_args,
+    quantization_bound,
+)
 from conftest import device_params
 from hypothesis import given
 from hypothesis import strategies as st

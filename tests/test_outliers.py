@@ -67,7 +67,7 @@ def test_the_dense_part_gets_a_finer_grid():
     sparse = Simulation(sparse_scheme, view="all").round_trip(x, "k", sparse_scheme)
     rest = torch.ones(128, dtype=torch.bool)
     rest[17] = False
-    err = lambda y: (y - x)[0, 0, rest].pow(2).mean().item()  # noqa: E731
+    err = lambda y: (y - x)[0, 0, rest].pow(2).mean().item()
     assert err(sparse) < err(plain) / 20
     assert (sparse[0, 0, 17] - x[0, 0, 17]).abs().max() <= 2e-2  # the residual's fp16 rounding
     assert sparse_scheme.effective_bits(64) == base.effective_bits(64) + 64 * 32 / (128 * 64)
@@ -99,7 +99,7 @@ def test_the_cache_reads_planted_outliers_back_and_the_simulation_agrees(device)
     plain = QuantizedKVCache(S.recommended(2), 1, 1, h, d, n, torch.float32, rope=(cos, sin))
     plain.append(0, keys, v)
     pk, pv = plain.dequantized(0)
-    err = lambda a, b: (a - b)[:, :, s.sinks : q].pow(2).mean().item()  # noqa: E731
+    err = lambda a, b: (a - b)[:, :, s.sinks : q].pow(2).mean().item()
     assert err(kd, keys) < err(pk, keys) and err(vd, v) < err(pv, v)
 
 
@@ -125,7 +125,7 @@ def test_bad_outlier_buffers_name_the_argument():
     args = [bufs.get(n) for n in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window",
                                   "v_window", "k_sink", "v_sink")]
     k = torch.randn(1, 2, 4, 64).half()
-    call = lambda **kw: torch_rkv.ops.cache.cache_append(*args, torch.tensor([0]), k, k, 2, 2, s.block,  # noqa: E731
+    call = lambda **kw: torch_rkv.ops.cache.cache_append(*args, torch.tensor([0]), k, k, 2, 2, s.block,
                                                           s.recent, **kw)
     with pytest.raises(TypeError, match="rkv.cache_append: k_outliers must be int32"):
         call(k_outliers=bufs["k_outliers"].float())

@@ -292,7 +292,7 @@ def select_outliers(x: torch.Tensor, count: int, tile_rows: int, group: int, sin
 def outlier_entries(x: torch.Tensor, x_hat: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
     """The block's entries (H, count) int32: per taken position (ascending) position << 16 | the float16
     bits of x - x_hat (saturated to +-65504), then OUTLIER_EMPTY."""
-    h, n, d = x.shape
+    h = x.shape[0]
     out = torch.full((h, count), OUTLIER_EMPTY, dtype=torch.int32)
     res = (x.float() - x_hat.float()).clamp(-65504.0, 65504.0).to(torch.float16).view(torch.int16).int() & 0xFFFF
     for i in range(h):
