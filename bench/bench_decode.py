@@ -9,12 +9,14 @@ the same run:
 
     python bench/bench_decode.py [--json] [--contexts 4096 16384 65536] [--bits 8 4 3 2]
                                  [--values per-token grouped-32 grouped-16] [--cpu-levels avx2 default]
-                                 [--levels]
+                                 [--levels] [--outliers 0.005]
 
 --cpu-levels also times the fused kernel at each listed torch_rkv CPU level (csrc/cpu/capability.h) in the
 same run: ms_<level> and the first level's speedup over each other one. --levels also times the fused kernel
 reading the same cache through non-uniform codebooks on both sides (2-4 bits; torch_rkv.codebook):
-ms_levels and levels_vs_uniform, the codebook's time over the uniform grid's.
+ms_levels and levels_vs_uniform, the codebook's time over the uniform grid's. --outliers F also times it
+with sparse outliers on both sides (F of each block's values; include/rkv/outliers.h), the same cache plus
+each block's row of entries (random positions, fp16 residuals): ms_outliers and outliers_vs_dense.
 
 Records: bits, key and value schemes, context, batch, heads, head_dim, ms of each, speedups, cache bytes read and
 the fused kernel's GB/s and its time relative to the read time for the same bytes. Correctness is
@@ -41,6 +43,8 @@ from common import emit, print_machine, time_ms  # noqa: E402
 
 import torch_rkv  # noqa: E402
 from torch_rkv.layout import CacheLayout  # noqa: E402
+from torch_rkv.outliers import outlier_count  # noqa: E402
+from torch_rkv.reference import outlier_residuals  # noqa: E402
 from torch_rkv.scheme import Scheme  # noqa: E402
 
 SHAPES = {"9q/3kv/d64": (9, 3, 64), "32q/8kv/d128": (32, 8, 128)}
@@ -73,6 +77,15 @@ def store_quantized(bufs: dict, s, side: str, x: torch.Tensor):
     if q.zero is not None:
         bufs[f"{side}_zero"].copy_(q.zero)
     return q
+
+
+def random_outliers(b: int, h: int, blocks: int, positions: int, count: int, seed: int, device) -> torch.Tensor:
+    """A (b, h, blocks, count) int32 sparse-outlier buffer: per block `count` distinct positions in order,
+    each with a random fp16 residual (docs/format.md, "Sparse outliers")."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.rand(b, h, blocks, positions, generator=gen).argsort(-1)[..., :count].sort(-1).values
+    res = torch.randn(b, h, blocks, count, generator=gen).half().view(torch.int16).long() & 0xFFFF
+    return ((pos << 16) | res).to(torch.int32).to(device)
 
 
 def last_level_cache_bytes() -> int:
@@ -109,6 +122,8 @@ def main() -> int:
                     help="CPU device: also time the fused kernel at these torch_rkv CPU levels")
     ap.add_argument("--levels", action="store_true",
                     help="also time the fused kernel with non-uniform codebooks (levels_vs_uniform)")
+    ap.add_argument("--outliers", type=float, default=0.0,
+                    help="also time the fused kernel with this fraction of sparse outliers (outliers_vs_dense)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     chosen = torch_rkv.cpu_capability()
@@ -144,13 +159,17 @@ def main() -> int:
                 a = [bufs.get(k) for k in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero",
                                             "k_window", "v_window", "k_sink", "v_sink")]
 
-                def fused(bufs, lv=None):
+                def fused(bufs, lv=None, outl=(None, None)):
                     return torch_rkv.decode_attention(q, *bufs, lengths, bits, bits, scheme.block, scheme.recent,
-                                                      rope[0], rope[1], k_levels=lv, v_levels=lv)
+                                                      rope[0], rope[1], k_levels=lv, v_levels=lv, k_outliers=outl[0],
+                                                      v_outliers=outl[1])
 
-                def deq_sdpa(a=a, lv=None):
+                def deq_sdpa(a=a, lv=None, outl=(None, None)):
                     k = torch_rkv.dequantize(torch_rkv.Quantized(a[0], a[1], a[2], bits, lv), torch.float32)
                     v = torch_rkv.dequantize(torch_rkv.Quantized(a[3], a[4], a[5], bits, lv), torch.float32)
+                    if outl[0] is not None:  # each block's residuals at their positions
+                        k = k + outlier_residuals(outl[0], scheme.block, d).reshape(k.shape)
+                        v = v + outlier_residuals(outl[1], scheme.block, d).reshape(v.shape)
                     if rope[0] is not None:
                         k = torch_rkv.rope(k, cos, sin, torch.arange(n, device=dev))
                     return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)[:, :, 0]
@@ -182,6 +201,16 @@ def main() -> int:
                     assert err < 1e-3 * want_lv.abs().max().item() + 1e-4, f"fused with levels != dequantize+SDPA ({err})"
                     rec["ms_levels"] = time_ms(cycled(lambda c: fused(c, lv), copies), args.min_run_time)
                     rec["levels_vs_uniform"] = rec["ms_levels"] / t_fused
+                if args.outliers and bits < 8:
+                    per_block = outlier_count(args.outliers, scheme.block, d)
+                    outl = tuple(random_outliers(b, hkv, n // scheme.block, scheme.block * d, per_block, seed, dev)
+                                 for seed in (1, 2))
+                    want_o = deq_sdpa(a, None, outl)
+                    err = (fused(a, None, outl) - want_o).abs().max().item()
+                    assert err < 1e-3 * want_o.abs().max().item() + 1e-4, f"fused with outliers != dequantize+SDPA ({err})"
+                    o_copies = [(c, tuple(t.clone() for t in outl)) for c in copies]
+                    rec["ms_outliers"] = time_ms(cycled(lambda c: fused(c[0], None, c[1]), o_copies), args.min_run_time)
+                    rec["outliers_vs_dense"] = rec["ms_outliers"] / t_fused
                 for level in args.cpu_levels:
                     torch_rkv._C._set_cpu_capability(level)
                     err = (fused(a) - want).abs().max().item()

@@ -2,7 +2,7 @@
 never a sink, at most its count; the cache kernels store them (their entries equal the reference's,
 byte for byte, in tests/test_cache.py and test_attention.py) and read them back within fp16 of the
 values; the dense part gets a finer grid; the bytes are counted; the simulation reads what the cache
-holds; vLLM refuses them by name."""
+holds; vLLM's pages hold them too."""
 
 import pytest
 import torch
@@ -13,7 +13,8 @@ from torch_rkv import reference as ref
 from torch_rkv import scheme as S
 from torch_rkv.cache import QuantizedKVCache
 from torch_rkv.eval.simulate import Simulation
-from torch_rkv.layout import CacheLayout
+from torch_rkv.integrations.vllm_pool import content_bytes
+from torch_rkv.layout import CacheLayout, PageLayout
 
 
 def planted(seed=0, n=256, d=64):
@@ -103,16 +104,15 @@ def test_the_cache_reads_planted_outliers_back_and_the_simulation_agrees(device)
     assert err(kd, keys) < err(pk, keys) and err(vd, v) < err(pv, v)
 
 
-def test_bytes_are_counted_and_vllm_refuses_them():
-    s = S.recommended(2).replace(outliers=0.01)
-    lay, base = CacheLayout(s, 1, 3, 64, 1024), CacheLayout(S.recommended(2), 1, 3, 64, 1024)
+def test_bytes_are_counted_by_the_layouts_and_the_vllm_pages():
+    s, base = S.recommended(2).replace(outliers=0.01), S.recommended(2)
+    lay, plain = CacheLayout(s, 1, 3, 64, 1024), CacheLayout(base, 1, 3, 64, 1024)
     k = outliers.outlier_count(0.01, s.block, 64)
-    assert lay.nbytes() - base.nbytes() == 2 * 3 * (1024 // s.block) * k * 4
-    s.check_served()  # the caches store them
-    from torch_rkv.integrations.vllm import check_vllm_served
-
-    with pytest.raises(NotImplementedError, match="does not serve sparse outliers"):
-        check_vllm_served(s)
+    assert lay.nbytes() - plain.nbytes() == 2 * 3 * (1024 // s.block) * k * 4
+    extra = PageLayout(s, 3, 64, 128).payload_bytes - PageLayout(base, 3, 64, 128).payload_bytes
+    assert extra == 2 * 3 * k * 4  # one block per page: a row of K entries per side and head
+    assert content_bytes([s], 3, 64, torch.float16) * 128 >= PageLayout(s, 3, 64, 128).page_bytes
+    s.check_served()  # the caches and the vLLM plugin store them
     with pytest.raises(ValueError, match="outliers"):
         S.recommended(2).replace(outliers=0.5)
     assert "1.0% outliers in fp16" in s.describe(64)

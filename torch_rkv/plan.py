@@ -15,7 +15,6 @@ import torch
 from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
 from .integrations.models import uses_sliding_window
-from .integrations.vllm import check_vllm_served
 from .integrations.vllm_pool import VllmPool, preferred_block_size
 from .layout import CacheLayout, PageLayout, default_page_size
 from .scheme import Scheme
@@ -316,7 +315,7 @@ def vllm_rows(model: ModelShape, engine: VllmEngine, budget: float, context: int
     rows = []
     for name, scheme in schemes:
         if scheme is not None:
-            check_vllm_served(scheme)
+            scheme.check_served()
         pool = engine.pool(model, None if scheme is None else [scheme] * model.layers)
         side = pool.side_bytes(batch, engine.max_num_seqs)
         kv = max(0, int(budget) - side)

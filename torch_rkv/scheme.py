@@ -28,7 +28,7 @@ class Scheme:
     below 8 bits), or "gaussian": Lloyd-Max levels of a Gaussian with one norm per token row (the
     TurboQuant-style peer; simulation only, Scheme.check_served). outliers: dense-and-sparse, this
     fraction of each block's values of both sides kept as fp16 residuals in a fixed-size side buffer
-    (torch_rkv.outliers; the caches and kernels store them, the vLLM plugin does not yet).
+    (torch_rkv.outliers; the caches, the kernels and the vLLM plugin store them).
     """
 
     name: str = "custom"
@@ -237,8 +237,8 @@ def recommended_mixed(v_bits: int = 2) -> Scheme:
 def recommended_sparse(bits: int = 2, fraction: float = 0.005) -> Scheme:
     """rkv with dense-and-sparse outliers (KVQuant): each 128-token block keeps 0.5% of its values, those
     whose removal shrinks their groups' ranges most, as fp16 residuals beside the codes
-    (torch_rkv.outliers, docs/format.md "Sparse outliers"). The caches and kernels serve it; the vLLM
-    plugin refuses it by name."""
+    (torch_rkv.outliers, docs/format.md "Sparse outliers"). The caches, kernels and vLLM plugin serve
+    it."""
     return recommended(bits).replace(name=f"rkv-sparse-{bits}", outliers=fraction)
 
 

@@ -115,8 +115,9 @@ class Options:
         return cls(long_tokens=8192, loc_lengths=(1024, 2048, 4096, 8192), loc_documents=4, noise=True,
                    families=FULL_FAMILIES,
                    loc_schemes=("rkv-3", "rkv-2", "rkv-alloc-2.5"),  # 3/4 of the run: 8K with 24 needles
-                   decode_schemes=("rkv-4", "rkv-3", "rkv-2", "kivi-2", "rkv-alloc-2.5"),
-                   long_schemes=("rkv-4", "rkv-3", "rkv-2", "rkv-alloc-2.5", "turboquant-4"),
+                   decode_schemes=("rkv-4", "rkv-3", "rkv-2", "kivi-2", "rkv-alloc-2.5", "rkv-sparse-2"),
+                   long_schemes=("rkv-4", "rkv-3", "rkv-2", "rkv-alloc-2.5", "rkv-sparse-3", "rkv-sparse-2",
+                                 "turboquant-4"),
                    alloc_targets=(2.5, 3.0, 3.5), split_targets=(3.0, 3.5), chunk_sizes=(256, 1024),
                    second_text="asyoulik.txt", peers=True)
 

@@ -52,16 +52,6 @@ TESTED_VLLM = ("0.32.0",)
 BACKEND = "torch_rkv.integrations.vllm_backend.RKVAttentionBackend"  # imported by vLLM when it selects it
 
 
-def check_vllm_served(scheme: Scheme) -> None:
-    """Raise, naming the feature, if the plugin cannot serve this scheme: what no cache stores
-    (Scheme.check_served), and sparse outliers, which the paged ops store but the plugin's pages and
-    prefix-join read-back do not carry yet (QuantizedKVCache and PagedQuantizedKVCache do)."""
-    scheme.check_served()
-    if scheme.outliers:
-        raise NotImplementedError(f"Scheme {scheme.name}: the vLLM plugin does not serve sparse outliers yet; "
-                                  "the transformers integration (QuantizedKVCache / RKVCache) does")
-
-
 def configured_layers() -> list[Scheme] | None:
     """Layer i's scheme (the model's numbering) of the TORCH_RKV_ALLOCATION file, or None when that is
     not set. Every layer keeps the same key + value bits (one page size serves them), and shares its

@@ -27,7 +27,7 @@ from ..ops.rope import rope
 from ..reference import append_keeps_reads, quantized_count, read_rows
 from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE
-from .vllm import ALLOCATION_ENV, ENV, check_vllm_served, configured_layers, configured_scheme, overridden_backend
+from .vllm import ALLOCATION_ENV, ENV, configured_layers, configured_scheme, overridden_backend
 from .vllm_pool import block_multiple, content_bytes, slot_bytes
 from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, growth_beyond_headroom, slot_limit
 
@@ -40,7 +40,7 @@ def _scheme() -> Scheme:
     s = configured_scheme()
     if s is None:
         raise RuntimeError(f"torch_rkv's vLLM backend is in use but neither {ENV} nor {ALLOCATION_ENV} is set")
-    check_vllm_served(s)
+    s.check_served()
     return s
 
 
@@ -60,7 +60,7 @@ def layer_scheme(layer_name: str) -> Scheme:
     if not 0 <= index < len(layers):
         raise ValueError(f"{ALLOCATION_ENV}: the allocation has {len(layers)} layers; vLLM's layer {layer_name} "
                          f"(index {index}) is not among them: it was made for another model")
-    check_vllm_served(layers[index])
+    layers[index].check_served()
     return layers[index]
 
 
@@ -309,8 +309,9 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         views = self.regions(kv_cache, kv_cache.shape[2], query.dtype)
         cache = [views["k_codes"], views["k_scale"], views.get("k_zero"), views["v_codes"], views["v_scale"],
                  views.get("v_zero"), side["k_window"], side["v_window"], side["k_sink"], side["v_sink"]]
+        outliers = (views.get("k_outliers"), views.get("v_outliers"))  # sparse outliers: in the pages too
         for init in md.inits:
-            self._init_slot(cache, init, kv_cache.shape[2], levels)
+            self._init_slot(cache, init, kv_cache.shape[2], levels, outliers)
         s = self.scheme
         k, v = key[:t], value[:t]
         if s.pre_rope:
@@ -320,7 +321,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         if v_signs is not None:
             v = hadamard(v, v_signs)
         k, v = k.to(query.dtype).contiguous(), v.to(query.dtype).contiguous()
-        kw = {"k_levels": levels[0], "v_levels": levels[1]}
+        kw = {"k_levels": levels[0], "v_levels": levels[1], "k_outliers": outliers[0], "v_outliers": outliers[1]}
         common = (md.block_tables, md.side_slots)
         attend = (s.k_bits, s.v_bits, s.block, s.recent, cos, sin, self.rope_interleaved, k_signs, v_signs, self.scale,
                   0, self.sliding_window, self.softcap)
@@ -339,7 +340,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         output[:t].copy_(out.view_as(output[:t]))
         return output
 
-    def _init_slot(self, cache: list, init: SlotInit, page_size: int, levels: tuple) -> None:
+    def _init_slot(self, cache: list, init: SlotInit, page_size: int, levels: tuple, outliers: tuple) -> None:
         """Fill a new side slot (SlotInit) in this layer: a copy, or sinks and window rows read back."""
         dev = cache[0].device
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
@@ -352,20 +353,20 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         pages = torch.tensor(init.pages, dtype=torch.int64)
         w = cache[6].shape[2]
         ring = list(range(max(s.sinks, quantized_count(n, s.recent, s.block)), n))
-        for codes, scale, zero, window, sink, bits, lv in (
-                (cache[0], cache[1], cache[2], cache[6], cache[8], s.k_bits, levels[0]),
-                (cache[3], cache[4], cache[5], cache[7], cache[9], s.v_bits, levels[1])):
+        for codes, scale, zero, window, sink, bits, lv, outl in (
+                (cache[0], cache[1], cache[2], cache[6], cache[8], s.k_bits, levels[0], outliers[0]),
+                (cache[3], cache[4], cache[5], cache[7], cache[9], s.v_bits, levels[1], outliers[1])):
             sinks = list(range(min(s.sinks, n)))
             if sinks and init.sinks_from >= 0:
                 if init.sinks_from != init.dst:  # (the donor's own slot already holds them)
                     sink[init.dst, :, : len(sinks)] = sink[init.sinks_from, :, : len(sinks)]
             elif sinks:  # no request with the same first page left its sinks: their quantized rows
                 t = torch.tensor(sinks)
-                rows = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv)
+                rows = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv, outl, s.block)
                 sink[init.dst, :, : len(sinks)] = rows.to(sink.dtype)
             if ring:  # the window of a shared prefix: its quantized rows (its full-precision rows are gone)
                 t = torch.tensor(ring)
-                rows = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv)
+                rows = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv, outl, s.block)
                 window[init.dst, :, t % w] = rows.to(window.dtype)
 
 
