@@ -104,6 +104,23 @@ def test_the_cache_reads_planted_outliers_back_and_the_simulation_agrees(device)
     assert err(kd, keys) < err(pk, keys) and err(vd, v) < err(pv, v)
 
 
+def test_the_simulation_chooses_as_the_append_with_sinks_past_the_first_block():
+    """Sinks spanning two blocks (12 sinks, blocks of 8): each block's sink rows are left out in the
+    simulation as in the kernels' append, so the cache holds what the simulation computes."""
+    s = S.recommended(2).replace(k_block_tokens=8, recent=8, sinks=12, outliers=0.05)
+    h, d, n = 2, 32, 64
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, h, n, d, generator=gen), torch.randn(1, h, n, d, generator=gen)
+    cos, sin = torch_rkv.rope_tables(d, n + 8, theta=1e4)
+    cache = QuantizedKVCache(s, 1, 1, h, d, n, torch.float32, rope=(cos, sin))
+    cache.append(0, k, v)
+    kd, vd = cache.dequantized(0)
+    sim = Simulation(s, rope_cos=cos, rope_sin=sin)
+    q = ref.quantized_count(n, s.recent, s.block)
+    assert (kd[:, :, s.sinks : q] - sim.fake_quantize(k, "k", None)[:, :, s.sinks : q]).abs().max() <= 1e-4
+    assert (vd[:, :, s.sinks : q] - sim.fake_quantize(v, "v", None)[:, :, s.sinks : q]).abs().max() <= 1e-5
+
+
 def test_bytes_are_counted_by_the_layouts_and_the_vllm_pages():
     s, base = S.recommended(2).replace(outliers=0.01), S.recommended(2)
     lay, plain = CacheLayout(s, 1, 3, 64, 1024), CacheLayout(base, 1, 3, 64, 1024)

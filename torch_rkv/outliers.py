@@ -40,13 +40,14 @@ def select(x: torch.Tensor, fraction: float, block_tokens: int, group_size: int,
     k = outlier_count(fraction, block_tokens, d)
     blocks = x.float().cpu().reshape(b, h, n // block_tokens, block_tokens, d)
     mask = torch.zeros(blocks.shape, dtype=torch.bool)
-    if n:
-        first = min(skip_rows, block_tokens)  # only each sequence's first block holds sinks
-        mask[:, :, 0] = ref.select_outliers(blocks[:, :, 0].reshape(-1, block_tokens, d), k, group_tokens,
-                                            group_size, first).reshape(b, h, block_tokens, d)
-        if n > block_tokens:
-            rest = blocks[:, :, 1:].reshape(-1, block_tokens, d)
-            mask[:, :, 1:] = ref.select_outliers(rest, k, group_tokens, group_size, 0).reshape(mask[:, :, 1:].shape)
+    sinky = min(n // block_tokens, -(-skip_rows // block_tokens))  # the blocks that hold sink rows
+    for j in range(sinky):  # each with its own sink rows, as the append sees them
+        mask[:, :, j] = ref.select_outliers(blocks[:, :, j].reshape(-1, block_tokens, d), k, group_tokens, group_size,
+                                            min(skip_rows - j * block_tokens, block_tokens)).reshape(b, h, block_tokens, d)
+    if n // block_tokens > sinky:  # the rest, all at once
+        rest = blocks[:, :, sinky:]
+        mask[:, :, sinky:] = ref.select_outliers(rest.reshape(-1, block_tokens, d), k, group_tokens, group_size,
+                                                 0).reshape(rest.shape)
     return mask.reshape(b, h, n, d).to(x.device)
 
 

@@ -489,10 +489,9 @@ def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Te
     sc = scale[pages, :, rows // per_meta].float().repeat_interleave(g, dim=-1)
     z = None if zero is None else zero[pages, :, rows // per_meta].float().repeat_interleave(g, dim=-1)
     out = decode(c, sc, z, bits, lv)
-    if outliers is not None:
-        res = outlier_residuals(outliers, block, c.shape[-1])  # (pages, H, P / block, block, D)
-        res = res.reshape(res.shape[0], res.shape[1], -1, c.shape[-1])  # (pages, H, P, D)
-        out = out + res[pages, :, rows]
+    if outliers is not None:  # the blocks of these rows only (a pool's whole buffer would be large)
+        res = outlier_residuals(outliers[pages, :, rows // block], block, c.shape[-1])  # (N, H, block, D)
+        out = out + res[torch.arange(len(rows), device=dev), :, rows % block]
     return out.transpose(0, 1)
 
 

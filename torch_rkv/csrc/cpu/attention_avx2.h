@@ -22,6 +22,7 @@
 #include "decode_kernel.h"
 #include "rkv/attention.h"
 #include "rkv/macros.h"
+#include "rkv/outliers.h"
 #include "rkv/pack.h"
 #include "rkv/quant.h"
 #include "rkv/rope.h"

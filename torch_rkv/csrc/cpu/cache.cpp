@@ -21,7 +21,6 @@
 #include "../dispatch.h"
 #include "block_quant.h"
 #include "outliers.h"
-#include "rkv/pack.h"
 #include "rkv/attention.h"
 #include "rkv/paging.h"
 
@@ -70,12 +69,7 @@ void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& sid
     }
     if (side.outliers != nullptr) {
       const int64_t page = pt.page(b, first), row0 = first % P;
-      const auto x_hat = [&](int64_t pos) {
-        const int64_t row = row0 + pos / d, c = pos % d, meta = side.meta_offset(g, page, h, row) + c / side.group;
-        const QParams p{static_cast<float>(scale[meta]), zero ? static_cast<float>(zero[meta]) : 0.0f};
-        const uint32_t code = unpack_code(side.codes + side.codes_offset(g, page, h, row), c, side.bits);
-        return decode(code, p, side.bits, zero == nullptr, side.levels);
-      };
+      const auto x_hat = [&](int64_t pos) { return dense_value<meta_t>(side, g, page, h, row0, pos); };
       write_outliers(out.x.data(), taken, x_hat, side.outlier_count,
                      side.outliers + side.outlier_offset(g, page, h, row0));
     }

@@ -121,18 +121,12 @@ template <typename meta_t, typename Value>
 __device__ void write_outliers(const CacheGeometry& g, const SideView& side, const Value& value, int64_t page,
                                int64_t h, int64_t row0, const uint32_t* taken, int64_t n_taken) {
   uint32_t* out = side.outliers + side.outlier_offset(g, page, h, row0);
-  const meta_t* scale = static_cast<const meta_t*>(side.scale);
-  const meta_t* zero = static_cast<const meta_t*>(side.zero);
-  const int64_t d = g.dim;
   if (threadIdx.x == 0) {  // the bitmask walked in order: positions come out sorted
     int64_t i = 0;
-    for (int64_t w = 0; w * 32 < g.block * d; ++w)
+    for (int64_t w = 0; w * 32 < g.block * g.dim; ++w)
       for (uint32_t bits = taken[w]; bits != 0; bits &= bits - 1) {
-        const int64_t pos = w * 32 + __ffs(bits) - 1, row = row0 + pos / d, c = pos % d;
-        const int64_t meta = side.meta_offset(g, page, h, row) + c / side.group;
-        const QParams p{static_cast<float>(scale[meta]), zero ? static_cast<float>(zero[meta]) : 0.0f};
-        const uint32_t code = unpack_code(side.codes + side.codes_offset(g, page, h, row), c, side.bits);
-        out[i++] = outlier_entry(pos, sub_rn(value(pos), decode(code, p, side.bits, zero == nullptr, side.levels)));
+        const int64_t pos = w * 32 + __ffs(bits) - 1;
+        out[i++] = outlier_entry(pos, sub_rn(value(pos), dense_value<meta_t>(side, g, page, h, row0, pos)));
       }
   }
   for (int64_t i = n_taken + threadIdx.x; i < side.outlier_count; i += blockDim.x) out[i] = kOutlierEmpty;

@@ -24,6 +24,8 @@
 #include <cmath>
 
 #include "rkv/macros.h"
+#include "rkv/pack.h"
+#include "rkv/paging.h"
 #include "rkv/quant.h"
 
 namespace rkv {
@@ -93,6 +95,19 @@ struct OutlierGroups {
     return e;
   }
 };
+
+// The dense part's decoded value at position pos of the block whose first row is row0 of `page` (head h):
+// its code and group parameters read back as stored, which an outlier's residual is taken against.
+template <typename meta_t>
+RKV_HD float dense_value(const SideView& side, const CacheGeometry& g, int64_t page, int64_t h, int64_t row0,
+                         int64_t pos) {
+  const int64_t row = row0 + pos / g.dim, c = pos % g.dim, meta = side.meta_offset(g, page, h, row) + c / side.group;
+  const meta_t* scale = static_cast<const meta_t*>(side.scale);
+  const meta_t* zero = static_cast<const meta_t*>(side.zero);
+  const QParams p{static_cast<float>(scale[meta]), zero != nullptr ? static_cast<float>(zero[meta]) : 0.0f};
+  const uint32_t code = unpack_code(side.codes + side.codes_offset(g, page, h, row), c, side.bits);
+  return decode(code, p, side.bits, zero == nullptr, side.levels);
+}
 
 // Whether (gain, key) beats the best so far: larger gain, or an equal gain at a lower key (key = group
 // * 2 + (0: high end, 1: low end)).
