@@ -207,7 +207,7 @@ class QuantizedKVCache(torch.nn.Module):
         s, lay = self.scheme, self.layout
         q = quantized_count(n, s.recent, s.block)
         out = []
-        for side, lv in zip(("k", "v"), layer_levels(self, layer)):
+        for side, lv, entries in zip(("k", "v"), layer_levels(self, layer), layer_outliers(self, layer)):
             bits = getattr(s, f"{side}_bits")
             t = getattr(s, f"{side}_block_tokens")
             parts = [bufs[f"{side}_sink"][:, :, : min(n, s.sinks)].float()]
@@ -216,9 +216,8 @@ class QuantizedKVCache(torch.nn.Module):
                 qt = Quantized(bufs[f"{side}_packed"][:, :, :q], bufs[f"{side}_scale"][:, :, : q // t],
                                None if zero is None else zero[:, :, : q // t], bits, lv)
                 deq = dequantize(qt, torch.float32)
-                entries = getattr(self, f"{side}_outliers", None)
                 if entries is not None:  # the sparse outliers' residuals, as attention adds them
-                    res = outlier_residuals(entries[layer][:, :, : q // s.block], s.block, lay.head_dim)
+                    res = outlier_residuals(entries[:, :, : q // s.block], s.block, lay.head_dim)
                     deq = deq + res.reshape(deq.shape)
                 parts.append(deq[:, :, s.sinks :])
             if n > max(s.sinks, q):

@@ -53,5 +53,4 @@ def select(x: torch.Tensor, fraction: float, block_tokens: int, group_size: int,
 
 def merge(back: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The dense part decoded (back) with each outlier's fp16 residual added, as the kernels read it."""
-    res = (x.float() - back).clamp(-65504.0, 65504.0).half().float()
-    return torch.where(mask, back + res, back)
+    return torch.where(mask, back + ref.outlier_residual(x, back).float(), back)

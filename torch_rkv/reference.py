@@ -271,10 +271,11 @@ def select_outliers(x: torch.Tensor, count: int, tile_rows: int, group: int, sin
         hi2 = hi_vals.scatter(-1, hi_at[..., None], -math.inf).amax(-1)
         lo2 = lo_vals.scatter(-1, lo_at[..., None], math.inf).amin(-1)
         r = hi - lo
+        lone = alive.sum(-1) < 2  # a group with one candidate left is never emptied
         gains = []
         for r2 in (hi2 - lo, hi - lo2):
             gain = (r - r2) * (r + r2)
-            gain = torch.where(torch.isnan(gain) | (alive.sum(-1) < 2), torch.zeros_like(gain), gain)
+            gain = torch.where(torch.isnan(gain) | lone, torch.zeros_like(gain), gain)
             gains.append(gain)
         g = torch.stack(gains, dim=-1).reshape(h, -1)  # (H, groups * 2): key = group * 2 + (0 high, 1 low)
         best = g.amax(-1)
@@ -289,12 +290,17 @@ def select_outliers(x: torch.Tensor, count: int, tile_rows: int, group: int, sin
     return mask.reshape(h, n, d)
 
 
+def outlier_residual(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+    """What an outlier entry keeps of x - x_hat: float32 rounded to float16, saturated to +-65504."""
+    return (x.float() - x_hat.float()).clamp(-65504.0, 65504.0).to(torch.float16)
+
+
 def outlier_entries(x: torch.Tensor, x_hat: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
     """The block's entries (H, count) int32: per taken position (ascending) position << 16 | the float16
     bits of x - x_hat (saturated to +-65504), then OUTLIER_EMPTY."""
     h = x.shape[0]
     out = torch.full((h, count), OUTLIER_EMPTY, dtype=torch.int32)
-    res = (x.float() - x_hat.float()).clamp(-65504.0, 65504.0).to(torch.float16).view(torch.int16).int() & 0xFFFF
+    res = outlier_residual(x, x_hat).view(torch.int16).int() & 0xFFFF
     for i in range(h):
         where = mask[i].reshape(-1).nonzero()[:, 0]
         e = (where.int() << 16) | res[i].reshape(-1)[where]

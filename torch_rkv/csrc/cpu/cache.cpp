@@ -51,12 +51,11 @@ void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& sid
   // 1. completed blocks, one quantizer tile (T rows) at a time; with sparse outliers the block's are
   // chosen first, left out of the tiles' ranges, and stored with their residuals after
   for (int64_t first = n0 / g.block * g.block; first + g.block <= n1; first += g.block) {
-    const int64_t sinks_here = std::max<int64_t>(0, std::min(S - first, g.block));
     std::vector<int64_t> taken;
     if (side.outliers != nullptr) {
       for (int64_t i = 0; i < g.block; ++i) to_float(token(first + i), out.x.data() + i * d, d);
-      taken = select_outliers(out.x.data(), g.block, OutlierGroups{d, T, side.group, sinks_here},
-                              side.outlier_count, out.taken);
+      const OutlierGroups og{d, T, side.group, sink_rows_in(S, first, g.block)};
+      taken = select_outliers(out.x.data(), g.block, og, side.outlier_count, out.taken);
     }
     for (int64_t s = first; s < first + g.block; s += T) {
       const int64_t page = pt.page(b, s), row = s % P, meta = side.meta_offset(g, page, h, row);
@@ -64,7 +63,7 @@ void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& sid
           [&](int64_t i) { return token(s + i); },
           [&](int64_t i) { return side.codes + side.codes_offset(g, page, h, row + i); }, T, d, side.group,
           side.bits, zero == nullptr, clip, scale + meta, zero ? zero + meta : nullptr, scratch,
-          std::max<int64_t>(0, std::min(S - s, T)), side.levels,
+          sink_rows_in(S, s, T), side.levels,
           side.outliers != nullptr ? out.taken.data() + (s - first) * d : nullptr);
     }
     if (side.outliers != nullptr) {

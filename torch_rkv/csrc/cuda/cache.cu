@@ -155,9 +155,8 @@ __device__ void quantize_tiles(const AppendArgs<fp_t>& a, const SideView& side, 
     if (outliers) {
       for (int64_t w = threadIdx.x; w * 32 < g.block * g.dim; w += blockDim.x) taken[w] = 0;
       __syncthreads();
-      const int64_t sinks_here = g.sinks - first <= 0 ? 0 : (g.sinks - first < g.block ? g.sinks - first : g.block);
-      n_taken = select_outliers(value, g.block, OutlierGroups{g.dim, T, side.group, sinks_here}, side.outlier_count,
-                                taken);
+      const OutlierGroups og{g.dim, T, side.group, sink_rows_in(g.sinks, first, g.block)};
+      n_taken = select_outliers(value, g.block, og, side.outlier_count, taken);
     }
     for (int64_t s = first; s < first + unit; s += T) {
       const int64_t page = a.pt.page(b, s), row = s % g.page_size;
@@ -167,10 +166,10 @@ __device__ void quantize_tiles(const AppendArgs<fp_t>& a, const SideView& side, 
       const int64_t meta = side.meta_offset(g, page, h, row);
       meta_t* scale = static_cast<meta_t*>(side.scale) + meta;
       meta_t* zero = side.zero ? static_cast<meta_t*>(side.zero) + meta : nullptr;
-      const int64_t sinks_here = g.sinks - s <= 0 ? 0 : (g.sinks - s < T ? g.sinks - s : T);
       quantize_block_row<fp_t, meta_t>(src, DestRows{side.codes + side.codes_offset(g, page, h, row), side.row_bytes(g)},
-                                       T, g.dim, side.group, side.bits, zero == nullptr, clip, scale, zero, sinks_here,
-                                       side.levels, Excluded{outliers ? taken : nullptr, (s - first) * g.dim});
+                                       T, g.dim, side.group, side.bits, zero == nullptr, clip, scale, zero,
+                                       sink_rows_in(g.sinks, s, T), side.levels,
+                                       Excluded{outliers ? taken : nullptr, (s - first) * g.dim});
       __syncthreads();
     }
     if (outliers) {

@@ -8,6 +8,13 @@
 
 namespace rkv {
 
+// How many of the `rows` rows from token `first` on are sinks (tokens below `sinks`): the rows of a block
+// or quantizer tile that do not set ranges and are never taken as sparse outliers.
+RKV_HD int64_t sink_rows_in(int64_t sinks, int64_t first, int64_t rows) {
+  const int64_t left = sinks - first;
+  return left <= 0 ? 0 : (left < rows ? left : rows);
+}
+
 // Quantized tensor geometry: x has shape (*lead, tokens, dim); one group is a tile of block_tokens
 // tokens x group_size channels; codes are packed along dim.
 struct QuantGeometry {
@@ -23,8 +30,7 @@ struct QuantGeometry {
   RKV_HD int64_t groups() const { return dim / group_size; }
   // sink rows among the tokens of block row br (over all lead dims)
   RKV_HD int64_t sink_rows_of(int64_t br) const {
-    const int64_t first = (br % blocks()) * block_tokens, left = sink_rows - first;
-    return left <= 0 ? 0 : (left < block_tokens ? left : block_tokens);
+    return sink_rows_in(sink_rows, (br % blocks()) * block_tokens, block_tokens);
   }
 };
 

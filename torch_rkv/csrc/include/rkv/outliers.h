@@ -78,9 +78,6 @@ struct Extremes {
 struct OutlierGroups {
   int64_t dim, tile_rows, group, sink_rows;  // sink_rows: the block's first rows that are sinks
   RKV_HD int64_t groups(int64_t block) const { return block / tile_rows * (dim / group); }
-  RKV_HD int64_t group_of(int64_t pos) const {
-    return (pos / dim) / tile_rows * (dim / group) + (pos % dim) / group;
-  }
   // Extremes of group gi's candidates; value(pos) -> float, taken(pos) -> bool.
   template <typename Value, typename Taken>
   RKV_HD Extremes extremes(int64_t gi, const Value& value, const Taken& taken) const {
