@@ -4,8 +4,11 @@ byte for byte, in tests/test_cache.py and test_attention.py) and read them back 
 values; the dense part gets a finer grid; the bytes are counted; the simulation reads what the cache
 holds; vLLM's pages hold them too."""
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import torch_rkv
 from torch_rkv import outliers
@@ -48,6 +51,57 @@ def test_the_greedy_order_is_largest_gain_first():
     assert ref.select_outliers(x, 1, 4, 1).nonzero().tolist() == [[0, 3, 0]]
     # a group with one candidate left is never emptied: gain 0
     assert not ref.select_outliers(torch.tensor([[[7.0]]]), 3, 1, 1).any()
+
+
+def greedy(x, count, tile_rows, group, sink_rows):
+    """The selection's definition, one value at a time in numpy float32: per group its candidates'
+    largest and smallest (the lowest position of equals) and the runners-up; take the best gain."""
+    h, n, d = x.shape
+    mask = np.zeros((h, n, d), dtype=bool)
+    f32 = np.float32
+    for i in range(h):
+        groups = [[(t, c) for t in range(t0, t0 + tile_rows) for c in range(c0, c0 + group)]
+                  for t0 in range(0, n, tile_rows) for c0 in range(0, d, group)]
+        for _ in range(count):
+            best, pick = f32(0), None
+            for members in groups:
+                alive = [(t, c) for t, c in members
+                         if t >= sink_rows and np.isfinite(x[i, t, c]) and not mask[i, t, c]]
+                if len(alive) < 2:
+                    continue
+                vals = [f32(x[i, t, c]) for t, c in alive]
+                hi, lo = max(vals), min(vals)
+                top = min(k for k, v in enumerate(vals) if v == hi)
+                bottom = min(k for k, v in enumerate(vals) if v == lo)
+                hi2 = max(v for k, v in enumerate(vals) if k != top)
+                lo2 = min(v for k, v in enumerate(vals) if k != bottom)
+                with np.errstate(invalid="ignore", over="ignore"):  # float32 as the kernels compute it
+                    r = hi - lo
+                    for at, r2 in ((top, hi2 - lo), (bottom, hi - lo2)):
+                        gain = (r - r2) * (r + r2)
+                        if gain > best:
+                            best, pick = gain, alive[at]
+            if pick is None:
+                break
+            mask[i, pick[0], pick[1]] = True
+    return torch.from_numpy(mask)
+
+
+@given(st.data())
+def test_the_selection_is_the_step_by_step_greedy(data):
+    """reference.select_outliers (each group sorted once, then read at its two ends) takes what taking
+    one best value at a time takes, on inputs full of ties, infinities, NaN and signed zeros."""
+    tile_rows, group = data.draw(st.sampled_from([1, 2, 4])), data.draw(st.sampled_from([1, 2, 3]))
+    n = tile_rows * data.draw(st.integers(1, 3))
+    d = group * data.draw(st.integers(1, 3))
+    h = data.draw(st.integers(1, 2))
+    pool = st.sampled_from([-2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0, float("inf"), -float("inf"), float("nan"),
+                            0.1, 1.7, 1.5e19, -2e19, 3e38, -3e38])
+    x = torch.tensor(data.draw(st.lists(pool, min_size=h * n * d, max_size=h * n * d))).reshape(h, n, d)
+    count = data.draw(st.integers(0, n * d))
+    sinks = data.draw(st.integers(0, n))
+    assert torch.equal(ref.select_outliers(x, count, tile_rows, group, sinks),
+                       greedy(x.numpy(), count, tile_rows, group, sinks))
 
 
 def test_sinks_are_never_chosen():

@@ -251,42 +251,50 @@ def select_outliers(x: torch.Tensor, count: int, tile_rows: int, group: int, sin
     sink_rows not yet taken. Per quantizer group (tile_rows x group), taking its largest candidate shrinks
     its range r = hi - lo to r' = hi2 - lo, its smallest to r' = hi - lo2; gain = (r - r') * (r + r') in
     float32, 0 with fewer than two candidates (NaN counts as 0). Each step takes the largest gain > 0;
-    ties: the lower group, then the high end; among equal values in a group, the lowest position."""
+    ties: the lower group, then the high end; among equal values in a group, the lowest position.
+
+    A group only ever loses its current maximum or minimum, so each group is sorted once, both ways
+    (equal values in position order), and a step reads four values per group: the i-th from the bottom
+    and the j-th from the top, i and j counting what the group gave up at each end. (While a gain is
+    positive the two ends cannot meet: a value taken at one end is never the other end's next.)"""
     h, n, d = x.shape
-    pos = torch.arange(n * d).reshape(1, n, d).expand(h, n, d)
     rows = torch.arange(n).reshape(1, n, 1).expand(h, n, d)
-    cand = torch.isfinite(x) & (rows >= sink_rows)
-    xv, pv = _group_view(x, tile_rows, group), _group_view(pos, tile_rows, group)
-    taken = torch.zeros_like(xv, dtype=torch.bool)
-    cv = _group_view(cand, tile_rows, group)
-    big = torch.full_like(xv, math.inf)
+    xv = _group_view(x, tile_rows, group)  # (H, G, M), elements in position order
+    cand = _group_view(torch.isfinite(x) & (rows >= sink_rows), tile_rows, group)
+    m = xv.shape[-1]
+    up_vals, up_at = torch.where(cand, xv, math.inf).sort(dim=-1, stable=True)  # candidates first, ascending
+    down_vals, down_at = torch.where(cand, xv, -math.inf).sort(dim=-1, descending=True, stable=True)
+    alive = cand.sum(-1)
+    low = torch.zeros_like(alive)  # taken from the bottom / the top
+    high = torch.zeros_like(alive)
+    heads = torch.arange(h)
+
+    def at(vals, i):
+        return vals.gather(-1, i.clamp(max=m - 1)[..., None])[..., 0]
+
     for _ in range(count):
-        alive = cv & ~taken
-        hi_vals = torch.where(alive, xv, -big)
-        lo_vals = torch.where(alive, xv, big)
-        hi = hi_vals.amax(-1)
-        lo = lo_vals.amin(-1)
-        hi_at = (alive & (xv == hi[..., None])).int().argmax(-1)  # the first (lowest position) of equal maxima
-        lo_at = (alive & (xv == lo[..., None])).int().argmax(-1)
-        hi2 = hi_vals.scatter(-1, hi_at[..., None], -math.inf).amax(-1)
-        lo2 = lo_vals.scatter(-1, lo_at[..., None], math.inf).amin(-1)
+        lo, lo2, hi, hi2 = at(up_vals, low), at(up_vals, low + 1), at(down_vals, high), at(down_vals, high + 1)
         r = hi - lo
-        lone = alive.sum(-1) < 2  # a group with one candidate left is never emptied
+        lone = alive < 2  # a group with one candidate left is never emptied
         gains = []
         for r2 in (hi2 - lo, hi - lo2):
             gain = (r - r2) * (r + r2)
-            gain = torch.where(torch.isnan(gain) | lone, torch.zeros_like(gain), gain)
-            gains.append(gain)
+            gains.append(torch.where(torch.isnan(gain) | lone, torch.zeros_like(gain), gain))
         g = torch.stack(gains, dim=-1).reshape(h, -1)  # (H, groups * 2): key = group * 2 + (0 high, 1 low)
         best = g.amax(-1)
         key = (g == best[:, None]).int().argmax(-1)
-        grp, low = key // 2, key % 2
-        at = torch.where(low == 1, lo_at.gather(-1, grp[:, None])[:, 0], hi_at.gather(-1, grp[:, None])[:, 0])
         take = best > 0
-        heads = torch.arange(h)[take]
-        taken[heads, grp[take], at[take]] = True
+        grp, end = key[take] // 2, key[take] % 2
+        low[heads[take], grp] += end
+        high[heads[take], grp] += 1 - end
+        alive[heads[take], grp] -= 1
+    ranks = torch.arange(m)
+    taken = torch.zeros_like(cand)
+    taken.scatter_(-1, up_at, ranks < low[..., None])
+    taken |= torch.zeros_like(cand).scatter_(-1, down_at, ranks < high[..., None])
     mask = torch.zeros(h, n * d, dtype=torch.bool)
-    mask.scatter_(1, pv.reshape(h, -1), taken.reshape(h, -1))
+    pos = _group_view(torch.arange(n * d).reshape(1, n, d).expand(h, n, d), tile_rows, group)
+    mask.scatter_(1, pos.reshape(h, -1), taken.reshape(h, -1))
     return mask.reshape(h, n, d)
 
 
