@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 
 import torch
@@ -61,6 +62,17 @@ def time_ms(fn, min_run_time: float = 1.0) -> float:
     # Timer defaults to one thread; measure with every thread torch would use
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def time_ratio(fn, base, min_run_time: float = 1.0, rounds: int = 5) -> tuple[float, float]:
+    """(ms of fn, median over rounds of fn's time / base's): the two timed in alternation, so that a
+    shared machine's drift between two separate measurements does not land in the ratio."""
+    ms, ratios = [], []
+    for _ in range(rounds):
+        a, b = time_ms(fn, min_run_time / rounds), time_ms(base, min_run_time / rounds)
+        ms.append(a)
+        ratios.append(a / b)
+    return statistics.median(ms), statistics.median(ratios)
 
 
 def emit(record: dict, as_json: bool) -> None:

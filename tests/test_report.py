@@ -297,6 +297,24 @@ def test_the_reports_calibrated_levels_rows_on_smollm2(smollm2_alice):
 
 
 @pytest.mark.slow
+def test_an_allocation_with_sparse_outliers_is_served_as_simulated(smollm2_alice):
+    """rkv-sparse-alloc-<bits>: the allocation's per-layer widths, each layer with rkv-sparse's outliers;
+    RKVCache serves it token by token as the simulation predicts (serving it without the outliers is
+    3e-3 off on these 300 tokens, 30x the tolerance)."""
+    from torch_rkv.eval.report import Options, Report
+
+    model, tok, text = smollm2_alice
+    opts = Options(tokens=512, alloc_levels=(2, 3), alloc_tokens=384, decode_tokens=300,
+                   decode_schemes=("rkv-sparse-alloc-2.5",))
+    report = Report(model, tok, text, opts, log=lambda s: None)
+    schemes, plain = report.layer_schemes("rkv-sparse-alloc-2.5"), report.layer_schemes("rkv-alloc-2.5")
+    assert [(s.k_bits, s.v_bits) for s in schemes] == [(s.k_bits, s.v_bits) for s in plain]
+    assert len({(s.k_bits, s.v_bits) for s in schemes}) > 1 and {s.outliers for s in schemes} == {S.SPARSE_FRACTION}
+    (row,) = report.decode_protocol()
+    assert row["quantized_tokens"] > 0 and abs(row["relative_difference"]) < 1e-4, row
+
+
+@pytest.mark.slow
 def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     """Every section of the report, plots included, in a CI-sized run (the main job must not break where
     no other test looks: its key-magnitude capture once fell behind the simulation's arguments)."""

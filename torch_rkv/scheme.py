@@ -234,7 +234,10 @@ def recommended_mixed(v_bits: int = 2) -> Scheme:
     return base.replace(name=f"rkv-k{k_bits}v{v_bits}", k_bits=k_bits, k_clip=False)
 
 
-def recommended_sparse(bits: int = 2, fraction: float = 0.005) -> Scheme:
+SPARSE_FRACTION = 0.005  # rkv-sparse-<bits>: the share of each block's values kept as sparse outliers
+
+
+def recommended_sparse(bits: int = 2, fraction: float = SPARSE_FRACTION) -> Scheme:
     """rkv with dense-and-sparse outliers (KVQuant): each 128-token block keeps 0.5% of its values, those
     whose removal shrinks their groups' ranges most, as fp16 residuals beside the codes
     (torch_rkv.outliers, docs/format.md "Sparse outliers"). The caches, kernels and vLLM plugin serve

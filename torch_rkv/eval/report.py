@@ -79,6 +79,7 @@ DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("grouped g32", "rkv + 
                                                           CALIBRATED_LEVELS))
 ALLOCATED = "rkv-alloc-"  # the report's name of a per-layer allocation: rkv-alloc-<average code bits>
 SPLIT = "rkv-split-"  # every layer the same key + value bits, split by the profile (what vLLM serves)
+SPARSE_ALLOCATED = "rkv-sparse-alloc-"  # rkv-alloc-<bits> with rkv-sparse's outliers in every layer
 NON_UNIFORM = "rkv-nu-"  # rkv-<bits> with the model's calibrated levels (torch_rkv.eval.levels)
 
 
@@ -115,9 +116,10 @@ class Options:
         return cls(long_tokens=8192, loc_lengths=(1024, 2048, 4096, 8192), loc_documents=4, noise=True,
                    families=FULL_FAMILIES,
                    loc_schemes=("rkv-3", "rkv-2", "rkv-alloc-2.5"),  # 3/4 of the run: 8K with 24 needles
-                   decode_schemes=("rkv-4", "rkv-3", "rkv-2", "kivi-2", "rkv-alloc-2.5", "rkv-sparse-2"),
-                   long_schemes=("rkv-4", "rkv-3", "rkv-2", "rkv-alloc-2.5", "rkv-sparse-3", "rkv-sparse-2",
-                                 "turboquant-4"),
+                   decode_schemes=("rkv-4", "rkv-3", "rkv-2", "kivi-2", "rkv-alloc-2.5", "rkv-sparse-2",
+                                   "rkv-sparse-alloc-2.5"),
+                   long_schemes=("rkv-4", "rkv-3", "rkv-2", "rkv-alloc-2.5", "rkv-sparse-alloc-2.5", "rkv-sparse-3",
+                                 "rkv-sparse-2", "turboquant-4"),
                    alloc_targets=(2.5, 3.0, 3.5), split_targets=(3.0, 3.5), chunk_sizes=(256, 1024),
                    second_text="asyoulik.txt", peers=True)
 
@@ -187,7 +189,8 @@ class Report:
         stored = sensitivity.stored_profile(self.model, levels, sensitivity.CALIBRATION_TEXT, o.alloc_tokens)
         cached = stored is not None and stored.covers(levels)
         named = o.loc_schemes + o.long_schemes + o.decode_schemes + o.chunk_schemes
-        used = o.alloc_targets or o.split_targets or any(name.startswith((ALLOCATED, SPLIT)) for name in named)
+        allocated = (ALLOCATED, SPLIT, SPARSE_ALLOCATED)
+        used = o.alloc_targets or o.split_targets or any(name.startswith(allocated) for name in named)
         calibration = 0 if cached or not used else \
             (len(levels) - 1) * (2 * self.attention.layers + 1) * fwd(o.alloc_tokens)
         loc_docs = sum(fwd(length + 64) * o.loc_documents for length in o.loc_lengths)
@@ -300,10 +303,14 @@ class Report:
 
     def layer_schemes(self, name: str) -> list[Scheme]:
         """A scheme as the report names it -> one per layer: a preset ("rkv-3", "rkv-mixed-2") in every
-        layer, "rkv-alloc-<bits>", the per-layer allocation at that average code bits, or "rkv-nu-<bits>",
-        rkv with the model's calibrated levels."""
+        layer, "rkv-alloc-<bits>", the per-layer allocation at that average code bits,
+        "rkv-sparse-alloc-<bits>", that allocation with sparse outliers (rkv-sparse's share) in every layer,
+        or "rkv-nu-<bits>", rkv with the model's calibrated levels."""
         if name.startswith((ALLOCATED, SPLIT)):
             return self.allocation_named(name).schemes()
+        if name.startswith(SPARSE_ALLOCATED):
+            return [s.replace(name=f"{s.name}+sparse", outliers=S.SPARSE_FRACTION)
+                    for s in self.allocation_named(ALLOCATED + name[len(SPARSE_ALLOCATED):]).schemes()]
         if name.startswith(NON_UNIFORM):
             return [self.calibrated_levels(int(name[len(NON_UNIFORM):]))] * self.attention.layers
         return [S.by_name(name)] * self.attention.layers
@@ -567,7 +574,7 @@ def format_tables(r: dict) -> str:
         lines.append(f"\nLong context ({r['long_context'][0]['tokens']} tokens; bits at the window count the "
                      "full-precision tokens)")
         for x in r["long_context"]:
-            lines.append(f"{x['scheme']:14s} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} {x['delta']:+8.3f}")
+            lines.append(f"{x['scheme']:20s} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} {x['delta']:+8.3f}")
     if r["localization"]:
         lines.append("\nLocalization (penalty rate of Article k): exact answers with their 95% Wilson interval, "
                      "mean log p(right rate) and its change from full precision (nats)")
@@ -587,7 +594,7 @@ def format_tables(r: dict) -> str:
         lines.append("\nDecode protocol (token by token through the real cache and fused kernel) vs simulation; "
                      f"full precision on this window: {r['decode_window_full_precision_ppl']:.4f}")
         for x in r["decode_protocol"]:
-            lines.append(f"{x['scheme']:14s} {x['tokens']:5d} tokens ({x['quantized_tokens']:4d} quantized at the end)  "
+            lines.append(f"{x['scheme']:20s} {x['tokens']:5d} tokens ({x['quantized_tokens']:4d} quantized at the end)  "
                          f"simulated {x['simulated_ppl']:9.4f}  decoded {x['decoded_ppl']:9.4f}  "
                          f"({x['relative_difference']:+.2e})")
     if r.get("chunked_prefill"):

@@ -112,7 +112,7 @@ struct RowReader {
 
   // f(i, c, r) for each sparse outlier of quantized rows [t, t + n) (include/rkv/outliers.h): residual r
   // of channel c of row t + i, to add to its dequantized value. Entries are sorted by position, so each
-  // block's scan stops at the first one past the rows.
+  // block's scan starts at the rows' first (a tile reads a slice of its block) and stops past them.
   template <typename F>
   RKV_INLINE void for_outliers(int64_t t, int64_t n, F&& f) {
     if (side->outliers == nullptr) return;
@@ -122,10 +122,10 @@ struct RowReader {
       const int64_t row = u - page_lo, first = u - row % g->block, end = std::min(hi, first + g->block);
       const uint32_t* e = side->outliers + side->outlier_offset(*g, page_id, h, row);
       const int64_t pos_lo = (u - first) * dim, pos_hi = (end - first) * dim;
-      for (int64_t k = 0; k < side->outlier_count; ++k) {
+      for (int64_t k = first_outlier(e, side->outlier_count, pos_lo); k < side->outlier_count; ++k) {
         const int64_t pos = outlier_pos(e[k]);
         if (pos >= pos_hi) break;
-        if (pos >= pos_lo) f(first + pos / dim - t, pos % dim, outlier_residual(e[k]));
+        f(first + pos / dim - t, pos % dim, outlier_residual(e[k]));
       }
       u = end;
     }

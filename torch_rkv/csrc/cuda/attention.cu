@@ -85,17 +85,7 @@ struct Side {
                                float2& xy) const {
     const uint32_t* e = view.outliers + view.outlier_offset(g, page, h, r);
     const int64_t lo = r % g.block * g.dim, hi = lo + g.dim;
-    int64_t k = 0, n = view.outlier_count;  // first entry at or past lo: in [k, k + n]
-    while (n > 0) {
-      const int64_t half = n / 2;
-      if (outlier_pos(e[k + half]) < lo) {
-        k += half + 1;
-        n -= half + 1;
-      } else {
-        n = half;
-      }
-    }
-    for (; k < view.outlier_count; ++k) {
+    for (int64_t k = first_outlier(e, view.outlier_count, lo); k < view.outlier_count; ++k) {
       const int64_t pos = outlier_pos(e[k]);
       if (pos >= hi) break;
       if (pos - lo == a) xy.x = add_rn(xy.x, outlier_residual(e[k]));

@@ -41,6 +41,21 @@ RKV_HD int64_t outlier_pos(uint32_t e) { return static_cast<int64_t>(e >> 16); }
 RKV_HD float outlier_residual(uint32_t e) {
   return static_cast<float>(c10::Half(static_cast<uint16_t>(e & 0xFFFFu), c10::Half::from_bits()));
 }
+// The index of a block's first entry at or past position pos (count if none): entries are sorted by
+// position (unused ones, 0xFFFF, last), so a reader of some rows skips the earlier rows' entries.
+RKV_HD int64_t first_outlier(const uint32_t* e, int64_t count, int64_t pos) {
+  int64_t k = 0, n = count;  // the answer lies in [k, k + n]
+  while (n > 0) {
+    const int64_t half = n / 2;
+    if (outlier_pos(e[k + half]) < pos) {
+      k += half + 1;
+      n -= half + 1;
+    } else {
+      n = half;
+    }
+  }
+  return k;
+}
 
 // The two largest and two smallest candidates of a group, visited in ascending position: the first of
 // equal extremes keeps its position, the next equal value becomes the runner-up.
