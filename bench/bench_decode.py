@@ -17,6 +17,7 @@ reading the same cache through non-uniform codebooks on both sides (2-4 bits; to
 ms_levels and levels_vs_uniform, the codebook's time over the uniform grid's. --outliers F also times it
 with sparse outliers on both sides (F of each block's values; include/rkv/outliers.h), the same cache plus
 each block's row of entries (random positions, fp16 residuals): ms_outliers and outliers_vs_dense.
+Both ratios are medians over rounds that time the two kernels in turn (common.time_ratio), not ms_* / ms.
 
 Records: bits, key and value schemes, context, batch, heads, head_dim, ms of each, speedups, cache bytes read and
 the fused kernel's GB/s and its time relative to the read time for the same bytes. Correctness is

@@ -66,10 +66,14 @@ def time_ms(fn, min_run_time: float = 1.0) -> float:
 
 def time_ratio(fn, base, min_run_time: float = 1.0, rounds: int = 5) -> tuple[float, float]:
     """(ms of fn, median over rounds of fn's time / base's): the two timed in alternation, so that a
-    shared machine's drift between two separate measurements does not land in the ratio."""
+    shared machine's drift between two separate measurements does not land in the ratio, and in turns
+    first (ABBA), so that neither always finds the caches the other left."""
     ms, ratios = [], []
-    for _ in range(rounds):
-        a, b = time_ms(fn, min_run_time / rounds), time_ms(base, min_run_time / rounds)
+    for i in range(rounds):
+        if i % 2:
+            b, a = time_ms(base, min_run_time / rounds), time_ms(fn, min_run_time / rounds)
+        else:
+            a, b = time_ms(fn, min_run_time / rounds), time_ms(base, min_run_time / rounds)
         ms.append(a)
         ratios.append(a / b)
     return statistics.median(ms), statistics.median(ratios)

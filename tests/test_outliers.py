@@ -104,6 +104,16 @@ def test_the_selection_is_the_step_by_step_greedy(data):
                        greedy(x.numpy(), count, tile_rows, group, sinks))
 
 
+@pytest.mark.parametrize("column", [[1.0, 2.0, 2.0, 3.0], [2.0, 3.0, 3.0, 1.0], [5.0, 5.0, 1.0, 5.0],
+                                    [0.0, -0.0, 0.0, 1.0], [float("inf"), 1.0, 2.0, float("nan")], [4.0, 4.0, 4.0, 4.0]])
+def test_the_selection_on_pinned_ties(column):
+    """Equal values at a group's ends (where a sorted-ends reading could take a different copy): one
+    per-channel group of 4 tokens, and the same column again as a second group, every count."""
+    x = torch.tensor(column).reshape(1, 4, 1).repeat(1, 1, 2)
+    for count in range(6):
+        assert torch.equal(ref.select_outliers(x, count, 4, 1), greedy(x.numpy(), count, 4, 1, 0)), count
+
+
 def test_sinks_are_never_chosen():
     x, _ = planted()
     x[0, :, 1, :] = 100.0  # sink row 1: the most outlying of all

@@ -390,7 +390,7 @@ class Report:
             ppl = self._simulated(self.long_ids, self.simulation_of(schemes))
             rows.append({"scheme": name, "tokens": n, "ppl": ppl, "delta": ppl - fp,
                          "bits_at_window": self.bits_at(schemes, n)})
-            self.log(f"  long context {name:14s} ppl {ppl:8.3f} ({ppl - fp:+.3f}) at {rows[-1]['bits_at_window']:.2f} "
+            self.log(f"  long context {name:20s} ppl {ppl:8.3f} ({ppl - fp:+.3f}) at {rows[-1]['bits_at_window']:.2f} "
                      "bits at the window")
         return rows
 
@@ -423,7 +423,7 @@ class Report:
             quantized = ids.shape[1] - full_precision_count(ids.shape[1], scheme.sinks, scheme.recent, scheme.block)
             rows.append({"scheme": name, "tokens": ids.shape[1], "quantized_tokens": quantized, "simulated_ppl": sim,
                          "decoded_ppl": served, "relative_difference": served / sim - 1})
-            self.log(f"  decode protocol {name:12s} simulated {sim:.4f}  token-by-token {served:.4f} "
+            self.log(f"  decode protocol {name:20s} simulated {sim:.4f}  token-by-token {served:.4f} "
                      f"({served / sim - 1:+.2e}), {quantized} tokens quantized at the end" +
                      ("" if quantized else ": NOTHING QUANTIZED, not a check"))
         return rows
