@@ -80,6 +80,7 @@ DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("grouped g32", "rkv + 
 ALLOCATED = "rkv-alloc-"  # the report's name of a per-layer allocation: rkv-alloc-<average code bits>
 SPLIT = "rkv-split-"  # every layer the same key + value bits, split by the profile (what vLLM serves)
 SPARSE_ALLOCATED = "rkv-sparse-alloc-"  # rkv-alloc-<bits> with rkv-sparse's outliers in every layer
+PER_LAYER = (ALLOCATED, SPLIT, SPARSE_ALLOCATED)  # names that layer_schemes resolves through the profile
 NON_UNIFORM = "rkv-nu-"  # rkv-<bits> with the model's calibrated levels (torch_rkv.eval.levels)
 
 
@@ -189,8 +190,7 @@ class Report:
         stored = sensitivity.stored_profile(self.model, levels, sensitivity.CALIBRATION_TEXT, o.alloc_tokens)
         cached = stored is not None and stored.covers(levels)
         named = o.loc_schemes + o.long_schemes + o.decode_schemes + o.chunk_schemes
-        allocated = (ALLOCATED, SPLIT, SPARSE_ALLOCATED)
-        used = o.alloc_targets or o.split_targets or any(name.startswith(allocated) for name in named)
+        used = o.alloc_targets or o.split_targets or any(name.startswith(PER_LAYER) for name in named)
         calibration = 0 if cached or not used else \
             (len(levels) - 1) * (2 * self.attention.layers + 1) * fwd(o.alloc_tokens)
         loc_docs = sum(fwd(length + 64) * o.loc_documents for length in o.loc_lengths)
@@ -371,7 +371,7 @@ class Report:
         rows = [{"scheme": "full precision", "text": o.second_text, "ppl": fp, "relative": 0.0, "first_relative": 0.0}]
         for name in list(o.second_schemes) + self.allocated_names():
             schemes = self.layer_schemes(name)
-            name = name if name.startswith((ALLOCATED, SPLIT)) else schemes[0].name  # the schemes table's name
+            name = name if name.startswith(PER_LAYER) else schemes[0].name  # the schemes table's name
             ppl = self._simulated(ids, self.simulation_of(schemes))
             rows.append({"scheme": name, "text": o.second_text, "ppl": ppl, "relative": ppl / fp - 1,
                          "first_relative": first.get(name)})
