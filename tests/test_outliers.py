@@ -199,6 +199,41 @@ def test_bytes_are_counted_by_the_layouts_and_the_vllm_pages():
     assert "1.0% outliers in fp16" in s.describe(64)
 
 
+@pytest.mark.parametrize("mode", ["kernel", "fake"])
+def test_buffers_not_contiguous_within_a_page_are_refused_when_traced_too(mode):
+    """The kernels address a page's rows by offsets; the fake kernels refuse what the C++ checks refuse, with
+    the same message, so a traced call fails as eager mode would."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    s = S.recommended(2).replace(outliers=0.01)
+    bufs = CacheLayout(s, 1, 2, 64, 256).allocate()
+    names = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink")
+    k = torch.randn(1, 2, 4, 64).half()
+
+    def strided(t):  # the same shape, heads innermost: not contiguous within a page
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def call(**swap):
+        b = {**bufs, **swap}
+
+        def append():
+            torch_rkv.ops.cache.cache_append(*[b[n] for n in names], torch.tensor([0]), k, k, 2, 2, s.block, s.recent,
+                                             k_outliers=b["k_outliers"], v_outliers=b["v_outliers"])
+
+        if mode == "fake":
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                return append()
+        return append()
+
+    call()  # the layout's own buffers pass
+    with pytest.raises(ValueError, match="rkv.cache_append: v_outliers must be contiguous within each page"):
+        call(v_outliers=strided(bufs["v_outliers"]))
+    with pytest.raises(ValueError, match="rkv.cache_append: k_packed and k_scale must be contiguous within each page"):
+        call(k_packed=strided(bufs["k_packed"]))
+    with pytest.raises(ValueError, match="rkv.cache_append: v_zero must be laid out as v_scale"):
+        call(v_zero=strided(bufs["v_zero"]))
+
+
 def test_bad_outlier_buffers_name_the_argument():
     s = S.recommended(2).replace(outliers=0.01)
     lay = CacheLayout(s, 1, 2, 64, 256)

@@ -750,6 +750,36 @@ def test_paged_copy_copies_pages_and_slots_and_names_bad_ids():
                        torch.tensor([1, 1]))
 
 
+@pytest.mark.parametrize("device", DEVICES + ["meta"])
+def test_paged_copy_names_bad_buffers(device):
+    """Shapes and dtypes of what paged_copy copies, named alike by the kernel and the fake kernel."""
+    dev = "cpu" if device == "meta" else device
+    _, pool, _, _ = error_setup(dev)
+    t = pool.tensors()
+    outl = torch.zeros(4, 1, 1, 3, dtype=torch.int32, device=dev)  # pages, heads, blocks per page, entries
+
+    def call(tensors=t, src=(1,), dst=(3,), **kw):
+        def copy():
+            ids = [torch.tensor(v, device=dev) for v in (src, dst, (0,), (1,))]
+            return ops.paged_copy(*tensors, pool.fill, *ids, **kw)
+
+        return _fake(copy) if device == "meta" else copy()
+
+    call(k_outliers=outl, v_outliers=outl.clone())
+    cases = [
+        ({"k_outliers": outl.float()}, TypeError, "rkv.paged_copy: k_outliers must be int32"),
+        ({"v_outliers": outl[:3]}, ValueError,
+         "rkv.paged_copy: v_outliers must have shape (pages=4, kv_heads, blocks, outliers), got [3, 1, 1, 3]"),
+        ({"src": (1,), "dst": (2, 3)}, ValueError,
+         "rkv.paged_copy: src_pages and dst_pages must have the same length, got 1 and 2"),
+        ({"tensors": [t[0], t[1][:3], *t[2:]]}, ValueError, "rkv.paged_copy: k_scale must have shape (pages=4, "),
+        ({"tensors": [*t[:9], t[9][:1]]}, ValueError, "rkv.paged_copy: v_sink must have shape (slots=2, "),
+    ]
+    for kw, exc, msg in cases:
+        with pytest.raises(exc, match=re.escape(msg)):
+            call(**kw)
+
+
 def test_the_cache_refuses_what_the_pool_cannot_hold():
     cache = paged_cache(presets.kivi(4, block=16, recent=4), pages=3, seqs=2, max_pages=2)
     a = cache.add()

@@ -65,6 +65,8 @@ void paged_copy(const at::Tensor& k_codes, const at::Tensor& k_scale, const std:
   for (const auto& [name, t] : {std::pair<const char*, const std::optional<at::Tensor>*>{"k_outliers", &k_outliers},
                                 {"v_outliers", &v_outliers}}) {
     if (!t->has_value()) continue;
+    TORCH_CHECK_TYPE((*t)->scalar_type() == at::kInt, "rkv.paged_copy: ", name, " must be int32 (got ",
+                     (*t)->scalar_type(), ")");
     check_same_device("paged_copy", k_codes, name, **t);
     TORCH_CHECK_VALUE((*t)->dim() == 4 && (*t)->size(0) == pages, "rkv.paged_copy: ", name, " must have shape (pages=",
                       pages, ", kv_heads, blocks, outliers), got ", (*t)->sizes());

@@ -65,9 +65,32 @@ def levels(op: str, arg: str, ref: torch.Tensor, lv, b: int, symmetric: bool) ->
     same_device(op, ref, arg, lv)
 
 
+def rows_contiguous(t: torch.Tensor) -> bool:
+    """Contiguous within each index of dim 0 (a page or a sequence), which may be any stride apart: the
+    kernels address a page's rows by offsets (checks.cpp rows_contiguous)."""
+    expect = 1
+    for i in range(t.dim() - 1, 0, -1):
+        if t.shape[i] != 1 and t.stride(i) != expect:
+            return t.numel() == 0  # nothing to address (a cache of capacity 0)
+        expect *= t.shape[i]
+    return True
+
+
+def cache_strides(op: str, paged: bool, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) -> None:
+    """The quantized buffers' layout rules of checks.cpp check_cache_quantized: codes and scale contiguous
+    within each page, zero laid out as scale."""
+    for side, codes, scale, zero in (("k", k_codes, k_scale, k_zero), ("v", v_codes, v_scale, v_zero)):
+        p, sc = f"{side}_{'codes' if paged else 'packed'}", f"{side}_scale"
+        value(rows_contiguous(codes) and rows_contiguous(scale), op,
+              f"{p} and {sc} must be contiguous within each page (their pages may be any stride apart)")
+        if zero is not None and zero.shape == scale.shape:  # (a shape mismatch: the kernel names it)
+            value(rows_contiguous(zero) and zero.stride(0) == scale.stride(0), op,
+                  f"{side}_zero must be laid out as {sc} (contiguous within each page, the same page stride)")
+
+
 def cache_outliers(op: str, ref: torch.Tensor, k_codes, v_codes, k_outliers, v_outliers, block, dim) -> None:
-    """Each side's sparse-outlier buffer: int32 (pages, kv_heads, rows / block, K >= 1) on ref's device, with
-    block x head_dim <= 65535 (checks.cpp check_outliers)."""
+    """Each side's sparse-outlier buffer: int32 (pages, kv_heads, rows / block, K >= 1) on ref's device,
+    contiguous within each page, with block x head_dim <= 65535 (checks.cpp check_outliers)."""
     for arg, t, codes in (("k_outliers", k_outliers, k_codes), ("v_outliers", v_outliers, v_codes)):
         if t is None:
             continue
@@ -77,6 +100,7 @@ def cache_outliers(op: str, ref: torch.Tensor, k_codes, v_codes, k_outliers, v_o
               and t.shape[2] * block == codes.shape[2] and t.shape[3] >= 1, op,
               f"{arg} must have shape ({codes.shape[0]}, {codes.shape[1]}, {codes.shape[2] // block}, outliers per "
               f"block >= 1): one row of entries per block of {block} rows, got {list(t.shape)}")
+        value(rows_contiguous(t), op, f"{arg} must be contiguous within each page (its pages may be any stride apart)")
         value(block * dim <= 0xFFFF, op, f"{arg}: outlier positions are 16 bits, so block x head_dim must be <= 65535 "
               f"(got {block} x {dim})")
 

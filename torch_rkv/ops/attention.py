@@ -80,6 +80,7 @@ def _decode_attention_fake(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_ze
                                rope_cos, rope_sin, k_signs)
     _validate.window_and_cap("decode_attention", sliding_window, softcap, k_packed.shape[2], block)
     _validate.cache_levels("decode_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
+    _validate.cache_strides("decode_attention", False, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero)
     _validate.cache_outliers("decode_attention", q, k_packed, v_packed, k_outliers, v_outliers, block, q.shape[-1])
     _validate.devices("decode_attention", q, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,

@@ -65,6 +65,7 @@ def _cache_append_fake(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_w
                            k_zero, v_zero, k_clip, v_clip)
     _validate.window_and_cap("cache_append", sliding_window, 0.0, k_packed.shape[2], block, k_new.shape[2])
     _validate.cache_levels("cache_append", k_new, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
+    _validate.cache_strides("cache_append", False, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero)
     _validate.cache_outliers("cache_append", k_new, k_packed, v_packed, k_outliers, v_outliers, block, k_new.shape[-1])
     _validate.devices("cache_append", k_new, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,

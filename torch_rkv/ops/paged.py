@@ -47,6 +47,7 @@ def _paged_append_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_win
     _validate.paged_append(k_codes, v_codes, k_window, page_fill, block_tables, side_slots, lengths, query_start_loc,
                            k_new, v_new, k_bits, v_bits, block, recent, k_zero, v_zero, k_clip, v_clip, slot_mapping)
     _validate.cache_levels("paged_append", k_new, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
+    _validate.cache_strides("paged_append", True, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _validate.cache_outliers("paged_append", k_new, k_codes, v_codes, k_outliers, v_outliers, block, k_new.shape[-1])
     _validate.devices("paged_append", k_new, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
@@ -88,6 +89,7 @@ def _paged_decode_attention_fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, 
     _validate.window_and_cap("paged_decode_attention", sliding_window, softcap,
                              None if block_tables is not None else k_codes.shape[2], block)
     _validate.cache_levels("paged_decode_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
+    _validate.cache_strides("paged_decode_attention", True, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _validate.cache_outliers("paged_decode_attention", q, k_codes, v_codes, k_outliers, v_outliers, block, q.shape[-1])
     _validate.devices("paged_decode_attention", q, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
@@ -133,6 +135,7 @@ def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_le
     _validate.window_and_cap("paged_prefill_attention", sliding_window, softcap,
                              None if block_tables is not None else k_codes.shape[2], block)
     _validate.cache_levels("paged_prefill_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
+    _validate.cache_strides("paged_prefill_attention", True, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _validate.cache_outliers("paged_prefill_attention", q, k_codes, v_codes, k_outliers, v_outliers, block, q.shape[-1])
     _validate.devices("paged_prefill_attention", q, k_new=k_new, v_new=v_new, query_start_loc=query_start_loc,
                       k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale,
@@ -157,12 +160,30 @@ def paged_copy(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_w
 @torch.library.register_fake("rkv::paged_copy")
 def _paged_copy_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                      page_fill, src_pages, dst_pages, src_slots, dst_slots, k_outliers=None, v_outliers=None):
-    op = "paged_copy"
-    for name, t in (("src_pages", src_pages), ("dst_pages", dst_pages), ("src_slots", src_slots),
-                    ("dst_slots", dst_slots)):
-        _validate.dtype(t.dtype in (torch.int32, torch.int64), op, f"{name} must be int32 or int64 (got {t.dtype})")
-    _validate.value(src_pages.shape == dst_pages.shape and src_slots.shape == dst_slots.shape, op,
-                    "src and dst ids must have the same length")
+    op = "paged_copy"  # csrc/paged_copy.cpp's rules and messages, but the ids' range (data)
+    pages = k_codes.shape[0] if k_codes.dim() >= 1 else 0
+    for name, t in (("k_codes", k_codes), ("k_scale", k_scale), ("v_codes", v_codes), ("v_scale", v_scale)):
+        _validate.value(t.dim() == 4 and t.shape[0] == pages, op,
+                        f"{name} must have shape (pages={pages}, kv_heads, rows, ...), got {list(t.shape)}")
+    slots = k_window.shape[0] if k_window.dim() >= 1 else 0
+    for name, t in (("k_window", k_window), ("v_window", v_window), ("k_sink", k_sink), ("v_sink", v_sink)):
+        _validate.value(t.dim() == 4 and t.shape[0] == slots, op,
+                        f"{name} must have shape (slots={slots}, kv_heads, rows, head_dim), got {list(t.shape)}")
+    for name, t in (("k_outliers", k_outliers), ("v_outliers", v_outliers)):
+        if t is not None:
+            _validate.dtype(t.dtype == torch.int32, op, f"{name} must be int32 (got {t.dtype})")
+            _validate.value(t.dim() == 4 and t.shape[0] == pages, op,
+                            f"{name} must have shape (pages={pages}, kv_heads, blocks, outliers), got {list(t.shape)}")
+    if page_fill is not None:
+        _validate.value(page_fill.dim() == 1 and page_fill.shape[0] == pages, op,
+                        f"page_fill must have shape ({pages},), got {list(page_fill.shape)}")
+    for src, s, dst, d in (("src_pages", src_pages, "dst_pages", dst_pages), ("src_slots", src_slots, "dst_slots",
+                                                                                dst_slots)):
+        for name, t in ((src, s), (dst, d)):
+            _validate.dtype(t.dtype in (torch.int32, torch.int64), op, f"{name} must be int32 or int64 (got {t.dtype})")
+            _validate.value(t.dim() == 1, op, f"{name} must be 1-D, got {list(t.shape)}")
+        _validate.value(s.shape[0] == d.shape[0], op,
+                        f"{src} and {dst} must have the same length, got {s.shape[0]} and {d.shape[0]}")
     _validate.devices(op, k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale, v_zero=v_zero,
                       k_window=k_window, v_window=v_window, k_sink=k_sink, v_sink=v_sink, page_fill=page_fill,
                       src_pages=src_pages, dst_pages=dst_pages, src_slots=src_slots, dst_slots=dst_slots,
