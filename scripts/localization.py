@@ -14,7 +14,7 @@ import time
 import torch
 
 from torch_rkv.eval import data
-from torch_rkv.eval.report import Options, Report, format_tables
+from torch_rkv.eval.report import Options, Report, format_localization
 
 
 def main() -> None:
@@ -31,8 +31,7 @@ def main() -> None:
     report = Report(model, tok, data.read_text(str(data.text_path())), opts, log=lambda s: print(s, flush=True))
     start = time.time()
     rows = report.localization()
-    print(format_tables({"full_precision_ppl": float("nan"), "reproduction": [], "schemes": [],
-                         "localization": rows, "decode_protocol": []}).split("\n\n", 2)[-1])
+    print(format_localization(rows))
     print(f"{time.time() - start:.0f} s")
 
 

@@ -526,6 +526,26 @@ class Report:
 # ----------------------------------------------------------------------------------------------
 
 
+def format_localization(results: list[dict]) -> str:
+    """The localization table: per scheme and length, exact answers with their 95% Wilson interval, mean
+    log p(right rate) and its change from full precision."""
+    lines = [("Localization (penalty rate of Article k): exact answers with their 95% Wilson interval, "
+              "mean log p(right rate) and its change from full precision (nats)")]
+    lengths = sorted({x["length"] for x in results})
+    lines.append(f"{'scheme':16s} " + " ".join(f"{n:>30d}" for n in lengths))
+    mean = lambda xs: sum(x["logprob"] for x in xs) / len(xs)  # noqa: E731
+    rows = lambda name, n: [x for x in results if x["scheme"] == name and x["length"] == n]  # noqa: E731
+    for name in dict.fromkeys(x["scheme"] for x in results):
+        cells = []
+        for n in lengths:
+            xs, fp = rows(name, n), rows("full precision", n)
+            k = sum(x["exact"] for x in xs)
+            lo, hi = localization.wilson(k, len(xs))
+            cells.append(f"{k:2d}/{len(xs)} [{lo:.2f},{hi:.2f}] {mean(xs):6.2f} {mean(xs) - mean(fp):+5.2f}")
+        lines.append(f"{name:16s} " + " ".join(f"{c:>30s}" for c in cells))
+    return "\n".join(lines)
+
+
 def format_tables(r: dict) -> str:
     lines = [f"\nfull precision perplexity: {r['full_precision_ppl']:.3f}"]
     if r["reproduction"]:
@@ -576,20 +596,7 @@ def format_tables(r: dict) -> str:
         for x in r["long_context"]:
             lines.append(f"{x['scheme']:20s} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} {x['delta']:+8.3f}")
     if r["localization"]:
-        lines.append("\nLocalization (penalty rate of Article k): exact answers with their 95% Wilson interval, "
-                     "mean log p(right rate) and its change from full precision (nats)")
-        lengths = sorted({x["length"] for x in r["localization"]})
-        lines.append(f"{'scheme':16s} " + " ".join(f"{n:>30d}" for n in lengths))
-        mean = lambda xs: sum(x["logprob"] for x in xs) / len(xs)  # noqa: E731
-        rows = lambda name, n: [x for x in r["localization"] if x["scheme"] == name and x["length"] == n]  # noqa: E731
-        for name in dict.fromkeys(x["scheme"] for x in r["localization"]):
-            cells = []
-            for n in lengths:
-                xs, fp = rows(name, n), rows("full precision", n)
-                k = sum(x["exact"] for x in xs)
-                lo, hi = localization.wilson(k, len(xs))
-                cells.append(f"{k:2d}/{len(xs)} [{lo:.2f},{hi:.2f}] {mean(xs):6.2f} {mean(xs) - mean(fp):+5.2f}")
-            lines.append(f"{name:16s} " + " ".join(f"{c:>30s}" for c in cells))
+        lines.append("\n" + format_localization(r["localization"]))
     if r["decode_protocol"]:
         lines.append("\nDecode protocol (token by token through the real cache and fused kernel) vs simulation; "
                      f"full precision on this window: {r['decode_window_full_precision_ppl']:.4f}")
