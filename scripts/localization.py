@@ -3,9 +3,9 @@ length, four documents of six), without the rest of the report. The names are th
 (`rkv-4`, `rkv-alloc-2.5`, `rkv-sparse-alloc-2.5`, ...); full precision is always measured, as the
 reference of every delta.
 
-    python scripts/localization.py rkv-4 rkv-sparse-alloc-2.5 --lengths 1024 2048
-    # 10 minutes on 2 cores (with the sensitivity profile's 3 on a machine's first run);
-    # rkv-sparse-alloc-2.5 at 4096 and 8192 alone: 17 minutes
+    python scripts/localization.py rkv-4 rkv-sparse-alloc-2.5 --lengths 4096 8192
+    # 22 minutes on 2 cores (with the sensitivity profile's 3 on a machine's first run): full
+    # precision 4, rkv-4 9, rkv-sparse-alloc-2.5 10
 """
 
 import argparse

@@ -121,8 +121,8 @@ def test_the_simulation_quantizes_the_models_pre_rope_keys(name, monkeypatch):
     cos, sin = models.rope_tables(model, 64)
     seen = []
     round_trip = Simulation.round_trip
-    monkeypatch.setattr(Simulation, "round_trip", lambda self, x, side, s, layer=None: (
-        seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side, s, layer))
+    monkeypatch.setattr(Simulation, "round_trip", lambda self, x, side, s, layer=None, **kw: (
+        seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side, s, layer, **kw))
     with torch.no_grad():
         pre = model(ids, position_ids=torch.zeros_like(ids), use_cache=True).past_key_values.layers[0].keys.float()
         scheme = S.recommended(8).replace(k_block_tokens=16, sinks=0)
@@ -244,8 +244,8 @@ def test_the_simulation_quantizes_each_gemma3_layers_pre_rope_keys(monkeypatch):
         m.k_norm.register_forward_hook(lambda mod, args, out, i=i: pre.__setitem__(i, out.float()))
     seen = []
     round_trip = Simulation.round_trip
-    monkeypatch.setattr(Simulation, "round_trip", lambda self, x, side, s, layer=None: (
-        seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side, s, layer))
+    monkeypatch.setattr(Simulation, "round_trip", lambda self, x, side, s, layer=None, **kw: (
+        seen.append(x.clone()) if side == "k" else None) or round_trip(self, x, side, s, layer, **kw))
     simulation = simulations_for(model, 64)  # the report's and the calibration's simulations
     with torch.no_grad():
         install(model, simulation(S.recommended(8).replace(k_block_tokens=16, sinks=0), view="all"))

@@ -52,6 +52,35 @@ def test_decode_protocol_equals_the_simulation(scheme):
     assert abs(decoded / simulated - 1) < 1e-4, (simulated, decoded, full)
 
 
+@pytest.mark.parametrize("scheme", [S.recommended(3).replace(k_block_tokens=16, recent=8),
+                                    S.recommended_sparse(2).replace(k_block_tokens=16, v_block_tokens=16, recent=8),
+                                    S.kivi(2, block=8, recent=8), S.turboquant(4)], ids=lambda s: s.name)
+def test_reused_blocks_are_what_quantizing_every_block_gives(scheme, monkeypatch):
+    """Simulation(reuse_blocks=True) (localization: many questions on one cached document) quantizes only
+    the blocks its last call on that layer and side did not hold, and gives what a fresh Simulation gives;
+    a changed or shorter prefix reuses nothing. Exact: the same per-token and per-block arithmetic either way."""
+    cos, sin = model_rope_tables(tiny_llama(), 256)
+    x = torch.randn(1, 2, 200, 32, generator=torch.Generator().manual_seed(3)) * 3
+    changed = x.clone()
+    changed[0, 1, 20, 3] += 1.0  # in the second block, past the sinks
+    sim = Simulation(scheme, cos, sin, reuse_blocks=True)
+    quantized = []
+    round_trip = sim.round_trip
+    monkeypatch.setattr(sim, "round_trip",
+                        lambda part, *a, **k: quantized.append(part.shape[2]) or round_trip(part, *a, **k))
+    for layer, side in ((0, "k"), (1, "v")):
+        for y in (x[:, :, :100], x[:, :, :130], x, changed, changed[:, :, :60]):
+            quantized.clear()
+            got = sim.fake_quantize(y, side, layer)
+            want = Simulation(scheme, cos, sin).fake_quantize(y, side, layer)
+            assert torch.equal(got, want), (side, y.shape[2])
+            if y is x:  # after 130 tokens: only the blocks that 200 adds
+                last = ref.quantized_count(130, scheme.recent, scheme.block)
+                assert quantized == [ref.quantized_count(200, scheme.recent, scheme.block) - last], quantized
+    with pytest.raises(ValueError, match="reuse_blocks needs view 'cache'"):
+        Simulation(scheme, cos, sin, view="all", reuse_blocks=True)
+
+
 def test_a_per_layer_cache_decodes_what_the_per_layer_simulation_measures():
     """RKVCache with one scheme per layer (an allocation; the layers here even differ in layout and window):
     token by token through the fused kernel, each layer with its own bits, gives the simulation's
@@ -253,6 +282,23 @@ def test_wilson_interval():
     assert abs(lo - 0.2553) < 5e-4 and abs(hi - 0.3662) < 5e-4
     assert localization.wilson(0, 24)[0] == 0.0 and 0.1 < localization.wilson(0, 24)[1] < 0.16
     assert localization.wilson(24, 24)[1] == 1.0 and localization.wilson(24, 24)[0] > 0.85
+
+
+def test_relative_loss_samples_resample_runs_of_tokens():
+    """The bootstrap of a relative perplexity loss: exact for a constant loss; with losses shared within
+    runs of 128 tokens (neighbours correlate), the draws spread like the runs' means do (1 / sqrt(runs)
+    in log space), not like independent tokens' (sqrt(128) narrower)."""
+    ref_nll = torch.rand(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 5
+    flat = perplexity.relative_loss_samples(ref_nll + 0.01, ref_nll)
+    assert torch.allclose(flat, torch.full_like(flat, math.expm1(0.01)))
+    runs = torch.randn(32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 0.05
+    draws = perplexity.relative_loss_samples(ref_nll + runs.repeat_interleave(128), ref_nll, samples=4000)
+    spread = torch.log1p(draws).std().item() * math.sqrt(32)
+    assert 0.8 * runs.std().item() < spread < 1.2 * runs.std().item(), (spread, runs.std().item())
+    with pytest.raises(ValueError, match="must be equal 1-D shapes"):
+        perplexity.relative_loss_samples(ref_nll[:100], ref_nll)
+    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+        perplexity.relative_loss_samples(ref_nll[:200], ref_nll[:200])
 
 
 @pytest.mark.slow

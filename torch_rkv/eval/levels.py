@@ -41,7 +41,8 @@ class _Recorder(Simulation):
         self.weights: dict[tuple[int, str], torch.Tensor] = {}
         self.weighted = False
 
-    def round_trip(self, x: torch.Tensor, side: str, s: Scheme, layer: Optional[int] = None) -> torch.Tensor:
+    def round_trip(self, x: torch.Tensor, side: str, s: Scheme, layer: Optional[int] = None,
+                   sinks: int = 0) -> torch.Tensor:
         self.seen[(layer, side)] = x.detach().float().clone()
         return x.float()
 

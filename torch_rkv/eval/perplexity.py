@@ -34,6 +34,28 @@ def perplexity_of(logprobs: torch.Tensor, ids: torch.Tensor) -> float:
     return nll_to_ppl(-logprobs.gather(1, ids[0, 1:, None]).mean().item())
 
 
+def token_nll(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(N - 1,) float64: each next token's negative log-probability (perplexity = exp of their mean)."""
+    return -logprobs.gather(1, ids[0, 1:, None])[:, 0].double()
+
+
+def relative_loss_samples(nll: torch.Tensor, reference: torch.Tensor, block: int = 128, samples: int = 2000,
+                          seed: int = 0) -> torch.Tensor:
+    """(samples,) block-bootstrap draws of perplexity / reference perplexity - 1 over the same tokens:
+    runs of `block` consecutive tokens resampled with replacement (neighbouring tokens' losses are
+    correlated, so single tokens would understate the spread). What one text's relative loss could have
+    been with other passages of the same kind; its 2.5 and 97.5 percentiles are a 95% interval."""
+    if nll.shape != reference.shape or nll.dim() != 1:
+        raise ValueError(f"relative_loss_samples: nll {tuple(nll.shape)} and reference {tuple(reference.shape)} "
+                         "must be equal 1-D shapes")
+    runs = nll.numel() // block
+    if runs < 2:
+        raise ValueError(f"relative_loss_samples: {nll.numel()} tokens make fewer than 2 blocks of {block}")
+    diff = (nll - reference).double()[: runs * block].reshape(runs, block).mean(1)
+    pick = torch.randint(0, runs, (samples, runs), generator=torch.Generator().manual_seed(seed))
+    return diff[pick].mean(1).exp() - 1
+
+
 def kl_divergence(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
     """Mean KL(reference || logprobs) per position, nats: how far a quantized model's next-token
     distribution moved from the reference's (never negative, unlike a perplexity difference)."""

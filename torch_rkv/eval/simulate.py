@@ -76,9 +76,17 @@ class Simulation:
     kernel: str = "sdpa"  # or "eager": matmul + softmax, like transformers' eager attention
     fidelity_queries: int = 0
     fidelity: Fidelity = field(default_factory=Fidelity)
+    # view "cache": keep each layer's last quantized blocks and reuse them when the next call's keys or
+    # values start with the same tokens (a cache's blocks never change once full): questions asked of one
+    # cached document then quantize only their own new blocks. Holds two copies of every layer's blocks.
+    reuse_blocks: bool = False
 
     def __post_init__(self):
         self._signs: dict[tuple[int, int], torch.Tensor] = {}
+        self._blocks: dict[tuple[Optional[int], str], tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.reuse_blocks and self.view != "cache":
+            raise ValueError(f"Simulation: reuse_blocks needs view 'cache' (got {self.view!r}): 'all' quantizes "
+                             "partial blocks, which later tokens change")
         schemes = [self.scheme, *(self.layer_schemes or {}).values()]
         if any(s.pre_rope for s in schemes) and self.rope_cos is None:
             raise ValueError("Simulation: a pre-RoPE scheme needs the model's rope tables")
@@ -109,6 +117,10 @@ class Simulation:
         out = x.float().clone()
         if hi <= lo or not (self.quantize_keys if side == "k" else self.quantize_values):
             return out
+        if self.reuse_blocks:
+            lo = self._reuse(x, out, side, layer, hi)
+            if lo == hi:
+                return out
         part = out[:, :, lo:hi]
         pos = torch.arange(lo, hi, device=x.device)
         cos, sin = (self.layer_rope or {}).get(layer, (self.rope_cos, self.rope_sin))
@@ -120,24 +132,41 @@ class Simulation:
         tokens = getattr(s, f"{side}_block_tokens")
         if self.view == "all" and (hi - lo) % tokens:
             raise ValueError(f"simulation view 'all': {hi - lo} tokens are not whole blocks of {tokens}")
-        back = self.round_trip(part, side, s, layer)
+        # the cache's sinks are encoded in block 0 but do not set its ranges (view "all": no sinks)
+        back = self.round_trip(part, side, s, layer, sinks=max(0, s.sinks - lo) if self.view == "cache" else 0)
         if rotated:
             back = hadamard(back, self.signs(d, side, s, x.device), inverse=True)
         if side == "k" and s.pre_rope:
             back = rope(back, cos, sin, pos, self.rope_interleaved)
         out[:, :, lo:hi] = back
+        if self.reuse_blocks:
+            self._blocks[(layer, side)] = (x[:, :, :hi].clone(), out[:, :, :hi].clone())
         return out
 
-    def round_trip(self, x: torch.Tensor, side: str, s: Scheme, layer: Optional[int] = None) -> torch.Tensor:
-        """x (B, H, n, D) in the storage space (pre-RoPE / rotated) of layer `layer` -> quantized and
-        dequantized, float32."""
+    def _reuse(self, x: torch.Tensor, out: torch.Tensor, side: str, layer: Optional[int], hi: int) -> int:
+        """Copies into `out` the blocks of the last call on (layer, side) when x starts with that call's
+        tokens; returns where quantizing must start (0: nothing reused). Blocks are independent (ranges,
+        outliers and the Hadamard are per block or per token), so this is what quantizing [0, hi) gives."""
+        kept = self._blocks.get((layer, side))
+        if kept is None:
+            return 0
+        seen, done = kept
+        m = seen.shape[2]
+        if m > hi or seen.shape[:2] != x.shape[:2] or seen.shape[3] != x.shape[3] or not torch.equal(seen, x[:, :, :m]):
+            return 0
+        out[:, :, :m] = done
+        return m
+
+    def round_trip(self, x: torch.Tensor, side: str, s: Scheme, layer: Optional[int] = None,
+                   sinks: int = 0) -> torch.Tensor:
+        """x (B, H, n, D) in the storage space (pre-RoPE / rotated) of layer `layer`, starting at a block
+        boundary -> quantized and dequantized, float32. sinks: x's first rows that are encoded but do not
+        set their group's ranges (the cache's sinks)."""
         bits = getattr(s, f"{side}_bits")
         if s.levels == "gaussian":
             return gaussian_round_trip(x, bits, s.meta_dtype)
         group = getattr(s, f"{side}_group_size") or x.shape[-1]
         tokens = getattr(s, f"{side}_block_tokens")
-        # the cache's sinks are encoded in block 0 but do not set its ranges (view "all": no sinks)
-        sinks = s.sinks if self.view == "cache" else 0
         lv = None if layer is None else s.side_levels(layer, side)
         if lv is None and s.levels == "calibrated":
             raise ValueError(f"Simulation: scheme {s.name} has per-layer levels; round_trip needs the layer")
