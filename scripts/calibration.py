@@ -26,9 +26,12 @@ def main() -> None:
     p.add_argument("--calibration", type=int, nargs="+", default=[512, 2048], help="calibration tokens")
     p.add_argument("--targets", type=float, nargs="+", default=[2.5, 3.0], help="average code bits")
     p.add_argument("--presets", nargs="*", default=["rkv-3", "rkv-mixed-2", "rkv-2"])
-    p.add_argument("--texts", nargs="+", default=["alice29.txt", "asyoulik.txt"])
+    p.add_argument("--texts", nargs="+", default=["alice29.txt", "asyoulik.txt"],
+                   help="corpus texts; the ratio column compares the first two")
     p.add_argument("--tokens", type=int, default=2048, help="evaluation tokens")
     args = p.parse_args()
+    if len(set(args.texts)) != len(args.texts):
+        p.error(f"--texts names a text twice: {args.texts}")
     torch.manual_seed(0)
     model, tok = data.load_model(None, None)
     start = time.time()
@@ -60,16 +63,18 @@ def main() -> None:
           + f"  {first.split('.')[0]}/{second.split('.')[0]:22s} K/V bits by layer")
     for name, calibration, schemes, layers in rows:
         sim = any_report.simulation_of(schemes)
-        cells, draws = [], {}
-        for t, ids in texts.items():
+        cells, draws, rel = [], {}, {}
+        for i, (t, ids) in enumerate(texts.items()):
             x = nll(ids, sim)
-            rel = math.expm1((x.mean() - fp[t].mean()).item())
-            draws[t] = perplexity.relative_loss_samples(x, fp[t])
+            rel[t] = math.expm1((x.mean() - fp[t].mean()).item())
+            draws[t] = perplexity.relative_loss_samples(x, fp[t], seed=i)  # independent texts, independent draws
             lo, hi = draws[t].quantile(0.025).item(), draws[t].quantile(0.975).item()
-            cells.append(f"{rel:+.2%} [{lo:+.2%},{hi:+.2%}]".rjust(26))
-        ratio = draws[first] / draws[second]
-        lo, mid, hi = (ratio.quantile(q).item() for q in (0.025, 0.5, 0.975))
-        ratio_cell = f"{mid:.2f} [{lo:.2f},{hi:.2f}]"
+            cells.append(f"{rel[t]:+.2%} [{lo:+.2%},{hi:+.2%}]".rjust(26))
+        if draws[second].quantile(0.025).item() <= 0:
+            ratio_cell = f"{rel[first] / rel[second]:.2f} [{second}'s interval reaches 0]"
+        else:
+            lo, hi = (draws[first] / draws[second]).quantile(torch.tensor([0.025, 0.975], dtype=torch.float64))
+            ratio_cell = f"{rel[first] / rel[second]:.2f} [{lo.item():.2f},{hi.item():.2f}]"
         bits = sum(s.effective_bits(any_report.head_dim) for s in schemes) / len(schemes)
         print(f"{name:16s} {calibration:12s} {bits:5.2f}  " + "  ".join(cells) + f"  {ratio_cell:30s} {layers}",
               flush=True)

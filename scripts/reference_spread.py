@@ -23,8 +23,8 @@ def plain_fake_quant(x: torch.Tensor, bits: int, group: int, tokens: int) -> tor
     return (codes * scale + lo).reshape(x.shape)
 
 
-def plain_round_trip(self, x: torch.Tensor, side: str, s) -> torch.Tensor:
-    """Simulation.round_trip with the plain quantizer instead of the library's ops."""
+def plain_round_trip(self, x: torch.Tensor, side: str, s, layer=None, sinks: int = 0) -> torch.Tensor:
+    """Simulation.round_trip with the plain quantizer instead of the library's ops (view "all": no sinks)."""
     group = getattr(s, f"{side}_group_size") or x.shape[-1]
     return plain_fake_quant(x.float(), getattr(s, f"{side}_bits"), group, getattr(s, f"{side}_block_tokens"))
 

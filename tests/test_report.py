@@ -54,7 +54,8 @@ def test_decode_protocol_equals_the_simulation(scheme):
 
 @pytest.mark.parametrize("scheme", [S.recommended(3).replace(k_block_tokens=16, recent=8),
                                     S.recommended_sparse(2).replace(k_block_tokens=16, v_block_tokens=16, recent=8),
-                                    S.kivi(2, block=8, recent=8), S.turboquant(4)], ids=lambda s: s.name)
+                                    S.kivi(2, block=8, recent=8), S.kivi(2, block=8, recent=8).replace(sinks=70),
+                                    S.turboquant(4)], ids=lambda s: f"{s.name}-sinks{s.sinks}")
 def test_reused_blocks_are_what_quantizing_every_block_gives(scheme, monkeypatch):
     """Simulation(reuse_blocks=True) (localization: many questions on one cached document) quantizes only
     the blocks its last call on that layer and side did not hold, and gives what a fresh Simulation gives;
@@ -68,15 +69,24 @@ def test_reused_blocks_are_what_quantizing_every_block_gives(scheme, monkeypatch
     round_trip = sim.round_trip
     monkeypatch.setattr(sim, "round_trip",
                         lambda part, *a, **k: quantized.append(part.shape[2]) or round_trip(part, *a, **k))
+    count = lambda n: ref.quantized_count(n, scheme.recent, scheme.block)  # noqa: E731
     for layer, side in ((0, "k"), (1, "v")):
-        for y in (x[:, :, :100], x[:, :, :130], x, changed, changed[:, :, :60]):
+        for y in (x[:, :, :40], x[:, :, :100], x[:, :, :130], x, changed, changed[:, :, :60]):
             quantized.clear()
             got = sim.fake_quantize(y, side, layer)
             want = Simulation(scheme, cos, sin).fake_quantize(y, side, layer)
             assert torch.equal(got, want), (side, y.shape[2])
             if y is x:  # after 130 tokens: only the blocks that 200 adds
-                last = ref.quantized_count(130, scheme.recent, scheme.block)
-                assert quantized == [ref.quantized_count(200, scheme.recent, scheme.block) - last], quantized
+                assert quantized == [count(200) - count(130)], quantized
+            if y is changed:  # the blocks before token 20's are kept
+                kept = scheme.block * (20 // scheme.block)
+                assert quantized == [count(200) - kept], quantized
+    # each (layer, side) keeps its own blocks: the same tokens in a layer with another scheme
+    other = S.recommended(4).replace(k_block_tokens=16, recent=8)
+    per_layer = Simulation(scheme, cos, sin, layer_schemes={2: other}, reuse_blocks=True)
+    for layer in (0, 2, 0, 2):
+        want = Simulation(scheme, cos, sin, layer_schemes={2: other}).fake_quantize(x, "k", layer)
+        assert torch.equal(per_layer.fake_quantize(x, "k", layer), want), layer
     with pytest.raises(ValueError, match="reuse_blocks needs view 'cache'"):
         Simulation(scheme, cos, sin, view="all", reuse_blocks=True)
 
@@ -295,10 +305,18 @@ def test_relative_loss_samples_resample_runs_of_tokens():
     draws = perplexity.relative_loss_samples(ref_nll + runs.repeat_interleave(128), ref_nll, samples=4000)
     spread = torch.log1p(draws).std().item() * math.sqrt(32)
     assert 0.8 * runs.std().item() < spread < 1.2 * runs.std().item(), (spread, runs.std().item())
+    # a length that is not a multiple of the run: the last, shorter run counts by its tokens. 129 tokens,
+    # a loss of 1 on the last only: draws of (full, full), (full, last) x2, (last, last) average to
+    # 0, 1/129, 1: a mean of 1/4 + 1/258 (counting the last run as 128 tokens would give 1/128 + 1/512)
+    short = ref_nll[:129]
+    tail = torch.zeros(129, dtype=torch.float64)
+    tail[-1] = 1.0
+    draws = perplexity.relative_loss_samples(short + tail, short, samples=16000)
+    assert abs(torch.log1p(draws).mean().item() - (0.25 + 1 / 258)) < 0.05 * 0.25
     with pytest.raises(ValueError, match="must be equal 1-D shapes"):
         perplexity.relative_loss_samples(ref_nll[:100], ref_nll)
-    with pytest.raises(ValueError, match="fewer than 2 blocks"):
-        perplexity.relative_loss_samples(ref_nll[:200], ref_nll[:200])
+    with pytest.raises(ValueError, match="fewer than 2 runs"):
+        perplexity.relative_loss_samples(ref_nll[:128], ref_nll[:128])
 
 
 @pytest.mark.slow

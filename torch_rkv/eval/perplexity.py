@@ -42,18 +42,24 @@ def token_nll(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def relative_loss_samples(nll: torch.Tensor, reference: torch.Tensor, block: int = 128, samples: int = 2000,
                           seed: int = 0) -> torch.Tensor:
     """(samples,) block-bootstrap draws of perplexity / reference perplexity - 1 over the same tokens:
-    runs of `block` consecutive tokens resampled with replacement (neighbouring tokens' losses are
-    correlated, so single tokens would understate the spread). What one text's relative loss could have
-    been with other passages of the same kind; its 2.5 and 97.5 percentiles are a 95% interval."""
+    runs of `block` consecutive tokens (the last one shorter when the length is not a multiple) resampled
+    with replacement, each draw the token-weighted mean of its runs. Neighbouring tokens' losses are
+    correlated, so single tokens would understate the spread; runs at different positions are treated as
+    exchangeable although the loss grows with context, which widens the interval. Its 2.5 and 97.5
+    percentiles are a 95% interval for what one text's relative loss could have been with other passages
+    of the same kind. Independent texts need independent seeds."""
     if nll.shape != reference.shape or nll.dim() != 1:
         raise ValueError(f"relative_loss_samples: nll {tuple(nll.shape)} and reference {tuple(reference.shape)} "
                          "must be equal 1-D shapes")
-    runs = nll.numel() // block
+    runs = -(-nll.numel() // block)
     if runs < 2:
-        raise ValueError(f"relative_loss_samples: {nll.numel()} tokens make fewer than 2 blocks of {block}")
-    diff = (nll - reference).double()[: runs * block].reshape(runs, block).mean(1)
+        raise ValueError(f"relative_loss_samples: {nll.numel()} tokens make fewer than 2 runs of {block}")
+    diff = (nll - reference).double()
+    sums = torch.zeros(runs, dtype=torch.float64).index_add_(0, torch.arange(diff.numel()) // block, diff)
+    counts = torch.full((runs,), float(block), dtype=torch.float64)
+    counts[-1] = diff.numel() - block * (runs - 1)
     pick = torch.randint(0, runs, (samples, runs), generator=torch.Generator().manual_seed(seed))
-    return diff[pick].mean(1).exp() - 1
+    return (sums[pick].sum(1) / counts[pick].sum(1)).exp() - 1
 
 
 def kl_divergence(reference: torch.Tensor, logprobs: torch.Tensor) -> float:

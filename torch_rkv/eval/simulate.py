@@ -118,7 +118,7 @@ class Simulation:
         if hi <= lo or not (self.quantize_keys if side == "k" else self.quantize_values):
             return out
         if self.reuse_blocks:
-            lo = self._reuse(x, out, side, layer, hi)
+            lo = self._reuse(x, out, side, layer, hi, s.block)
             if lo == hi:
                 return out
         part = out[:, :, lo:hi]
@@ -143,18 +143,20 @@ class Simulation:
             self._blocks[(layer, side)] = (x[:, :, :hi].clone(), out[:, :, :hi].clone())
         return out
 
-    def _reuse(self, x: torch.Tensor, out: torch.Tensor, side: str, layer: Optional[int], hi: int) -> int:
-        """Copies into `out` the blocks of the last call on (layer, side) when x starts with that call's
-        tokens; returns where quantizing must start (0: nothing reused). Blocks are independent (ranges,
-        outliers and the Hadamard are per block or per token), so this is what quantizing [0, hi) gives."""
+    def _reuse(self, x: torch.Tensor, out: torch.Tensor, side: str, layer: Optional[int], hi: int, block: int) -> int:
+        """Copies into `out` the blocks of the last call on (layer, side) that x starts with, up to the first
+        block holding a different token; returns where quantizing must start (0: nothing reused). Blocks
+        are independent (ranges, outliers and the Hadamard are per block or per token), so this is what
+        quantizing [0, hi) gives."""
         kept = self._blocks.get((layer, side))
-        if kept is None:
+        if kept is None or kept[0].shape[:2] != x.shape[:2] or kept[0].shape[3] != x.shape[3]:
             return 0
         seen, done = kept
-        m = seen.shape[2]
-        if m > hi or seen.shape[:2] != x.shape[:2] or seen.shape[3] != x.shape[3] or not torch.equal(seen, x[:, :, :m]):
-            return 0
-        out[:, :, :m] = done
+        m = min(seen.shape[2], hi)
+        differs = (seen[:, :, :m] != x[:, :, :m]).any(-1).any(0).any(0).nonzero()  # NaN differs too
+        if len(differs):
+            m = block * (int(differs[0]) // block)
+        out[:, :, :m] = done[:, :, :m]
         return m
 
     def round_trip(self, x: torch.Tensor, side: str, s: Scheme, layer: Optional[int] = None,
