@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from torch_rkv.eval import data, perplexity
+from torch_rkv.allocate import allocate_average
+from torch_rkv.eval import data, perplexity, sensitivity
 from torch_rkv.eval.report import ALLOCATED, Options, Report
 
 
@@ -40,29 +41,31 @@ def main() -> None:
         texts[name] = data.encode(tok, data.read_text(str(data.text_path(name))))[:, : args.tokens]
         if texts[name].shape[1] < args.tokens:
             raise data.MissingMaterial(f"{name} has {texts[name].shape[1]} tokens, fewer than --tokens {args.tokens}")
-    reports = {n: Report(model, tok, data.read_text(str(data.text_path())),
-                         Options(tokens=args.tokens, alloc_tokens=n, families=(), bits=()),
-                         log=lambda s: print(s, file=sys.stderr, flush=True))
-               for n in args.calibration}
-    any_report = next(iter(reports.values()))
+    # for the presets' schemes, the simulation and the allocation widths
+    report = Report(model, tok, data.read_text(str(data.text_path())),
+                    Options(tokens=args.tokens, families=(), bits=()), log=lambda _: None)
 
     def nll(ids, sim):
         return perplexity.token_nll(perplexity.simulated_logprobs(model, ids, sim), ids)
 
     fp = {t: nll(ids, None) for t, ids in texts.items()}
-    rows = [(name, "", any_report.layer_schemes(name), "") for name in args.presets]
-    for n, report in reports.items():
+    rows = [(name, "", report.layer_schemes(name), "") for name in args.presets]
+    for n in args.calibration:  # the report's profile (Report.profile), on n calibration tokens
+        profile = sensitivity.load_or_measure(
+            model, tok, tuple(report.opts.alloc_levels), tokens=n,
+            progress=lambda base, layer, layers, n=n: print(f"sensitivity on {n} tokens, from {base} bits: layer "
+                                                       f"{layer}/{layers}", file=sys.stderr, flush=True))
         for target in args.targets:
-            alloc = report.allocation_named(f"{ALLOCATED}{target:g}")
+            alloc = allocate_average(profile, target)
             rows.append((f"{ALLOCATED}{target:g}", f"{n} tokens", alloc.schemes(), alloc.describe()))
     first, second = list(texts)[:2] if len(texts) > 1 else (args.texts[0], args.texts[0])
     print(f"SmolLM2, {args.tokens} tokens; full precision "
-          + ", ".join(f"{t} {math.exp(x.mean().item()):.3f}" for t, x in fp.items())
+          + ", ".join(f"{t} {perplexity.nll_to_ppl(x.mean().item()):.3f}" for t, x in fp.items())
           + "; relative perplexity change [95% block-bootstrap interval, runs of 128 tokens]")
     print(f"{'scheme':16s} {'calibration':12s} {'bits':>5s}  " + "  ".join(f"{t:>26s}" for t in texts)
           + f"  {first.split('.')[0]}/{second.split('.')[0]:22s} K/V bits by layer")
     for name, calibration, schemes, layers in rows:
-        sim = any_report.simulation_of(schemes)
+        sim = report.simulation_of(schemes)
         cells, draws, rel = [], {}, {}
         for i, (t, ids) in enumerate(texts.items()):
             x = nll(ids, sim)
@@ -75,7 +78,7 @@ def main() -> None:
         else:
             lo, hi = (draws[first] / draws[second]).quantile(torch.tensor([0.025, 0.975], dtype=torch.float64))
             ratio_cell = f"{rel[first] / rel[second]:.2f} [{lo.item():.2f},{hi.item():.2f}]"
-        bits = sum(s.effective_bits(any_report.head_dim) for s in schemes) / len(schemes)
+        bits = sum(s.effective_bits(report.head_dim) for s in schemes) / len(schemes)
         print(f"{name:16s} {calibration:12s} {bits:5.2f}  " + "  ".join(cells) + f"  {ratio_cell:30s} {layers}",
               flush=True)
     print(f"{time.time() - start:.0f} s")
