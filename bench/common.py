@@ -64,6 +64,24 @@ def time_ms(fn, min_run_time: float = 1.0) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
+def device_ms(fn, calls: int = 50) -> float:
+    """CUDA: the GPU time of one fn() call in milliseconds, the summed durations of the kernels (and
+    memsets) it launches, averaged over `calls` calls (torch.profiler). A decode step of a few
+    microseconds is shorter than the Python that launches it, so wall time (time_ms) measures the host
+    there; an engine that replays CUDA graphs pays this."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return total_us / calls / 1e3
+
+
 def time_ratio(fn, base, min_run_time: float = 1.0, rounds: int = 5) -> tuple[float, float]:
     """(ms of fn, median over rounds of fn's time / base's): the two timed in alternation, so that a
     shared machine's drift between two separate measurements does not land in the ratio, and in turns

@@ -11,6 +11,10 @@ mkdir -p "$out"
 peak=${1:-4800}
 arch=$(python -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}.{p[1]}')")
 export TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-16} RKV_BUILD_CUDA=1
+# The lent H200's image sets CC/CXX to /opt/gcc, and an extension built with them segfaulted while
+# formatting any error message (2026-12-04: std::ostream code resolved inside _C.so, under torch 2.11);
+# the system compiler should match the image's libstdc++ (untried). Override with RKV_CC / RKV_CXX.
+[ -x /usr/bin/g++ ] && export CC=${RKV_CC:-/usr/bin/gcc} CXX=${RKV_CXX:-/usr/bin/g++}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 python -c "import torch; print('torch', torch.__version__)" | tee -a "$out/device.txt"
 time python setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
@@ -26,7 +30,7 @@ for tool in memcheck racecheck; do
   echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitizer_$tool.log") clean summaries)" \
     | tee -a "$out/summary.txt"
 done
-python bench/bench_decode.py --json --device cuda --peak-gbps "$peak" --contexts 4096 16384 65536 > "$out/bench_decode.jsonl" 2> "$out/bench_decode.err"
+python bench/bench_decode.py --json --device cuda --peak-gbps "$peak" --contexts 4096 16384 65536 --bits 4 2 > "$out/bench_decode.jsonl" 2> "$out/bench_decode.err"
 python bench/bench_quant.py --json --device cuda --bits 4 2 > "$out/bench_quant.jsonl" 2> "$out/bench_quant.err"
 echo "cuda tests exit $status_tests" | tee -a "$out/summary.txt"
 tail -n 50 "$out"/bench_decode.jsonl

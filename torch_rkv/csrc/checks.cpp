@@ -304,6 +304,8 @@ void check_cache(const char* op, const at::Tensor& ref, const CacheTensors& c, c
   g.pages = c.k_codes.size(0);
   g.page_size = c.k_codes.size(2);
   g.max_pages = ix.tables() ? ix.tables()->size(1) : 1;
+  TORCH_CHECK_VALUE(g.page_size < (int64_t{1} << 31), "rkv.", op, ": the ", ix.paged ? "page size" : "packed capacity",
+                    " (", g.page_size, ") must be below 2^31 rows");  // the kernels' 32-bit row arithmetic
   TORCH_CHECK_VALUE(g.page_size % block == 0, "rkv.", op, ": the ", ix.paged ? "page size" : "packed capacity", " (",
                     g.page_size, ") must be a multiple of block (", block, ")");
   g.ring = ix.tables() == nullptr && g.sliding_window > 0;  // sequence b owns page b: a ring

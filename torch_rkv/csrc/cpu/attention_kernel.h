@@ -50,22 +50,17 @@ struct RowReader {
   float* zc;       // and zeros: code * sc + zc decodes a code (symmetric: zc = -2^(bits-1) sc)
   uint8_t* codes;  // scratch: one row of codes
   int64_t meta_lo = 0, meta_hi = 0;  // tokens [meta_lo, meta_hi) share the metadata row in sc / zc
-  int64_t page_lo = 0, page_hi = 0;  // tokens [page_lo, page_hi) live in the page below
+  PageCursor page;                      // the page of the tokens read last
   const uint8_t* page_codes = nullptr;  // codes of this head's row 0 in that page
   int64_t page_meta = 0;                // element offset of its metadata row 0
-  int64_t page_id = 0;                  // and the page itself
 
   // whether tokens [t, t + n) are all quantized rows (no sink, window or new row among them)
   bool all_packed(int64_t t, int64_t n) const { return t >= sinks && t + n <= q_count; }
   // The page that holds token t: a block-table read per page, a compare per row.
   RKV_INLINE void seek(int64_t t) {
-    if (t >= page_lo && t < page_hi) return;
-    const int64_t page = pt->page(b, t);
-    page_id = page;
-    page_lo = t - t % g->page_size;
-    page_hi = page_lo + g->page_size;
-    page_codes = side->codes + side->codes_offset(*g, page, h, 0);
-    page_meta = side->meta_offset(*g, page, h, 0);
+    if (!page.seek(*pt, b, t)) return;
+    page_codes = side->codes + side->codes_offset(*g, page.page, h, 0);
+    page_meta = side->meta_offset(*g, page.page, h, 0);
   }
   // The zeros that make code * s + z decode symmetric codes too (stored with a bias of 2^(bits-1)).
   RKV_INLINE void symmetric_zeros(const float* s, float* z, int64_t n) const {
@@ -85,11 +80,11 @@ struct RowReader {
   // Scales and zeros of quantized rows [t, t + n) of one page, for one row per block.
   RKV_INLINE void row_params(int64_t t, int64_t n, float* s, float* z) {
     seek(t);
-    meta_rows(page_meta + (t - page_lo) * (dim / group), n, s, z);
+    meta_rows(page_meta + page.row(t) * (dim / group), n, s, z);
   }
   RKV_INLINE const uint8_t* packed_row(int64_t t) {
     seek(t);
-    return page_codes + (t - page_lo) * row_bytes;
+    return page_codes + page.row(t) * row_bytes;
   }
   // Ask for quantized rows [t, t + n) of one page ahead of use: each split starts a fresh stream, which
   // the hardware prefetcher picks up only after a few misses.
@@ -97,16 +92,16 @@ struct RowReader {
     const int64_t lo = std::max(t, sinks), hi = std::min(t + n, q_count);
     if (lo >= hi) return;
     const char* p = reinterpret_cast<const char*>(packed_row(lo));
-    const int64_t bytes = (std::min(hi, page_hi) - lo) * row_bytes;
+    const int64_t bytes = (std::min(hi, page.hi) - lo) * row_bytes;
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
   }
   // Metadata of quantized token t's block in sc / zc.
   RKV_INLINE void load_meta(int64_t t) {
     if (t >= meta_lo && t < meta_hi) return;  // a compare per row, the division once per block
     seek(t);
-    const int64_t m = (t - page_lo) / block_tokens;
+    const int64_t m = page.row(t) / block_tokens;
     meta_rows(page_meta + m * (dim / group), 1, sc, zc);
-    meta_lo = page_lo + m * block_tokens;
+    meta_lo = page.lo + m * block_tokens;
     meta_hi = meta_lo + block_tokens;
   }
 
@@ -119,8 +114,8 @@ struct RowReader {
     const int64_t hi = std::min(t + n, q_count);
     for (int64_t u = std::max(t, sinks); u < hi;) {
       seek(u);
-      const int64_t row = u - page_lo, first = u - row % g->block, end = std::min(hi, first + g->block);
-      const uint32_t* e = side->outliers + side->outlier_offset(*g, page_id, h, row);
+      const int64_t row = page.row(u), first = u - row % g->block, end = std::min(hi, first + g->block);
+      const uint32_t* e = side->outliers + side->outlier_offset(*g, page.page, h, row);
       const int64_t pos_lo = (u - first) * dim, pos_hi = (end - first) * dim;
       for (int64_t k = first_outlier(e, side->outlier_count, pos_lo); k < side->outlier_count; ++k) {
         const int64_t pos = outlier_pos(e[k]);

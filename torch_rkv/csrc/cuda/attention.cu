@@ -1,14 +1,18 @@
 // CUDA kernel of rkv::decode_attention, rkv::paged_decode_attention and rkv::paged_prefill_attention
 // (flash-decoding over the quantized cache, contiguous or paged).
 //
-// Grid (split, kv head x row chunk, sequence); 4 warps per block. A block owns up to 8 query rows of
-// one sequence (decode: the query heads of a GQA group; prefill: query tokens x heads, each row causal
+// Grid (split, kv head x row chunk, sequence); 4 warps per block. A block owns up to kHeads query rows
+// of one sequence (decode: the query heads of a GQA group; prefill: query tokens x heads, each row causal
 // with its own end). Each warp walks every 4th token of the block's split; its 32 lanes each own up to
-// 4 channel pairs ("slots") of head_dim <= 256, chosen so that a lane holds both members of its RoPE
-// pairs. Per token a lane reads its codes once from the page row (include/rkv/paging.h), dequantizes and
-// rotates them in registers (include/rkv/*.h, the CPU kernel's arithmetic), the warp reduces the dot
-// products for its rows, and keeps an online softmax and the output in registers. The warps of a block
-// are merged in shared memory, the splits of a row by a second kernel in split order.
+// kSlots channel pairs ("slots"), chosen so that a lane holds both members of its RoPE pairs. Per token a
+// lane reads its codes once from the page row (include/rkv/paging.h), dequantizes and rotates them in
+// registers (include/rkv/*.h, the CPU kernel's arithmetic), the warp reduces the dot products for its
+// rows, and keeps an online softmax and the output in registers. The warps of a block are merged in
+// shared memory, the splits of a row by a second kernel in split order.
+//
+// Registers decide the speed: the queries and outputs a lane keeps are 4 x kHeads x kSlots floats, so
+// the kernel is compiled for the few (kHeads, kSlots) a call needs (run_attention picks the smallest),
+// and per-token addressing avoids 64-bit division (a cursor over pages, 32-bit metadata rows).
 #include <ATen/ops/zeros.h>
 
 #include "../cache_call.h"
@@ -26,12 +30,11 @@ namespace rkv::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kMaxHeads = 8;  // query heads per block; larger GQA groups use more blocks
 constexpr int kMaxSlots = 4;  // channel pairs per lane: head_dim <= 2 * 32 * 4 = 256
 constexpr int64_t kDefaultSplit = 128;
 
 // The two channels of a lane's slot p: RoPE pairs when keys are rotated, neighbours otherwise.
-__device__ __forceinline__ void slot_channels(int64_t p, int64_t half, bool interleaved, int64_t& a, int64_t& b) {
+__device__ __forceinline__ void slot_channels(int p, int half, bool interleaved, int& a, int& b) {
   if (half > 0 && !interleaved && p < half) {
     a = p;
     b = p + half;
@@ -50,32 +53,43 @@ struct Side {
   SideView view;
   const fp_t* fresh;  // prefill: the chunk's rows (T, Hkv, D), or nullptr
 
-  // Channels a and c of token t of (sequence b, kv head h), whose side slot is `slot`; the sequence has
-  // n cached tokens (q_count of them quantized) and its chunk starts at row q_row0 of `fresh`.
-  __device__ float2 load(const CacheGeometry& g, const PageTable& pt, int64_t b, int64_t h, int64_t slot,
-                         int64_t t, int64_t q_count, int64_t n, int64_t q_row0, int64_t a, int64_t c) const {
-    const fp_t* row;
-    switch (token_place(t, g.sinks, q_count, n)) {
-      case Place::Sink: row = static_cast<const fp_t*>(view.sink) + sink_offset(g, slot, h, t); break;
-      case Place::Window: row = static_cast<const fp_t*>(view.window) + window_offset(g, slot, h, t); break;
-      case Place::Fresh: row = fresh + ((q_row0 + t - n) * g.kv_heads + h) * g.dim; break;
+  // Where one token's row is: a full-precision row, or the codes and metadata of a quantized one.
+  struct Row {
+    const fp_t* fp;  // nullptr: quantized
+    const uint8_t* codes;
+    const meta_t* scale;
+    const meta_t* zero;  // nullptr: symmetric
+    int64_t r;           // quantized: the row in its page (sparse outliers)
+  };
+
+  // Token t of (sequence b, kv head h), which lives at `place`: a quantized token in row r of `page`, a
+  // full-precision one in side slot `slot`, a new one at row q_row0 + t - n of `fresh`.
+  __device__ Row row(const CacheGeometry& g, Place place, int64_t page, int64_t r, int64_t h, int64_t slot, int64_t t,
+                     int64_t n, int64_t q_row0) const {
+    switch (place) {
+      case Place::Sink: return {static_cast<const fp_t*>(view.sink) + sink_offset(g, slot, h, t)};
+      case Place::Window: return {static_cast<const fp_t*>(view.window) + window_offset(g, slot, h, t)};
+      case Place::Fresh: return {fresh + ((q_row0 + t - n) * g.kv_heads + h) * g.dim};
       default: {
-        const int64_t page = pt.page(b, t), r = t % g.page_size;
         CUDA_KERNEL_ASSERT_MSG(page >= 0 && page < g.pages, "rkv: a block table names a page outside the pool");
-        const uint8_t* codes = view.codes + view.codes_offset(g, page, h, r);
         const int64_t meta = view.meta_offset(g, page, h, r);
-        const meta_t* scale = static_cast<const meta_t*>(view.scale) + meta;
-        const meta_t* zero = view.zero ? static_cast<const meta_t*>(view.zero) + meta : nullptr;
-        const bool sym = zero == nullptr;
-        const QParams pa{static_cast<float>(scale[a / view.group]), sym ? 0.0f : static_cast<float>(zero[a / view.group])};
-        const QParams pc{static_cast<float>(scale[c / view.group]), sym ? 0.0f : static_cast<float>(zero[c / view.group])};
-        float2 xy = make_float2(decode(unpack_code(codes, a, view.bits), pa, view.bits, sym, view.levels),
-                                decode(unpack_code(codes, c, view.bits), pc, view.bits, sym, view.levels));
-        if (view.outliers != nullptr) add_outliers(g, page, h, r, a, c, xy);
-        return xy;
+        return {nullptr, view.codes + view.codes_offset(g, page, h, r), static_cast<const meta_t*>(view.scale) + meta,
+                view.zero ? static_cast<const meta_t*>(view.zero) + meta : nullptr, r};
       }
     }
-    return make_float2(static_cast<float>(row[a]), static_cast<float>(row[c]));
+  }
+
+  // Channels a and c of a row (of `page`, when quantized).
+  __device__ float2 load(const CacheGeometry& g, const Row& row, int64_t page, int64_t h, int a, int c) const {
+    if (row.fp != nullptr) return make_float2(static_cast<float>(row.fp[a]), static_cast<float>(row.fp[c]));
+    const bool sym = row.zero == nullptr;
+    const int ga = a / static_cast<int>(view.group), gc = c / static_cast<int>(view.group);
+    const QParams pa{static_cast<float>(row.scale[ga]), sym ? 0.0f : static_cast<float>(row.zero[ga])};
+    const QParams pc{static_cast<float>(row.scale[gc]), sym ? 0.0f : static_cast<float>(row.zero[gc])};
+    float2 xy = make_float2(decode(unpack_code(row.codes, a, view.bits), pa, view.bits, sym, view.levels),
+                            decode(unpack_code(row.codes, c, view.bits), pc, view.bits, sym, view.levels));
+    if (view.outliers != nullptr) add_outliers(g, page, h, row.r, a, c, xy);
+    return xy;
   }
 
   // The sparse outliers (include/rkv/outliers.h) of channels a and c of quantized row r of `page`, added
@@ -94,115 +108,106 @@ struct Side {
   }
 };
 
-// The rows of one thread block: up to kMaxHeads query rows (query token i, query head g of the kv head)
+// The rows of one thread block: up to kHeads query rows (query token i, query head g of the kv head)
 // of one sequence, each seeing keys [0, end).
 struct QueryRows {
   const int64_t* q_start;  // (B+1) prefill, or nullptr (decode: one query per sequence, row b)
   int64_t row_chunks;      // thread blocks along the rows of one (sequence, kv head)
 };
 
-template <typename fp_t, typename meta_t>
+template <typename fp_t, typename meta_t, int kHeads, int kSlots>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_split_kernel(CacheGeometry g, PageTable pt, const float* __restrict__ q,
                            const int64_t* __restrict__ lengths, QueryRows qr, Side<fp_t, meta_t> keys,
                            Side<fp_t, meta_t> values, const float* __restrict__ cos, const float* __restrict__ sin,
                            int64_t splits, float* __restrict__ part_ml, float* __restrict__ part_acc) {
   const int64_t split = blockIdx.x, b = blockIdx.z, G = g.group_size();
-  const int64_t h = blockIdx.y / qr.row_chunks, row0 = (blockIdx.y % qr.row_chunks) * kMaxHeads;
+  const int64_t h = blockIdx.y / qr.row_chunks, row0 = (blockIdx.y % qr.row_chunks) * kHeads;
   const bool prefill = qr.q_start != nullptr;
   const int64_t m = prefill ? qr.q_start[b + 1] - qr.q_start[b] : 1, q_row0 = prefill ? qr.q_start[b] : b;
   const int64_t left = G * m - row0;
   if (left <= 0) return;  // a shorter chunk than the longest: no rows here (uniform across the block)
-  const int nh = static_cast<int>(left < kMaxHeads ? left : kMaxHeads);
+  const int nh = static_cast<int>(left < kHeads ? left : kHeads);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t d = g.dim, n = lengths[b], slot = pt.slot(b);
+  const int64_t n = lengths[b], slot = pt.slot(b);
+  const int d = static_cast<int>(g.dim), slots = d / 2, half = static_cast<int>(g.rope_half);
   CUDA_KERNEL_ASSERT_MSG(n >= 0 && n + (prefill ? m : 0) <= g.max_tokens(),
                          "rkv: lengths beyond the tokens a sequence's pages address");
   CUDA_KERNEL_ASSERT_MSG(g.rope_half == 0 || n + (prefill ? m : 0) <= g.rope_positions,
                          "rkv: lengths beyond the rope_cos / rope_sin table");
   CUDA_KERNEL_ASSERT_MSG(slot >= 0 && slot < g.slots, "rkv: side_slots names a slot outside the pool");
-  // query row j: token i = (row0 + j) / G, head (row0 + j) % G; it sees keys [begin[j], end[j])
-  int64_t qrow[kMaxHeads], begin[kMaxHeads], end[kMaxHeads], t_end = 0;
+  // query row j = row0 + j: query token i = (row0 + j) / G, head (row0 + j) % G. It sees keys [0, n + past[j])
+  // (past: decode 0, prefill i + 1), or with a sliding window W the newest W of them.
+  const auto q_row = [&](int j) { const int64_t r = row0 + j; return (q_row0 + r / G) * g.q_heads + h * G + r % G; };
+  int past[kHeads];
 #pragma unroll
-  for (int j = 0; j < kMaxHeads; ++j) {
-    const int64_t r = row0 + (j < nh ? j : 0), i = r / G;
-    qrow[j] = (q_row0 + i) * g.q_heads + h * G + r % G;
-    end[j] = prefill ? n + i + 1 : n;
-    begin[j] = window_start(end[j], g.sliding_window);
-    t_end = j < nh && end[j] > t_end ? end[j] : t_end;
-  }
+  for (int j = 0; j < kHeads; ++j) past[j] = prefill ? static_cast<int>((row0 + (j < nh ? j : 0)) / G + 1) : 0;
+  const int64_t t_end = prefill ? n + (row0 + nh - 1) / G + 1 : n, W = g.sliding_window;  // the last row's end
+  const auto sees = [&](int j, int64_t t) { return t - n < past[j] && (W == 0 || t - n + W >= past[j]); };
   const int64_t t0 = split_base(n, prefill, g.sliding_window) + split * g.split_tokens;
   const int64_t t1 = t_end < t0 + g.split_tokens ? t_end : t0 + g.split_tokens;
   const int64_t q_count = quantized_count(n, g.recent, g.block);
-  const int64_t slots = d / 2;
 
   // this lane's channels and query values
-  int64_t ca[kMaxSlots], cb[kMaxSlots];
-  float qa[kMaxHeads][kMaxSlots], qb[kMaxHeads][kMaxSlots];
+  int ca[kSlots], cb[kSlots];
+  float qa[kHeads][kSlots], qb[kHeads][kSlots];
 #pragma unroll
-  for (int i = 0; i < kMaxSlots; ++i) {
-    const int64_t p = lane + 32 * i;
+  for (int i = 0; i < kSlots; ++i) {
+    const int p = lane + 32 * i;
     ca[i] = cb[i] = 0;
-    if (p < slots) slot_channels(p, g.rope_half, g.interleaved, ca[i], cb[i]);
+    if (p < slots) slot_channels(p, half, g.interleaved, ca[i], cb[i]);
 #pragma unroll
-    for (int j = 0; j < kMaxHeads; ++j) {
+    for (int j = 0; j < kHeads; ++j) {
       const bool on = p < slots && j < nh;
-      qa[j][i] = on ? q[qrow[j] * d + ca[i]] : 0.0f;
-      qb[j][i] = on ? q[qrow[j] * d + cb[i]] : 0.0f;
+      qa[j][i] = on ? q[q_row(j) * d + ca[i]] : 0.0f;
+      qb[j][i] = on ? q[q_row(j) * d + cb[i]] : 0.0f;
     }
   }
 
-  float mx[kMaxHeads], l[kMaxHeads], acc_a[kMaxHeads][kMaxSlots], acc_b[kMaxHeads][kMaxSlots];
+  float mx[kHeads], l[kHeads], acc_a[kHeads][kSlots], acc_b[kHeads][kSlots];
 #pragma unroll
-  for (int j = 0; j < kMaxHeads; ++j) {
+  for (int j = 0; j < kHeads; ++j) {
     mx[j] = -INFINITY;
     l[j] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kMaxSlots; ++i) acc_a[j][i] = acc_b[j][i] = 0.0f;
+    for (int i = 0; i < kSlots; ++i) acc_a[j][i] = acc_b[j][i] = 0.0f;
   }
 
+  PageCursor page;  // the page of this warp's tokens: one table read per page, no division per token
   for (int64_t t = t0 + warp; t < t1; t += kWarps) {
-    float ka[kMaxSlots], kb[kMaxSlots];
+    const Place place = token_place(t, g.sinks, q_count, n);  // warp-uniform
+    if (place == Place::Packed) page.seek(pt, b, t);
+    const auto krow = keys.row(g, place, page.page, page.row(t), h, slot, t, n, q_row0);
+    const auto vrow = values.row(g, place, page.page, page.row(t), h, slot, t, n, q_row0);
+    float ka[kSlots], kb[kSlots], va[kSlots], vb[kSlots];
 #pragma unroll
-    for (int i = 0; i < kMaxSlots; ++i) {
-      const int64_t p = lane + 32 * i;
-      ka[i] = kb[i] = 0.0f;
+    for (int i = 0; i < kSlots; ++i) {
+      const int p = lane + 32 * i;
+      ka[i] = kb[i] = va[i] = vb[i] = 0.0f;
       if (p >= slots) continue;
-      const float2 k2 = keys.load(g, pt, b, h, slot, t, q_count, n, q_row0, ca[i], cb[i]);
+      const float2 k2 = keys.load(g, krow, page.page, h, ca[i], cb[i]);
+      const float2 v2 = values.load(g, vrow, page.page, h, ca[i], cb[i]);
       ka[i] = k2.x;
       kb[i] = k2.y;
-      if (cos != nullptr && p < g.rope_half) rope_apply(ka[i], kb[i], cos[t * g.rope_half + p], sin[t * g.rope_half + p]);
-    }
-    float score[kMaxHeads];
-#pragma unroll
-    for (int j = 0; j < kMaxHeads; ++j) {
-      score[j] = 0.0f;
-      if (j >= nh || t >= end[j] || t < begin[j]) continue;  // warp-uniform
-      float partial = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kMaxSlots; ++i) partial = fma_f(qa[j][i], ka[i], fma_f(qb[j][i], kb[i], partial));
-      score[j] = softcap_score(warp_sum(partial), g.softcap);
-    }
-    float va[kMaxSlots], vb[kMaxSlots];
-#pragma unroll
-    for (int i = 0; i < kMaxSlots; ++i) {
-      va[i] = vb[i] = 0.0f;
-      if (lane + 32 * i >= slots) continue;
-      const float2 v2 = values.load(g, pt, b, h, slot, t, q_count, n, q_row0, ca[i], cb[i]);
       va[i] = v2.x;
       vb[i] = v2.y;
+      if (cos != nullptr && p < half) rope_apply(ka[i], kb[i], cos[t * half + p], sin[t * half + p]);
     }
 #pragma unroll
-    for (int j = 0; j < kMaxHeads; ++j) {
-      if (j >= nh || t >= end[j] || t < begin[j]) continue;
-      const float m_new = fmaxf(mx[j], score[j]);
+    for (int j = 0; j < kHeads; ++j) {
+      if (j >= nh || !sees(j, t)) continue;  // warp-uniform
+      float partial = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) partial = fma_f(qa[j][i], ka[i], fma_f(qb[j][i], kb[i], partial));
+      const float score = softcap_score(warp_sum(partial), g.softcap);
+      const float m_new = fmaxf(mx[j], score);
       // -inf guards: the first token (m = -inf) and a -inf score (an infinite key) weigh 0, not NaN
       const float corr = mx[j] == -INFINITY ? 0.0f : softmax_exp(mx[j] - m_new);
-      const float p = m_new == -INFINITY ? 0.0f : softmax_exp(score[j] - m_new);
+      const float p = m_new == -INFINITY ? 0.0f : softmax_exp(score - m_new);
       l[j] = fma_f(l[j], corr, p);
       mx[j] = m_new;
 #pragma unroll
-      for (int i = 0; i < kMaxSlots; ++i) {
+      for (int i = 0; i < kSlots; ++i) {
         acc_a[j][i] = fma_f(acc_a[j][i], corr, p * va[i]);
         acc_b[j][i] = fma_f(acc_b[j][i], corr, p * vb[i]);
       }
@@ -210,39 +215,38 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 
   // merge the warps of this block: shared (m, l) per warp and row, then the outputs channel by channel
-  __shared__ float s_ml[kWarps][kMaxHeads][2];
-  extern __shared__ float s_acc[];  // [kWarps][kMaxHeads][d]
+  __shared__ float s_ml[kWarps][kHeads][2];
+  extern __shared__ float s_acc[];  // [kWarps][kHeads][d]
   if (lane == 0) {
 #pragma unroll
-    for (int j = 0; j < kMaxHeads; ++j) {
+    for (int j = 0; j < kHeads; ++j) {
       s_ml[warp][j][0] = mx[j];
       s_ml[warp][j][1] = l[j];
     }
   }
 #pragma unroll
-  for (int j = 0; j < kMaxHeads; ++j) {
+  for (int j = 0; j < kHeads; ++j) {
     if (j >= nh) continue;
 #pragma unroll
-    for (int i = 0; i < kMaxSlots; ++i) {
+    for (int i = 0; i < kSlots; ++i) {
       if (lane + 32 * i >= slots) continue;
-      s_acc[(warp * kMaxHeads + j) * d + ca[i]] = acc_a[j][i];
-      s_acc[(warp * kMaxHeads + j) * d + cb[i]] = acc_b[j][i];
+      s_acc[(warp * kHeads + j) * d + ca[i]] = acc_a[j][i];
+      s_acc[(warp * kHeads + j) * d + cb[i]] = acc_b[j][i];
     }
   }
   __syncthreads();
-  for (int64_t e = threadIdx.x; e < nh * d; e += blockDim.x) {
-    const int j = static_cast<int>(e / d);
-    const int64_t c = e % d;
+  for (int e = threadIdx.x; e < nh * d; e += blockDim.x) {
+    const int j = e / d, c = e % d;
     SoftmaxPartial total{-INFINITY, 0.0f};
     float out = 0.0f;
     for (int w = 0; w < kWarps; ++w) {
       SoftmaxPartial merged;
       float fa, fb;
       softmax_merge_factors(total, SoftmaxPartial{s_ml[w][j][0], s_ml[w][j][1]}, merged, fa, fb);
-      out = out * fa + s_acc[(w * kMaxHeads + j) * d + c] * fb;
+      out = out * fa + s_acc[(w * kHeads + j) * d + c] * fb;
       total = merged;
     }
-    const int64_t at = qrow[j] * splits + split;
+    const int64_t at = q_row(j) * splits + split;
     part_acc[at * d + c] = out;
     if (c == 0) {
       part_ml[at * 2] = total.m;
@@ -272,6 +276,29 @@ __global__ void merge_splits_kernel(const float* __restrict__ part_ml, const flo
   }
 }
 
+// Launches the split kernel for kHeads query rows per block and kSlots channel pairs per lane.
+template <int kHeads, int kSlots>
+void launch_split(AttentionCall& call, const dim3& grid, int64_t row_chunks, int64_t splits, at::Tensor& part_ml,
+                  at::Tensor& part_acc, cudaStream_t stream) {
+  const CacheGeometry& g = call.cache.g;
+  const bool prefill = call.q_start.defined();
+  const size_t smem = static_cast<size_t>(kWarps) * kHeads * g.dim * sizeof(float);  // <= 16 KiB
+  const QueryRows qr{prefill ? call.q_start.const_data_ptr<int64_t>() : nullptr, row_chunks};
+  RKV_DISPATCH_FLOAT(call.cache.fp, "rkv.attention", fp_t, [&] {
+    RKV_DISPATCH_FLOAT(call.cache.meta, "rkv.attention", meta_t, [&] {
+      const fp_t* kf = prefill ? call.k_fresh.const_data_ptr<fp_t>() : nullptr;
+      const fp_t* vf = prefill ? call.v_fresh.const_data_ptr<fp_t>() : nullptr;
+      attention_split_kernel<fp_t, meta_t, kHeads, kSlots><<<grid, kWarps * 32, smem, stream>>>(
+          g, call.cache.pt, call.q.const_data_ptr<float>(), call.cache.lengths.const_data_ptr<int64_t>(), qr,
+          Side<fp_t, meta_t>{call.cache.k, kf}, Side<fp_t, meta_t>{call.cache.v, vf},
+          call.cos.defined() ? call.cos.const_data_ptr<float>() : nullptr,
+          call.sin.defined() ? call.sin.const_data_ptr<float>() : nullptr, splits,
+          part_ml.mutable_data_ptr<float>(), part_acc.mutable_data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
 // Runs the split kernel over every (split, kv head x row chunk, sequence) and merges: the output
 // (query tokens, Hq, D) in fp32, still in the values' Hadamard space. Rows no sequence owns (prefill
 // padding past query_start_loc[B]) keep zero partials and merge to zeros.
@@ -283,7 +310,11 @@ at::Tensor run_attention(AttentionCall& call) {
   TORCH_CHECK_VALUE(g.batch <= 65535, "rkv: at most 65535 sequences per call on CUDA (got ", g.batch, ")");
   const bool prefill = call.q_start.defined();
   const int64_t max_q = prefill ? call.max_query_len : 1;
-  const int64_t row_chunks = std::max<int64_t>(1, (g.group_size() * max_q + kMaxHeads - 1) / kMaxHeads);
+  // the smallest kernel that holds the rows and channels: head_dim <= 128 takes 2 channel pairs a lane,
+  // up to 8 rows a block (4 when a GQA group has no more); head_dim <= 256 takes 4 pairs and 4 rows
+  const int slots = g.dim <= 128 ? 2 : 4;
+  const int heads = slots == 2 && g.group_size() * max_q > 4 ? 8 : 4;
+  const int64_t row_chunks = std::max<int64_t>(1, (g.group_size() * max_q + heads - 1) / heads);
   // splits cover the tokens the tables address (not the data-dependent lengths): no host synchronization;
   // with a sliding window, the window and the chunk from each sequence's split_base
   const int64_t max_tokens = split_span(g.max_tokens(), max_q, g.sliding_window);
@@ -299,7 +330,7 @@ at::Tensor run_attention(AttentionCall& call) {
     g.split_tokens = std::max<int64_t>(kDefaultSplit, (max_tokens + splits - 1) / splits);
   }
   const int64_t splits = std::max<int64_t>(1, (max_tokens + g.split_tokens - 1) / g.split_tokens);
-  TORCH_CHECK_VALUE(g.kv_heads * row_chunks <= 65535, "rkv: kv_heads x query rows / ", kMaxHeads, " (",
+  TORCH_CHECK_VALUE(g.kv_heads * row_chunks <= 65535, "rkv: kv_heads x query rows / ", heads, " (",
                     g.kv_heads * row_chunks, ") must be <= 65535 on CUDA; split the chunk");
   const int64_t query_tokens = call.q.size(0);
   at::Tensor part_ml = at::zeros({query_tokens, g.q_heads, splits, 2}, call.q.options());
@@ -310,21 +341,13 @@ at::Tensor run_attention(AttentionCall& call) {
   if (g.batch > 0) {
     const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(g.kv_heads * row_chunks),
                     static_cast<unsigned>(g.batch));
-    const size_t smem = static_cast<size_t>(kWarps) * kMaxHeads * g.dim * sizeof(float);  // <= 32 KiB
-    const QueryRows qr{prefill ? call.q_start.const_data_ptr<int64_t>() : nullptr, row_chunks};
-    RKV_DISPATCH_FLOAT(call.cache.fp, "rkv.attention", fp_t, [&] {
-      RKV_DISPATCH_FLOAT(call.cache.meta, "rkv.attention", meta_t, [&] {
-        const fp_t* kf = prefill ? call.k_fresh.const_data_ptr<fp_t>() : nullptr;
-        const fp_t* vf = prefill ? call.v_fresh.const_data_ptr<fp_t>() : nullptr;
-        attention_split_kernel<fp_t, meta_t><<<grid, kWarps * 32, smem, stream>>>(
-            g, call.cache.pt, call.q.const_data_ptr<float>(), call.cache.lengths.const_data_ptr<int64_t>(), qr,
-            Side<fp_t, meta_t>{call.cache.k, kf}, Side<fp_t, meta_t>{call.cache.v, vf},
-            call.cos.defined() ? call.cos.const_data_ptr<float>() : nullptr,
-            call.sin.defined() ? call.sin.const_data_ptr<float>() : nullptr, splits,
-            part_ml.mutable_data_ptr<float>(), part_acc.mutable_data_ptr<float>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
-    });
+    if (slots == 4) {
+      launch_split<4, 4>(call, grid, row_chunks, splits, part_ml, part_acc, stream);
+    } else if (heads == 8) {
+      launch_split<8, 2>(call, grid, row_chunks, splits, part_ml, part_acc, stream);
+    } else {
+      launch_split<4, 2>(call, grid, row_chunks, splits, part_ml, part_acc, stream);
+    }
   }
   const int64_t rows = query_tokens * g.q_heads;
   merge_splits_kernel<<<grid_for(rows, 1), 128, 0, stream>>>(part_ml.const_data_ptr<float>(),

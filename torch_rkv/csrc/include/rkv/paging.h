@@ -22,6 +22,23 @@ struct PageTable {
   RKV_HD int64_t slot(int64_t b) const { return slots != nullptr ? slots[b] : b; }
 };
 
+// The page that holds a sequence's tokens, remembered: a kernel that walks tokens in order reads the
+// block table and divides once per page and compares once per token (the CPU's row reader, the CUDA
+// attention's warps).
+struct PageCursor {
+  int64_t lo = 0, hi = 0;  // tokens [lo, hi) live in `page`, from its row 0
+  int64_t page = 0;
+  // Points the cursor at token t's page; true when it moved (the caller refreshes what it derived).
+  RKV_HD bool seek(const PageTable& pt, int64_t b, int64_t t) {
+    if (t >= lo && t < hi) return false;
+    page = pt.page(b, t);
+    lo = t - t % pt.page_size;
+    hi = lo + pt.page_size;
+    return true;
+  }
+  RKV_HD int64_t row(int64_t t) const { return t - lo; }  // token t's row in the page
+};
+
 // New tokens (keys or values, or queries) of every sequence in the caller's layout: element offset of
 // row i of head h of sequence b. Varlen (T, H, D) with query_start_loc: starts[b] is sequence b's first
 // row; the contiguous (B, H, m, D): starts == nullptr and seq_stride apart.
@@ -56,9 +73,11 @@ struct SideView {
   RKV_HD int64_t codes_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {
     return page * codes_page_stride + (h * g.page_size + row) * row_bytes(g);
   }
-  // element offset of the metadata row (scales / zeros of every group) that row `row` reads
+  // element offset of the metadata row (scales / zeros of every group) that row `row` of a page reads;
+  // a page has fewer than 2^31 rows (checks.cpp), so a 32-bit division, none for per-token metadata
   RKV_HD int64_t meta_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {
-    return page * meta_page_stride + (h * (g.page_size / block_tokens) + row / block_tokens) * (g.dim / group);
+    const int64_t m = block_tokens == 1 ? row : static_cast<uint32_t>(row) / static_cast<uint32_t>(block_tokens);
+    return page * meta_page_stride + (h * (g.page_size / block_tokens) + m) * (g.dim / group);
   }
   // entry offset of the outliers of the block that row `row` belongs to
   RKV_HD int64_t outlier_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {
