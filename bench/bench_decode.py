@@ -28,7 +28,7 @@ kernel, the SDPA baselines, dequantize-then-SDPA and the read) cycles through en
 (like the layers of a model) to exceed the CPU's last-level cache, or the GPU's L2, several times.
 
 On CUDA the records add the kernels' own time (common.device_ms, the profiler's GPU time of a call):
-gpu_ms, sdpa_half_gpu_ms, gpu_gbps and gpu_vs_sdpa_half. Wall time (ms) includes the Python and the
+gpu_ms, sdpa_half_gpu_ms, gpu_gbps and gpu_vs_sdpa_half (a time ratio, like time_vs_read). Wall time (ms) includes the Python and the
 launches, which a few-microsecond kernel cannot hide; an engine that replays CUDA graphs pays gpu_ms.
 """
 
@@ -94,8 +94,8 @@ def random_outliers(b: int, h: int, blocks: int, positions: int, count: int, see
 
 
 def last_level_cache_bytes(device: str = "cpu") -> int:
-    if device == "cuda":
-        return torch.cuda.get_device_properties().L2_cache_size
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
     try:
         with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
             return int(f.read().strip().rstrip("K")) * 1024
@@ -104,7 +104,7 @@ def last_level_cache_bytes(device: str = "cpu") -> int:
 
 
 def cycled(fn, copies):
-    """fn(copy) over the copies in turn, so each call reads a cache that is not in the CPU caches."""
+    """fn(copy) over the copies in turn, so each call reads a cache that is not in the CPU's (or GPU's) caches."""
     state = {"i": 0}
 
     def call():
@@ -147,8 +147,10 @@ def main() -> int:
             v32 = torch.randn(b, hkv, n, d, device=dev)
             q4 = q[:, :, None]
             # full-precision caches, cold like the packed ones: cycle through copies beyond the LLC
-            llc = last_level_cache_bytes(dev)
-            fp_copies = min(8, max(1, -(-4 * llc // (2 * k32.nbytes))))
+            # copies of at least 4x the last-level cache in all; a CPU copies slowly, so at most 8 / 16 there
+            llc, gpu = last_level_cache_bytes(dev), torch.device(dev).type == "cuda"
+            fp_copies = max(1, -(-4 * llc // (2 * k32.nbytes)))
+            fp_copies = fp_copies if gpu else min(8, fp_copies)
             kv32 = [(k32, v32)] + [(k32.clone(), v32.clone()) for _ in range(fp_copies - 1)]
             t_fp32 = time_ms(cycled(lambda kv: F.scaled_dot_product_attention(q4, *kv, enable_gqa=True), kv32),
                              args.min_run_time)
@@ -185,7 +187,8 @@ def main() -> int:
                 err = (got - want).abs().max().item()
                 assert err < 1e-3 * want.abs().max().item() + 1e-4, f"fused != dequantize+SDPA ({err})"
                 nbytes = sum(t.numel() * t.element_size() for t in a if t is not None)
-                ncopies = min(16, max(2, -(-4 * llc // nbytes)))
+                ncopies = max(2, -(-4 * llc // nbytes))
+                ncopies = ncopies if gpu else min(16, ncopies)
                 copies = [a] + [[None if t is None else t.clone() for t in a] for _ in range(ncopies - 1)]
                 reads = [torch.randn(-(-nbytes // 4), device=dev) for _ in range(ncopies)]
                 t_read = time_ms(cycled(lambda buf: buf.sum(), reads), args.min_run_time)
@@ -197,14 +200,14 @@ def main() -> int:
                            speedup_vs_sdpa_half=t_bf16 / t_fused, speedup_vs_deq_sdpa=t_deq / t_fused,
                            cache_bytes=nbytes, gbps=nbytes / t_fused / 1e6, read_gbps=nbytes / t_read / 1e6,
                            time_vs_read=t_fused / t_read)
-                if dev == "cuda":  # kernel time alone (the host's launch cost is left out; common.device_ms)
+                if gpu:  # kernel time alone (the host's launch cost is left out; common.device_ms)
                     rec["gpu_ms"] = device_ms(cycled(fused, copies))
                     rec["sdpa_half_gpu_ms"] = device_ms(cycled(
                         lambda kv: F.scaled_dot_product_attention(q4.to(half), *kv, enable_gqa=True), kv16))
                     rec["gpu_gbps"] = nbytes / rec["gpu_ms"] / 1e6
                     rec["gpu_vs_sdpa_half"] = rec["gpu_ms"] / rec["sdpa_half_gpu_ms"]
                 if args.peak_gbps:
-                    rec["fraction_of_peak"] = rec["gpu_gbps" if dev == "cuda" else "gbps"] / args.peak_gbps
+                    rec["fraction_of_peak"] = rec["gpu_gbps" if gpu else "gbps"] / args.peak_gbps
                 if args.levels and bits < 8:  # a Gaussian-shaped codebook (denser in the middle), same bytes
                     top = (1 << bits) - 1
                     lv = (top / 2 + top / 2 * torch.linspace(-1, 1, top + 1).mul(1.2).sinh() / math.sinh(1.2))

@@ -1,7 +1,7 @@
 // CUDA kernel of rkv::decode_attention, rkv::paged_decode_attention and rkv::paged_prefill_attention
 // (flash-decoding over the quantized cache, contiguous or paged).
 //
-// Grid (split, kv head x row chunk, sequence); 4 warps per block. A block owns up to kHeads query rows
+// Grid (split x row chunk, kv head, sequence); 4 warps per block. A block owns up to kHeads query rows
 // of one sequence (decode: the query heads of a GQA group; prefill: query tokens x heads, each row causal
 // with its own end). Each warp walks every 4th token of the block's split; its 32 lanes each own up to
 // kSlots channel pairs ("slots"), chosen so that a lane holds both members of its RoPE pairs. Per token a
@@ -112,7 +112,6 @@ struct Side {
 // of one sequence, each seeing keys [0, end).
 struct QueryRows {
   const int64_t* q_start;  // (B+1) prefill, or nullptr (decode: one query per sequence, row b)
-  int64_t row_chunks;      // thread blocks along the rows of one (sequence, kv head)
 };
 
 template <typename fp_t, typename meta_t, int kHeads, int kSlots>
@@ -121,8 +120,9 @@ __global__ void __launch_bounds__(kWarps * 32)
                            const int64_t* __restrict__ lengths, QueryRows qr, Side<fp_t, meta_t> keys,
                            Side<fp_t, meta_t> values, const float* __restrict__ cos, const float* __restrict__ sin,
                            int64_t splits, float* __restrict__ part_ml, float* __restrict__ part_acc) {
-  const int64_t split = blockIdx.x, b = blockIdx.z, G = g.group_size();
-  const int64_t h = blockIdx.y / qr.row_chunks, row0 = (blockIdx.y % qr.row_chunks) * kHeads;
+  // grid.x: the splits of each row chunk (grid.x allows 2^31 - 1 blocks, grid.y 65535)
+  const int64_t split = blockIdx.x % splits, row0 = blockIdx.x / splits * kHeads;
+  const int64_t b = blockIdx.z, h = blockIdx.y, G = g.group_size();
   const bool prefill = qr.q_start != nullptr;
   const int64_t m = prefill ? qr.q_start[b + 1] - qr.q_start[b] : 1, q_row0 = prefill ? qr.q_start[b] : b;
   const int64_t left = G * m - row0;
@@ -278,12 +278,12 @@ __global__ void merge_splits_kernel(const float* __restrict__ part_ml, const flo
 
 // Launches the split kernel for kHeads query rows per block and kSlots channel pairs per lane.
 template <int kHeads, int kSlots>
-void launch_split(AttentionCall& call, const dim3& grid, int64_t row_chunks, int64_t splits, at::Tensor& part_ml,
+void launch_split(AttentionCall& call, const dim3& grid, int64_t splits, at::Tensor& part_ml,
                   at::Tensor& part_acc, cudaStream_t stream) {
   const CacheGeometry& g = call.cache.g;
   const bool prefill = call.q_start.defined();
   const size_t smem = static_cast<size_t>(kWarps) * kHeads * g.dim * sizeof(float);  // <= 16 KiB
-  const QueryRows qr{prefill ? call.q_start.const_data_ptr<int64_t>() : nullptr, row_chunks};
+  const QueryRows qr{prefill ? call.q_start.const_data_ptr<int64_t>() : nullptr};
   RKV_DISPATCH_FLOAT(call.cache.fp, "rkv.attention", fp_t, [&] {
     RKV_DISPATCH_FLOAT(call.cache.meta, "rkv.attention", meta_t, [&] {
       const fp_t* kf = prefill ? call.k_fresh.const_data_ptr<fp_t>() : nullptr;
@@ -299,7 +299,7 @@ void launch_split(AttentionCall& call, const dim3& grid, int64_t row_chunks, int
   });
 }
 
-// Runs the split kernel over every (split, kv head x row chunk, sequence) and merges: the output
+// Runs the split kernel over every (split x row chunk, kv head, sequence) and merges: the output
 // (query tokens, Hq, D) in fp32, still in the values' Hadamard space. Rows no sequence owns (prefill
 // padding past query_start_loc[B]) keep zero partials and merge to zeros.
 at::Tensor run_attention(AttentionCall& call) {
@@ -330,8 +330,9 @@ at::Tensor run_attention(AttentionCall& call) {
     g.split_tokens = std::max<int64_t>(kDefaultSplit, (max_tokens + splits - 1) / splits);
   }
   const int64_t splits = std::max<int64_t>(1, (max_tokens + g.split_tokens - 1) / g.split_tokens);
-  TORCH_CHECK_VALUE(g.kv_heads * row_chunks <= 65535, "rkv: kv_heads x query rows / ", heads, " (",
-                    g.kv_heads * row_chunks, ") must be <= 65535 on CUDA; split the chunk");
+  TORCH_CHECK_VALUE(g.kv_heads <= 65535, "rkv: at most 65535 kv heads on CUDA (got ", g.kv_heads, ")");
+  TORCH_CHECK_VALUE(splits * row_chunks < (int64_t{1} << 31), "rkv: splits x query rows / ", heads, " (",
+                    splits * row_chunks, ") must be below 2^31 on CUDA; split the chunk");
   const int64_t query_tokens = call.q.size(0);
   at::Tensor part_ml = at::zeros({query_tokens, g.q_heads, splits, 2}, call.q.options());
   at::Tensor part_acc = at::zeros({query_tokens, g.q_heads, splits, g.dim}, call.q.options());
@@ -339,14 +340,14 @@ at::Tensor run_attention(AttentionCall& call) {
   if (query_tokens == 0 || g.q_heads == 0) return out;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   if (g.batch > 0) {
-    const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(g.kv_heads * row_chunks),
+    const dim3 grid(static_cast<unsigned>(splits * row_chunks), static_cast<unsigned>(g.kv_heads),
                     static_cast<unsigned>(g.batch));
     if (slots == 4) {
-      launch_split<4, 4>(call, grid, row_chunks, splits, part_ml, part_acc, stream);
+      launch_split<4, 4>(call, grid, splits, part_ml, part_acc, stream);
     } else if (heads == 8) {
-      launch_split<8, 2>(call, grid, row_chunks, splits, part_ml, part_acc, stream);
+      launch_split<8, 2>(call, grid, splits, part_ml, part_acc, stream);
     } else {
-      launch_split<4, 2>(call, grid, row_chunks, splits, part_ml, part_acc, stream);
+      launch_split<4, 2>(call, grid, splits, part_ml, part_acc, stream);
     }
   }
   const int64_t rows = query_tokens * g.q_heads;
