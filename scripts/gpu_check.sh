@@ -20,7 +20,9 @@ python -c "import torch; print('torch', torch.__version__)" | tee -a "$out/devic
 time python setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 export PYTHONPATH=$PWD
 cuda_tests="tests/test_quant.py tests/test_pack.py tests/test_rope.py tests/test_hadamard.py tests/test_attention.py tests/test_cache.py tests/test_paged.py tests/test_opcheck.py"
-python -m pytest -q -p no:cacheprovider $cuda_tests -k cuda 2>&1 | tee "$out/tests_cuda.log" | tail -5
+# pytest-xdist where there is one: a crashing case then costs its worker, not the rest of the run
+xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
+python -m pytest -q -p no:cacheprovider $xdist $cuda_tests -k cuda 2>&1 | tee "$out/tests_cuda.log" | tail -5
 status_tests=${PIPESTATUS[0]}
 cs=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
 for tool in memcheck racecheck; do
