@@ -9,12 +9,8 @@ cd "$(dirname "$0")/.."
 out=${OUT:-out/gpu}
 mkdir -p "$out"
 peak=${1:-4800}
-arch=$(python -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}.{p[1]}')")
-export TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-16} RKV_BUILD_CUDA=1
-# The lent H200's image sets CC/CXX to /opt/gcc, and an extension built with them segfaulted while
-# formatting any error message (2026-12-04: std::ostream code resolved inside _C.so, under torch 2.11);
-# the system compiler should match the image's libstdc++ (untried). Override with RKV_CC / RKV_CXX.
-[ -x /usr/bin/g++ ] && export CC=${RKV_CC:-/usr/bin/gcc} CXX=${RKV_CXX:-/usr/bin/g++}
+source scripts/gpu_env.sh
+export MAX_JOBS=${MAX_JOBS:-16}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 python -c "import torch; print('torch', torch.__version__)" | tee -a "$out/device.txt"
 time python setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }

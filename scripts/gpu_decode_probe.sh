@@ -12,12 +12,8 @@ mkdir -p "$out"
 t_start=$(date +%s)
 stamp() { echo "== $1 (+$(( $(date +%s) - t_start )) s)"; }
 read -r -a variants <<< "${RKV_VARIANTS:--}"
-arch=$(python3 -c "import torch; p = torch.cuda.get_device_capability(); print(f'{p[0]}.{p[1]}')")
-export TORCH_CUDA_ARCH_LIST=$arch RKV_BUILD_CUDA=1 MAX_JOBS=$(( 16 / ${#variants[@]} )) PYTHONUNBUFFERED=1
-# The lent H200's image sets CC/CXX to /opt/gcc, and an extension built with them segfaulted while
-# formatting any error message (2026-12-04: std::ostream code resolved inside _C.so, under torch 2.11);
-# the system compiler should match the image's libstdc++ (untried). Override with RKV_CC / RKV_CXX.
-[ -x /usr/bin/g++ ] && export CC=${RKV_CC:-/usr/bin/gcc} CXX=${RKV_CXX:-/usr/bin/g++}
+source scripts/gpu_env.sh
+export MAX_JOBS=$(( 16 / ${#variants[@]} ))
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"

@@ -58,8 +58,9 @@ struct Side {
     const fp_t* fp;  // nullptr: quantized
     const uint8_t* codes;
     const meta_t* scale;
-    const meta_t* zero;  // nullptr: symmetric
-    int64_t r;           // quantized: the row in its page (sparse outliers)
+    const meta_t* zero;         // nullptr: symmetric
+    const uint32_t* outliers;   // the sparse outliers of its block, or nullptr
+    int64_t r;                  // quantized: the row in its page
   };
 
   // Token t of (sequence b, kv head h), which lives at `place`: a quantized token in row r of `page`, a
@@ -74,13 +75,14 @@ struct Side {
         CUDA_KERNEL_ASSERT_MSG(page >= 0 && page < g.pages, "rkv: a block table names a page outside the pool");
         const int64_t meta = view.meta_offset(g, page, h, r);
         return {nullptr, view.codes + view.codes_offset(g, page, h, r), static_cast<const meta_t*>(view.scale) + meta,
-                view.zero ? static_cast<const meta_t*>(view.zero) + meta : nullptr, r};
+                view.zero ? static_cast<const meta_t*>(view.zero) + meta : nullptr,
+                view.outliers ? view.outliers + view.outlier_offset(g, page, h, r) : nullptr, r};
       }
     }
   }
 
-  // Channels a and c of a row (of `page`, when quantized).
-  __device__ float2 load(const CacheGeometry& g, const Row& row, int64_t page, int64_t h, int a, int c) const {
+  // Channels a and c of a row.
+  __device__ float2 load(const CacheGeometry& g, const Row& row, int a, int c) const {
     if (row.fp != nullptr) return make_float2(static_cast<float>(row.fp[a]), static_cast<float>(row.fp[c]));
     const bool sym = row.zero == nullptr;
     const int ga = a / static_cast<int>(view.group), gc = c / static_cast<int>(view.group);
@@ -88,17 +90,16 @@ struct Side {
     const QParams pc{static_cast<float>(row.scale[gc]), sym ? 0.0f : static_cast<float>(row.zero[gc])};
     float2 xy = make_float2(decode(unpack_code(row.codes, a, view.bits), pa, view.bits, sym, view.levels),
                             decode(unpack_code(row.codes, c, view.bits), pc, view.bits, sym, view.levels));
-    if (view.outliers != nullptr) add_outliers(g, page, h, row.r, a, c, xy);
+    if (row.outliers != nullptr) add_outliers(g, row, a, c, xy);
     return xy;
   }
 
-  // The sparse outliers (include/rkv/outliers.h) of channels a and c of quantized row r of `page`, added
-  // to their dequantized values (pre-RoPE, like the codes). The block's entries are sorted by position:
-  // a binary search finds the row's first, the scan stops past the row.
-  __device__ void add_outliers(const CacheGeometry& g, int64_t page, int64_t h, int64_t r, int64_t a, int64_t c,
-                               float2& xy) const {
-    const uint32_t* e = view.outliers + view.outlier_offset(g, page, h, r);
-    const int64_t lo = r % g.block * g.dim, hi = lo + g.dim;
+  // The sparse outliers (include/rkv/outliers.h) of channels a and c of a quantized row, added to their
+  // dequantized values (pre-RoPE, like the codes). The block's entries are sorted by position: a binary
+  // search finds the row's first, the scan stops past the row.
+  __device__ void add_outliers(const CacheGeometry& g, const Row& row, int64_t a, int64_t c, float2& xy) const {
+    const uint32_t* e = row.outliers;
+    const int64_t lo = row.r % g.block * g.dim, hi = lo + g.dim;
     for (int64_t k = first_outlier(e, view.outlier_count, lo); k < view.outlier_count; ++k) {
       const int64_t pos = outlier_pos(e[k]);
       if (pos >= hi) break;
@@ -108,23 +109,20 @@ struct Side {
   }
 };
 
-// The rows of one thread block: up to kHeads query rows (query token i, query head g of the kv head)
-// of one sequence, each seeing keys [0, end).
-struct QueryRows {
-  const int64_t* q_start;  // (B+1) prefill, or nullptr (decode: one query per sequence, row b)
-};
-
+// One thread block: up to kHeads query rows (query token i, query head g of the kv head) of one
+// sequence, each seeing keys [0, end). q_start: (B+1) prefill, or nullptr (decode: one query per
+// sequence, row b).
 template <typename fp_t, typename meta_t, int kHeads, int kSlots>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_split_kernel(CacheGeometry g, PageTable pt, const float* __restrict__ q,
-                           const int64_t* __restrict__ lengths, QueryRows qr, Side<fp_t, meta_t> keys,
+                           const int64_t* __restrict__ lengths, const int64_t* __restrict__ q_start, Side<fp_t, meta_t> keys,
                            Side<fp_t, meta_t> values, const float* __restrict__ cos, const float* __restrict__ sin,
                            int64_t splits, float* __restrict__ part_ml, float* __restrict__ part_acc) {
   // grid.x: the splits of each row chunk (grid.x allows 2^31 - 1 blocks, grid.y 65535)
   const int64_t split = blockIdx.x % splits, row0 = blockIdx.x / splits * kHeads;
   const int64_t b = blockIdx.z, h = blockIdx.y, G = g.group_size();
-  const bool prefill = qr.q_start != nullptr;
-  const int64_t m = prefill ? qr.q_start[b + 1] - qr.q_start[b] : 1, q_row0 = prefill ? qr.q_start[b] : b;
+  const bool prefill = q_start != nullptr;
+  const int64_t m = prefill ? q_start[b + 1] - q_start[b] : 1, q_row0 = prefill ? q_start[b] : b;
   const int64_t left = G * m - row0;
   if (left <= 0) return;  // a shorter chunk than the longest: no rows here (uniform across the block)
   const int nh = static_cast<int>(left < kHeads ? left : kHeads);
@@ -185,8 +183,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int p = lane + 32 * i;
       ka[i] = kb[i] = va[i] = vb[i] = 0.0f;
       if (p >= slots) continue;
-      const float2 k2 = keys.load(g, krow, page.page, h, ca[i], cb[i]);
-      const float2 v2 = values.load(g, vrow, page.page, h, ca[i], cb[i]);
+      const float2 k2 = keys.load(g, krow, ca[i], cb[i]);
+      const float2 v2 = values.load(g, vrow, ca[i], cb[i]);
       ka[i] = k2.x;
       kb[i] = k2.y;
       va[i] = v2.x;
@@ -283,13 +281,13 @@ void launch_split(AttentionCall& call, const dim3& grid, int64_t splits, at::Ten
   const CacheGeometry& g = call.cache.g;
   const bool prefill = call.q_start.defined();
   const size_t smem = static_cast<size_t>(kWarps) * kHeads * g.dim * sizeof(float);  // <= 16 KiB
-  const QueryRows qr{prefill ? call.q_start.const_data_ptr<int64_t>() : nullptr};
   RKV_DISPATCH_FLOAT(call.cache.fp, "rkv.attention", fp_t, [&] {
     RKV_DISPATCH_FLOAT(call.cache.meta, "rkv.attention", meta_t, [&] {
       const fp_t* kf = prefill ? call.k_fresh.const_data_ptr<fp_t>() : nullptr;
       const fp_t* vf = prefill ? call.v_fresh.const_data_ptr<fp_t>() : nullptr;
       attention_split_kernel<fp_t, meta_t, kHeads, kSlots><<<grid, kWarps * 32, smem, stream>>>(
-          g, call.cache.pt, call.q.const_data_ptr<float>(), call.cache.lengths.const_data_ptr<int64_t>(), qr,
+          g, call.cache.pt, call.q.const_data_ptr<float>(), call.cache.lengths.const_data_ptr<int64_t>(),
+          prefill ? call.q_start.const_data_ptr<int64_t>() : nullptr,
           Side<fp_t, meta_t>{call.cache.k, kf}, Side<fp_t, meta_t>{call.cache.v, vf},
           call.cos.defined() ? call.cos.const_data_ptr<float>() : nullptr,
           call.sin.defined() ? call.sin.const_data_ptr<float>() : nullptr, splits,
