@@ -1,34 +1,67 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, as one script for a lent GPU machine (torch preinstalled there, no package
-# registry): build the extension for this GPU, run the CUDA tests, run them under compute-sanitizer
-# (memcheck, racecheck), and the GPU benchmarks. Prints a summary; writes logs and JSON under $OUT
-# (default out/gpu). About 8 minutes on an H200.
+# registry): build the extension for this GPU, check that raised errors reach Python, run the CUDA tests,
+# run a part of them under compute-sanitizer (memcheck, racecheck), and the GPU benchmarks. Each stage
+# has a time limit (seconds, overridable), so the whole fits one device call (10 minutes at most on an
+# H200, about 8 in practice) with the most important results first. Writes eight files under $OUT (default
+# out/gpu), the most a lent machine returns; summary.txt holds the stage results and times.
 #   bash scripts/gpu_check.sh [peak GB/s of the device, default 4800 (H200)]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-out/gpu}
+out=$(realpath -m "${OUT:-out/gpu}")
 mkdir -p "$out"
 peak=${1:-4800}
 source scripts/gpu_env.sh
 export MAX_JOBS=${MAX_JOBS:-16}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
-python -c "import torch; print('torch', torch.__version__)" | tee -a "$out/device.txt"
-time python setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
-export PYTHONPATH=$PWD
-cuda_tests="tests/test_quant.py tests/test_pack.py tests/test_rope.py tests/test_hadamard.py tests/test_attention.py tests/test_cache.py tests/test_paged.py tests/test_opcheck.py"
+t_start=$(date +%s)
+say() { echo "$* (+$(( $(date +%s) - t_start )) s)" | tee -a "$out/summary.txt"; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
+  echo "CXX=${CXX:-c++}: $(${CXX:-c++} --version | head -1)"; } | tee "$out/summary.txt"
+
+python setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; say "build failed"; exit 1; }
+say "built"
+export PYTHONPATH=$PWD HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
+python scripts/error_path_check.py cpu cuda | tee -a "$out/summary.txt"
+
 # pytest-xdist where there is one: a crashing case then costs its worker, not the rest of the run
 xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
-python -m pytest -q -p no:cacheprovider $xdist $cuda_tests -k cuda 2>&1 | tee "$out/tests_cuda.log" | tail -5
-status_tests=${PIPESTATUS[0]}
+# the transformers modules are left out: they run no CUDA kernels, and a lent image's transformers may be
+# one the integration refuses (import error by design)
+timeout "${RKV_TESTS_S:-150}" python -m pytest -q -p no:cacheprovider $xdist tests -k cuda --ignore=tests/test_families.py \
+  --ignore=tests/test_report.py --ignore=tests/test_transformers.py > "$out/tests_cuda.log" 2>&1
+rc=$?
+grep -E "^(FAILED|ERROR)" "$out/tests_cuda.log" | head -20 | tee -a "$out/summary.txt"
+say "cuda tests: exit $rc, $(grep -E '(passed|failed)' "$out/tests_cuda.log" | tail -1)"
+
+python bench/bench_decode.py --json --device cuda --peak-gbps "$peak" --contexts 4096 16384 65536 --bits 4 2 \
+  --keys pre-rope-per-channel --min-run-time 0.1 > "$out/bench_decode.jsonl" 2> "$out/bench.err" &
+bench=$!
+( sleep "${RKV_BENCH_S:-100}"; kill $bench 2>/dev/null ) & watchdog=$!
+wait $bench; rc=$?; kill $watchdog 2>/dev/null
+say "bench_decode: exit $rc, $(wc -l < "$out/bench_decode.jsonl") rows"
+
 cs=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
-for tool in memcheck racecheck; do
-  HYPOTHESIS_PROFILE=ci "$cs" --tool "$tool" --error-exitcode 9 --target-processes all \
-    python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_cache.py tests/test_paged.py tests/test_quant.py -k cuda \
-    > "$out/sanitizer_$tool.log" 2>&1
-  echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitizer_$tool.log") clean summaries)" \
-    | tee -a "$out/summary.txt"
+for tool_s in memcheck:${RKV_MEMCHECK_S:-130} racecheck:${RKV_RACECHECK_S:-70}; do
+  tool=${tool_s%%:*}
+  HYPOTHESIS_PROFILE=sanitizer timeout "${tool_s##*:}" "$cs" --tool "$tool" --error-exitcode 9 --target-processes all \
+    python -m pytest -q -p no:cacheprovider ${xdist:+-n 4} tests/test_quant.py tests/test_attention.py tests/test_paged.py \
+    tests/test_cache.py -k cuda \
+    2>&1 | head -c 4000000 > "$out/sanitizer_$tool.log"
+  rc=${PIPESTATUS[0]}
+  # a hazard is printed when it happens, so a run cut at its time limit still reports those it met
+  say "compute-sanitizer $tool: exit $rc (124: stage time limit), $(grep -cE '^========= (Invalid|Error|Race|Warning)' \
+    "$out/sanitizer_$tool.log") hazards reported, $(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitizer_$tool.log") clean summaries"
 done
-python bench/bench_decode.py --json --device cuda --peak-gbps "$peak" --contexts 4096 16384 65536 --bits 4 2 > "$out/bench_decode.jsonl" 2> "$out/bench_decode.err"
-python bench/bench_quant.py --json --device cuda --bits 4 2 > "$out/bench_quant.jsonl" 2> "$out/bench_quant.err"
-echo "cuda tests exit $status_tests" | tee -a "$out/summary.txt"
-tail -n 50 "$out"/bench_decode.jsonl
+
+timeout "${RKV_QUANT_S:-70}" python bench/bench_quant.py --json --device cuda --bits 4 --min-run-time 0.2 \
+  > "$out/bench_quant.jsonl" 2>> "$out/bench.err"
+say "bench_quant: exit $?"
+python - "$out/bench_decode.jsonl" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"  {r['q_heads']}q/{r['kv_heads']}kv/d{r['head_dim']} {r.get('keys', '')} {r.get('bits', '')}b ctx {r['context']}:"
+          f" gpu {r['gpu_ms']:.4f} ms ({r['gpu_gbps']:.0f} GB/s), fp16 SDPA {r['sdpa_half_gpu_ms']:.4f} ms,"
+          f" dequantize+SDPA wall {r['deq_sdpa_ms']:.3f} ms")
+PY

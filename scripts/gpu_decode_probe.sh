@@ -7,6 +7,7 @@
 #   RKV_VARIANTS="- KNOB=1" bash scripts/gpu_decode_probe.sh          # about 5 minutes on an H200
 set -uo pipefail
 cd "$(dirname "$0")/.."
+repo=$PWD
 out=$(realpath -m "${OUT:-out/gpu}")
 mkdir -p "$out"
 t_start=$(date +%s)
@@ -36,17 +37,7 @@ done
 stamp "error path (variant 0)"
 cd "${dirs[0]}"
 export PYTHONPATH=$PWD
-for dev in cpu cuda; do
-  python3 -c "
-import torch, torch_rkv
-try:
-    torch.ops.rkv.quantize(torch.zeros(4, 8, device='$dev'), 5, 8, 1, False, torch.float16)
-except ValueError as e:
-    print('$dev raised ValueError:', str(e)[:100])
-" 2>&1 | tail -2; echo "$dev error path rc=${PIPESTATUS[0]}"
-done
-if ! python3 -c "import torch, torch_rkv; torch.ops.rkv.quantize(torch.zeros(4, 8), 5, 8, 1, False, torch.float16)" \
-     2>&1 | grep -q "must be 2, 3, 4 or 8"; then
+if ! python3 "$repo/scripts/error_path_check.py" cpu cuda; then
   timeout 120 cuda-gdb -q -batch -ex run -ex bt --args python3 -c "
 import torch, torch_rkv
 torch.ops.rkv.quantize(torch.zeros(4, 8), 5, 8, 1, False, torch.float16)" > "$out/error_path_bt.txt" 2>&1

@@ -9,12 +9,17 @@ from hypothesis import HealthCheck, settings
 import torch_rkv
 
 # "ci" (default): derandomized and small, what .ci/run runs. "dev": many more examples, random seeds.
+# "sanitizer": a few derandomized examples, for runs under compute-sanitizer (scripts/gpu_check.sh).
 settings.register_profile(
     "ci", derandomize=True, max_examples=25, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
     "dev", max_examples=300, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "sanitizer", derandomize=True, max_examples=4, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -23,7 +23,7 @@ def test_hadamard_gradient_matches_reference(device, inverse):
     x, g = torch.randn(2, 8, 64, device=device), torch.randn(2, 8, 64, device=device)
     signs = torch_rkv.hadamard_signs(64, device=device)
     got = grads(lambda t: torch_rkv.hadamard(t, signs, inverse), x, g)
-    want = grads(lambda t: ref.hadamard(t, signs, inverse), x.cpu(), g.cpu())
+    want = grads(lambda t: ref.hadamard(t, signs.cpu(), inverse), x.cpu(), g.cpu())
     # both are the orthonormal inverse map of g: each output sums 64 terms of |g| / 8
     assert (got.cpu() - want).abs().max() <= 64 * EPS32 * g.abs().max()
 

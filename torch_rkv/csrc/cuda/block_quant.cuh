@@ -36,22 +36,36 @@ struct Excluded {
   }
 };
 
+// Who quantizes one block-row together: the whole thread block (the default), or one warp, so that a
+// block's warps take different small block-rows (per-token groups: one row of dim values) and none waits
+// at a block-wide barrier while one warp finds the range.
+struct BlockTeam {
+  __device__ int rank() const { return threadIdx.x; }
+  __device__ int size() const { return blockDim.x; }
+  __device__ void sync() const { __syncthreads(); }
+};
+struct WarpTeam {
+  __device__ int rank() const { return threadIdx.x & 31; }
+  __device__ int size() const { return 32; }
+  __device__ void sync() const { __syncwarp(); }  // also orders the warp's global writes before its reads
+};
+
 // src_row(t) -> const scalar_t* of token t of the block; dst_row(t) -> its packed row. Must be called
-// by every thread of the block (it synchronizes). Parameters go to scale_out / zero_out first and are
+// by every thread of the team (it synchronizes the team). Parameters go to scale_out / zero_out first and are
 // read back from there, so no shared memory is needed whatever dim is.
 // The first sink_rows rows are encoded but do not set the ranges, unless every row is one
 // (cpu/block_quant.h). lut: the side's non-uniform levels (include/rkv/quant.h), or nullptr. excluded:
 // values encoded but left out of every range and clip error (sparse outliers).
-template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
+template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow, typename Team = BlockTeam>
 __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row, int64_t block_tokens, int64_t dim,
                                    int64_t group_size, int bits, bool symmetric, bool clip, meta_t* scale_out,
                                    meta_t* zero_out, int64_t sink_rows = 0, const float* lut = nullptr,
-                                   const Excluded& excluded = Excluded{}) {
+                                   const Excluded& excluded = Excluded{}, const Team team = Team{}) {
   const int64_t groups = dim / group_size, t0 = sink_rows < block_tokens ? sink_rows : 0;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int rank = team.rank(), lane = rank & 31, warp = rank >> 5, warps = team.size() >> 5;
   if (group_size == 1) {
     // per-channel: one thread per channel walks the block's tokens (coalesced across threads)
-    for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
+    for (int64_t c = rank; c < dim; c += team.size()) {
       Range r;
       for (int64_t t = t0; t < block_tokens; ++t)
         if (!excluded(t, c, dim)) r.add(static_cast<float>(src_row(t)[c]));
@@ -92,13 +106,13 @@ __device__ void quantize_block_row(const SrcRow& src_row, const DstRow& dst_row,
       }
     }
   }
-  __syncthreads();  // parameters visible to the whole block
+  team.sync();  // parameters visible to the whole team
   const int64_t row_bytes = dim * bits / 8;
   for (int64_t t = 0; t < block_tokens; ++t) {
     const EncodeAt<scalar_t, meta_t> code_at{src_row(t), scale_out, symmetric ? nullptr : zero_out, group_size, bits,
                                              lut};
     uint8_t* out = dst_row(t);
-    for (int64_t k = threadIdx.x; k < row_bytes; k += blockDim.x) out[k] = pack_byte_from(code_at, k, bits);
+    for (int64_t k = rank; k < row_bytes; k += team.size()) out[k] = pack_byte_from(code_at, k, bits);
   }
 }
 

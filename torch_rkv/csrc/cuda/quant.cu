@@ -5,6 +5,8 @@
 namespace rkv::cuda {
 namespace {
 
+constexpr int64_t kWarpBlockRow = 1024;  // values of a block-row up to which one warp quantizes it
+
 template <typename scalar_t>
 struct TokenRows {
   const scalar_t* base;
@@ -18,31 +20,37 @@ struct PackedRows {
   __device__ uint8_t* operator()(int64_t t) const { return base + t * row_bytes; }
 };
 
-template <typename scalar_t, typename meta_t>
+// Each team (the block, or one warp of it) quantizes block-rows in turn.
+template <typename scalar_t, typename meta_t, typename Team>
 __global__ void quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ packed, meta_t* scale,
                                 meta_t* zero, QuantGeometry g, bool symmetric, bool clip, const float* lut) {
-  const int64_t block_rows = g.lead * g.blocks(), ng = g.groups();
-  for (int64_t br = blockIdx.x; br < block_rows; br += gridDim.x) {
+  const Team team{};
+  const int64_t block_rows = g.lead * g.blocks(), ng = g.groups(), teams = blockDim.x / team.size();
+  for (int64_t br = blockIdx.x * teams + threadIdx.x / team.size(); br < block_rows; br += gridDim.x * teams) {
     const int64_t row0 = br * g.block_tokens;
     quantize_block_row<scalar_t, meta_t>(TokenRows<scalar_t>{x + row0 * g.dim, g.dim},
                                          PackedRows{packed + row0 * g.row_bytes(), g.row_bytes()}, g.block_tokens,
                                          g.dim, g.group_size, g.bits, symmetric, clip, scale + br * ng,
-                                         symmetric ? nullptr : zero + br * ng, g.sink_rows_of(br), lut);
+                                         symmetric ? nullptr : zero + br * ng, g.sink_rows_of(br), lut, Excluded{},
+                                         team);
   }
 }
 
+// One warp per token row: the row's parameters are located once (the divisions by tokens and block_tokens),
+// its lanes decode the row's channels.
 template <typename out_t, typename meta_t>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const meta_t* __restrict__ scale,
                                   const meta_t* __restrict__ zero, out_t* __restrict__ out, QuantGeometry g,
                                   const float* __restrict__ lut) {
-  const int64_t n = g.lead * g.tokens * g.dim, rb = g.row_bytes(), ng = g.groups();
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / g.dim, c = i % g.dim;
-    const int64_t block_row = (r / g.tokens) * g.blocks() + (r % g.tokens) / g.block_tokens;
-    const int64_t m = block_row * ng + c / g.group_size;
-    const QParams p{static_cast<float>(scale[m]), zero ? static_cast<float>(zero[m]) : 0.0f};
-    out[i] = static_cast<out_t>(decode(unpack_code(packed + r * rb, c, g.bits), p, g.bits, zero == nullptr, lut));
+  const int64_t rows = g.lead * g.tokens, rb = g.row_bytes(), ng = g.groups(), warps = blockDim.x / 32;
+  for (int64_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += gridDim.x * warps) {
+    const int64_t meta = ((r / g.tokens) * g.blocks() + (r % g.tokens) / g.block_tokens) * ng;
+    const uint8_t* codes = packed + r * rb;
+    for (int64_t c = threadIdx.x & 31; c < g.dim; c += 32) {
+      const int64_t m = meta + c / g.group_size;
+      const QParams p{static_cast<float>(scale[m]), zero ? static_cast<float>(zero[m]) : 0.0f};
+      out[r * g.dim + c] = static_cast<out_t>(decode(unpack_code(codes, c, g.bits), p, g.bits, zero == nullptr, lut));
+    }
   }
 }
 
@@ -61,9 +69,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
   const auto stream = c10::cuda::getCurrentCUDAStream();
   RKV_DISPATCH_FLOAT(x.scalar_type(), "rkv.quantize", scalar_t, [&] {
     RKV_DISPATCH_FLOAT(meta_dtype, "rkv.quantize", meta_t, [&] {
-      quantize_kernel<scalar_t, meta_t><<<grid_for(block_rows, 1), 128, 0, stream>>>(
-          x.const_data_ptr<scalar_t>(), packed.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr<meta_t>(),
-          symmetric ? nullptr : zero.mutable_data_ptr<meta_t>(), g, symmetric, clip, levels_data(levels));
+      const auto launch = [&](auto kernel, int64_t teams_per_block) {
+        kernel<<<grid_for(block_rows, teams_per_block), 128, 0, stream>>>(
+            x.const_data_ptr<scalar_t>(), packed.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr<meta_t>(),
+            symmetric ? nullptr : zero.mutable_data_ptr<meta_t>(), g, symmetric, clip, levels_data(levels));
+      };
+      // A block-row of up to 32 values a lane (per-token groups) is one warp's work; a block-wide team
+      // would leave three of its four warps idle while one finds the range.
+      if (g.block_tokens * g.dim <= kWarpBlockRow)
+        launch(quantize_kernel<scalar_t, meta_t, WarpTeam>, 128 / 32);
+      else
+        launch(quantize_kernel<scalar_t, meta_t, BlockTeam>, 1);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -80,12 +96,12 @@ at::Tensor dequantize_cuda(const at::Tensor& packed_in, const at::Tensor& scale_
   const at::Tensor scale = scale_in.contiguous();
   const at::Tensor zero = zero_in.has_value() ? zero_in->contiguous() : at::Tensor();
   at::Tensor out = empty_dequantize_output(packed, g, out_dtype);
-  const int64_t n = g.lead * g.tokens * g.dim;
-  if (n == 0) return out;
+  const int64_t rows = g.lead * g.tokens;
+  if (rows == 0 || g.dim == 0) return out;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   RKV_DISPATCH_FLOAT(out_dtype, "rkv.dequantize", out_t, [&] {
     RKV_DISPATCH_FLOAT(scale.scalar_type(), "rkv.dequantize", meta_t, [&] {
-      dequantize_kernel<out_t, meta_t><<<grid_for(n), kThreads, 0, stream>>>(
+      dequantize_kernel<out_t, meta_t><<<grid_for(rows, kThreads / 32), kThreads, 0, stream>>>(
           packed.const_data_ptr<uint8_t>(), scale.const_data_ptr<meta_t>(),
           zero.defined() ? zero.const_data_ptr<meta_t>() : nullptr, out.mutable_data_ptr<out_t>(), g,
           levels_data(levels));
