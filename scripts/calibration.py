@@ -71,13 +71,11 @@ def main() -> None:
             x = nll(ids, sim)
             rel[t] = math.expm1((x.mean() - fp[t].mean()).item())
             draws[t] = perplexity.relative_loss_samples(x, fp[t], seed=i)  # independent texts, independent draws
-            lo, hi = draws[t].quantile(0.025).item(), draws[t].quantile(0.975).item()
+            lo, hi = perplexity.interval(draws[t])
             cells.append(f"{rel[t]:+.2%} [{lo:+.2%},{hi:+.2%}]".rjust(26))
-        if draws[second].quantile(0.025).item() <= 0:
-            ratio_cell = f"{rel[first] / rel[second]:.2f} [{second}'s interval reaches 0]"
-        else:
-            lo, hi = (draws[first] / draws[second]).quantile(torch.tensor([0.025, 0.975], dtype=torch.float64))
-            ratio_cell = f"{rel[first] / rel[second]:.2f} [{lo.item():.2f},{hi.item():.2f}]"
+        ratio = perplexity.ratio_interval(draws[first], draws[second])
+        ratio_cell = f"{rel[first] / rel[second]:.2f} " + (f"[{ratio[0]:.2f},{ratio[1]:.2f}]" if ratio else
+                                                           f"[{second}'s interval reaches 0]")
         bits = sum(s.effective_bits(report.head_dim) for s in schemes) / len(schemes)
         print(f"{name:16s} {calibration:12s} {bits:5.2f}  " + "  ".join(cells) + f"  {ratio_cell:30s} {layers}",
               flush=True)

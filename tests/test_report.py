@@ -319,6 +319,39 @@ def test_relative_loss_samples_resample_runs_of_tokens():
         perplexity.relative_loss_samples(ref_nll[:128], ref_nll[:128])
 
 
+def test_ratio_interval_is_unbounded_where_the_second_loss_may_be_zero():
+    first = torch.linspace(0.10, 0.20, 1001, dtype=torch.float64)
+    assert perplexity.interval(first) == pytest.approx((0.1025, 0.1975))
+    assert perplexity.ratio_interval(first, first - 0.11) is None  # the second's interval reaches 0
+    lo, hi = perplexity.ratio_interval(first, torch.full_like(first, 0.5))
+    assert lo == pytest.approx(0.205) and hi == pytest.approx(0.395)
+
+
+def test_second_text_table_prints_intervals_and_judges_the_ratios():
+    """The second text's checks: the ranking and the 1.5x bar on the measured losses, and how many ratios'
+    intervals reach [1/1.5, 1.5]; a ratio whose second loss may be 0 is printed as unbounded, not judged."""
+    from torch_rkv.eval.report import FULL, format_second_text
+
+    def row(name, rel, first, iv, first_iv, ratio):
+        return {"scheme": name, "text": "asyoulik.txt", "ppl": 20 * (1 + rel), "relative": rel,
+                "first_relative": first, "interval": iv, "first_interval": first_iv, "ratio_interval": ratio}
+
+    rows = [{"scheme": FULL, "text": "asyoulik.txt", "ppl": 20.0, "relative": 0.0, "first_relative": 0.0},
+            row("a", 0.10, 0.12, (0.08, 0.12), (0.10, 0.14), (0.90, 1.50)),
+            row("b", 0.02, 0.05, (-0.01, 0.05), (0.03, 0.07), None),
+            row("c", 0.30, 0.10, (0.25, 0.35), (0.08, 0.12), (0.25, 0.45))]
+    table = format_second_text(rows).splitlines()
+    assert "full precision 20.000" in table[1]
+    a, b, c = (" ".join(line.split()) for line in table[3:6])
+    assert a == "a +10.00% [+8.00%,+12.00%] +12.00% [+10.00%,+14.00%] 1.20 [0.90,1.50]"
+    assert "2.50 [second text's interval reaches 0]" in b and "0.33 [0.25,0.45]" in c
+    assert table[6] == ("same ranking: NO; every relative loss within 1.5x of the first text's: NO; "
+                        "ratio intervals reaching [0.67, 1.5]: 1 of 2 (not: c)")
+    same = format_second_text(rows[:2]).splitlines()[-1]
+    assert same == "same ranking: yes; every relative loss within 1.5x of the first text's: yes; " \
+                   "ratio intervals reaching [0.67, 1.5]: 1 of 1"
+
+
 @pytest.mark.slow
 def test_the_full_modes_rows_on_smollm2(smollm2_alice):
     """--full's long-context row and several localization documents per length (CI-sized: 1024 and 512
@@ -401,5 +434,9 @@ def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     assert split["scheme"] == "rkv-split-2.5" and {k + v for k, v in split["bits"]} == {5}  # 5 bits every layer
     assert [x["scheme"] for x in results["second_text"]] == ["full precision", "rkv-4", "rkv-alloc-2.5",
                                                              "rkv-split-2.5"]
+    for x in results["second_text"][1:]:  # each with its intervals, around its own measured loss
+        assert x["interval"][0] <= x["relative"] <= x["interval"][1], x
+        assert x["first_interval"][0] <= x["first_relative"] <= x["first_interval"][1], x
+    assert "runs of 128 tokens" in table and ("ratio intervals reaching" in table or "no ratio is bounded" in table)
     percents = [int(line[1:4]) for line in lines]  # "[ 37% 1:02 ETA 1:45] ..."
     assert percents == sorted(percents) and "ETA" in lines[-1]

@@ -62,6 +62,20 @@ def relative_loss_samples(nll: torch.Tensor, reference: torch.Tensor, block: int
     return (sums[pick].sum(1) / counts[pick].sum(1)).exp() - 1
 
 
+def interval(draws: torch.Tensor, level: float = 0.95) -> tuple[float, float]:
+    """The central `level` interval of bootstrap draws (their percentiles)."""
+    lo, hi = draws.quantile(torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=draws.dtype)).tolist()
+    return lo, hi
+
+
+def ratio_interval(first: torch.Tensor, second: torch.Tensor, level: float = 0.95) -> tuple[float, float] | None:
+    """Interval of first / second from two texts' independent relative_loss_samples, paired draw by draw;
+    None when the second's own interval reaches 0, where the ratio has no bound."""
+    if interval(second, level)[0] <= 0:
+        return None
+    return interval(first / second, level)
+
+
 def kl_divergence(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
     """Mean KL(reference || logprobs) per position, nats: how far a quantized model's next-token
     distribution moved from the reference's (never negative, unlike a perplexity difference)."""

@@ -81,6 +81,8 @@ ALLOCATED = "rkv-alloc-"  # the report's name of a per-layer allocation: rkv-all
 SPLIT = "rkv-split-"  # every layer the same key + value bits, split by the profile (what vLLM serves)
 SPARSE_ALLOCATED = "rkv-sparse-alloc-"  # rkv-alloc-<bits> with rkv-sparse's outliers in every layer
 PER_LAYER = (ALLOCATED, SPLIT, SPARSE_ALLOCATED)  # names that layer_schemes resolves through the profile
+FULL = "full precision"  # the rows' name of the unquantized model
+SECOND = "second text: "  # Report.token_nll's prefix for the second text's rows
 NON_UNIFORM = "rkv-nu-"  # rkv-<bits> with the model's calibrated levels (torch_rkv.eval.levels)
 
 
@@ -162,14 +164,19 @@ class Report:
         self.layer_rope = models.layer_rope_tables(model, positions)
         self.simulation = sensitivity.simulations_for(model, positions, self.layer_rope)
         self.results: dict = {}
+        self.token_nll: dict[str, torch.Tensor] = {}  # name -> each token's loss (_simulated's keep)
         self._profile: Sensitivity | None = None
         self.progress = Progress(self.planned_work())
         self.log = lambda line: log(f"{self.progress.prefix()} {line}")
 
-    def _simulated(self, ids, sim) -> float:
-        out = perplexity.simulated(self.model, ids, sim)
+    def _simulated(self, ids, sim, keep: str | None = None) -> float:
+        """Perplexity of ids under sim; keep: also remember each token's loss under that name (the main
+        text's rows, for the second text's intervals)."""
+        logprobs = perplexity.simulated_logprobs(self.model, ids, sim)
         self.progress.advance(forward_units(ids.shape[1]))
-        return out
+        if keep is not None:
+            self.token_nll[keep] = perplexity.token_nll(logprobs, ids)
+        return perplexity.perplexity_of(logprobs, ids)
 
     def _decoded(self, ids, make) -> float:
         out = perplexity.decoded(self.model, ids, make)
@@ -219,7 +226,7 @@ class Report:
     def run(self) -> dict:
         o = self.opts
         r = self.results
-        r["full_precision_ppl"] = self._timed("full precision", lambda: self._simulated(self.ids, None))
+        r["full_precision_ppl"] = self._timed("full precision", lambda: self._simulated(self.ids, None, FULL))
         self.log(f"full precision perplexity on {o.tokens} tokens: {r['full_precision_ppl']:.3f}")
         r["reproduction"] = self._timed("reproduction", self.reproduction)
         r["schemes"] = self._timed("schemes", self.schemes)
@@ -266,7 +273,7 @@ class Report:
                 if scheme is None:
                     continue
                 sim = self.simulation(scheme, fidelity_queries=64)
-                ppl = self._simulated(self.ids, sim)
+                ppl = self._simulated(self.ids, sim, scheme.name)
                 rows.append({"family": family, "scheme": scheme.name, "description": scheme.describe(self.head_dim),
                              "bits": bits, "ppl": ppl, "delta": ppl - fp,
                              "bits_per_element": scheme.effective_bits(self.head_dim),
@@ -349,7 +356,7 @@ class Report:
             target = float(name.rsplit("-", 1)[1])
             schemes = alloc.schemes()
             sim = self.simulation_of(schemes, fidelity_queries=64)
-            ppl = self._simulated(self.ids, sim)
+            ppl = self._simulated(self.ids, sim, name)
             rows.append({"scheme": name, "target_bits": target, "bits": alloc.bits,
                          "allocation": alloc.describe(), "predicted_kl": alloc.predicted, "ppl": ppl,
                          "delta": ppl - fp, "bits_per_element": alloc.effective_bits(self.head_dim),
@@ -363,28 +370,42 @@ class Report:
 
     def second_text(self) -> list[dict]:
         """The schemes and the allocations (calibrated on lcet10.txt) ranked on a second text: the same
-        order, and relative losses within 1.5x of the first text's, say nothing was tuned to one text."""
+        order, and relative losses within 1.5x of the first text's, say nothing was tuned to one text.
+        Each relative loss carries its 95% block-bootstrap interval (perplexity.relative_loss_samples;
+        each text its own draws), and the ratio of the two texts' losses one from those draws."""
         o = self.opts
         ids = data.encode(self.tok, data.read_text(str(data.text_path(o.second_text))))[:, : o.tokens]
-        fp = self._simulated(ids, None)
+        fp = self._simulated(ids, None, SECOND + FULL)
         first = {x["scheme"]: x["delta"] / self.results["full_precision_ppl"]
                  for x in self.results["schemes"] + self.results["allocation"]}
-        rows = [{"scheme": "full precision", "text": o.second_text, "ppl": fp, "relative": 0.0, "first_relative": 0.0}]
+        rows = [{"scheme": FULL, "text": o.second_text, "ppl": fp, "relative": 0.0, "first_relative": 0.0}]
         for name in list(o.second_schemes) + self.allocated_names():
             schemes = self.layer_schemes(name)
             name = name if name.startswith(PER_LAYER) else schemes[0].name  # the schemes table's name
-            ppl = self._simulated(ids, self.simulation_of(schemes))
+            ppl = self._simulated(ids, self.simulation_of(schemes), SECOND + name)
             rows.append({"scheme": name, "text": o.second_text, "ppl": ppl, "relative": ppl / fp - 1,
-                         "first_relative": first.get(name)})
+                         "first_relative": first.get(name), **self.loss_intervals(name)})
             self.log(f"  {o.second_text} {name:14s} ppl {ppl:8.3f} ({ppl / fp - 1:+.2%}; {o.tokens} tokens)")
         return rows
+
+    def loss_intervals(self, name: str) -> dict:
+        """95% intervals of `name`'s relative loss on each text and of their ratio (first / second), from
+        the kept token losses; none where a text is too short for two runs of 128 tokens, or the first
+        text has no such row."""
+        nll = self.token_nll
+        if name not in nll or nll[FULL].numel() <= 128:
+            return {}
+        second = perplexity.relative_loss_samples(nll[SECOND + name], nll[SECOND + FULL], seed=1)
+        first = perplexity.relative_loss_samples(nll[name], nll[FULL], seed=0)  # independent texts, draws
+        return {"interval": perplexity.interval(second), "first_interval": perplexity.interval(first),
+                "ratio_interval": perplexity.ratio_interval(first, second)}
 
     def long_context(self) -> list[dict]:
         """Perplexity at long_tokens (--full): where sinks, recent window and open block are a small share,
         so the bits at the window approach the scheme's own."""
         n = self.opts.long_tokens
         fp = self._simulated(self.long_ids, None)
-        rows = [{"scheme": "full precision", "tokens": n, "ppl": fp, "delta": 0.0, "bits_at_window": 16.0}]
+        rows = [{"scheme": FULL, "tokens": n, "ppl": fp, "delta": 0.0, "bits_at_window": 16.0}]
         self.log(f"  long context: full precision perplexity on {n} tokens {fp:.3f}")
         for name in self.opts.long_schemes:
             schemes = self.layer_schemes(name)
@@ -399,9 +420,9 @@ class Report:
         rows = []
         docs = [d for n in self.opts.loc_lengths
                 for d in localization.build_documents(self.tok, self.text, n, self.opts.loc_documents)]
-        for name in ("full precision",) + tuple(self.opts.loc_schemes):
+        for name in (FULL,) + tuple(self.opts.loc_schemes):
             # every question re-reads its document's blocks: quantize them once
-            sim = None if name == "full precision" else self.simulation_of(self.layer_schemes(name), reuse_blocks=True)
+            sim = None if name == FULL else self.simulation_of(self.layer_schemes(name), reuse_blocks=True)
             for doc in docs:
                 for rec in localization.evaluate(self.model, self.tok, doc, sim):
                     rows.append({"scheme": name, **rec})
@@ -528,6 +549,47 @@ class Report:
 # ----------------------------------------------------------------------------------------------
 
 
+def format_second_text(second: list[dict]) -> str:
+    """The second text's table: each relative loss on both texts with its 95% interval, their ratio, and
+    the issue's two checks (same ranking; every loss within 1.5x of the other text's), judged on the
+    measured values and, for the 1.5x, also on whether the ratio's interval reaches [1/1.5, 1.5]."""
+    rows = [x for x in second if x["scheme"] != FULL]
+
+    def span(iv):
+        return f"[{iv[0]:+.2%},{iv[1]:+.2%}]" if iv else ""
+
+    lines = [(f"\nA second text ({rows[0]['text']}, full precision {second[0]['ppl']:.3f}): relative perplexity "
+              "change [95% block-bootstrap interval, runs of 128 tokens] beside the first text's, and their ratio "
+              "(first / second)"),
+             f"{'scheme':20s} {'second text':>28s} {'first text':>28s}  ratio"]
+    for x in rows:
+        first = x["first_relative"]
+        cells = f"{x['scheme']:20s} {x['relative']:+8.2%} {span(x.get('interval')):>19s}"
+        if first is not None:
+            ratio = x.get("ratio_interval")
+            cells += (f" {first:+8.2%} {span(x.get('first_interval')):>19s}  "
+                      + (f"{first / x['relative']:.2f}" if x["relative"] > 0 else "-")
+                      + (f" [{ratio[0]:.2f},{ratio[1]:.2f}]" if ratio else
+                         " [second text's interval reaches 0]" if "interval" in x else ""))
+        lines.append(cells)
+    known = [x for x in rows if x["first_relative"] is not None]
+    same = [x["scheme"] for x in sorted(known, key=lambda x: x["relative"])] == \
+        [x["scheme"] for x in sorted(known, key=lambda x: x["first_relative"])]
+    within = all(max(x["relative"], x["first_relative"]) <= 1.5 * min(x["relative"], x["first_relative"])
+                 for x in known if x["relative"] > 0 and x["first_relative"] > 0)
+    verdict = (f"same ranking: {'yes' if same else 'NO'}; every relative loss within 1.5x of the first "
+               f"text's: {'yes' if within else 'NO'}")
+    bounded = [x for x in known if x.get("ratio_interval")]
+    if bounded:
+        reach = [x["scheme"] for x in bounded if x["ratio_interval"][1] < 1 / 1.5 or x["ratio_interval"][0] > 1.5]
+        verdict += (f"; ratio intervals reaching [0.67, 1.5]: {len(bounded) - len(reach)} of {len(bounded)}"
+                    + (f" (not: {', '.join(reach)})" if reach else ""))
+    elif any("interval" in x for x in known):
+        verdict += "; no ratio is bounded (every second-text interval reaches 0)"
+    lines.append(verdict)
+    return "\n".join(lines)
+
+
 def format_localization(results: list[dict]) -> str:
     """The localization table: per scheme and length, exact answers with their 95% Wilson interval, mean
     log p(right rate) and its change from full precision."""
@@ -540,7 +602,7 @@ def format_localization(results: list[dict]) -> str:
     for name in dict.fromkeys(x["scheme"] for x in results):
         cells = []
         for n in lengths:
-            xs, fp = rows(name, n), rows("full precision", n)
+            xs, fp = rows(name, n), rows(FULL, n)
             k = sum(x["exact"] for x in xs)
             lo, hi = localization.wilson(k, len(xs))
             cells.append(f"{k:2d}/{len(xs)} [{lo:.2f},{hi:.2f}] {mean(xs):6.2f} {mean(xs) - mean(fp):+5.2f}")
@@ -578,20 +640,7 @@ def format_tables(r: dict) -> str:
         for x in r["allocation"]:
             lines.append(measured(x, x["allocation"]))
     if r.get("second_text"):
-        rows = [x for x in r["second_text"] if x["scheme"] != "full precision"]
-        lines.append(f"\nA second text ({rows[0]['text']}, full precision {r['second_text'][0]['ppl']:.3f}): relative "
-                     "perplexity change beside the first text's")
-        for x in rows:
-            first = x["first_relative"]
-            lines.append(f"{x['scheme']:14s} {x['relative']:+8.2%} {first:+8.2%}" if first is not None else
-                         f"{x['scheme']:14s} {x['relative']:+8.2%}")
-        known = [x for x in rows if x["first_relative"] is not None]
-        same = [x["scheme"] for x in sorted(known, key=lambda x: x["relative"])] == \
-            [x["scheme"] for x in sorted(known, key=lambda x: x["first_relative"])]
-        within = all(max(x["relative"], x["first_relative"]) <= 1.5 * min(x["relative"], x["first_relative"])
-                     for x in known if x["relative"] > 0 and x["first_relative"] > 0)
-        lines.append(f"same ranking: {'yes' if same else 'NO'}; every relative loss within 1.5x of the first "
-                     f"text's: {'yes' if within else 'NO'}")
+        lines.append(format_second_text(r["second_text"]))
     if r.get("long_context"):
         lines.append(f"\nLong context ({r['long_context'][0]['tokens']} tokens; bits at the window count the "
                      "full-precision tokens)")
