@@ -319,6 +319,16 @@ def test_relative_loss_samples_resample_runs_of_tokens():
         perplexity.relative_loss_samples(ref_nll[:128], ref_nll[:128])
 
 
+def test_token_kl_is_from_the_reference():
+    """KL(reference || quantized) per position: uniform over two tokens against (0.9, 0.1) is
+    0.5 ln(0.5 / 0.9) + 0.5 ln(0.5 / 0.1) = 0.5108 (the other direction would be 0.3681); 0 where equal."""
+    ref = torch.log(torch.tensor([[0.5, 0.5], [0.2, 0.8]]))
+    out = torch.log(torch.tensor([[0.9, 0.1], [0.2, 0.8]]))
+    kl = perplexity.token_kl(ref, out)
+    assert kl.dtype == torch.float64 and kl[0].item() == pytest.approx(0.5108, abs=1e-4) and abs(kl[1].item()) < 1e-7
+    assert perplexity.kl_divergence(ref, out) == pytest.approx(kl.mean().item())
+
+
 def test_ratio_interval_is_unbounded_where_the_second_loss_may_be_zero():
     first = torch.linspace(0.10, 0.20, 1001, dtype=torch.float64)
     assert perplexity.interval(first) == pytest.approx((0.1025, 0.1975))
@@ -345,10 +355,19 @@ def test_second_text_table_prints_intervals_and_judges_the_ratios():
     a, b, c = (" ".join(line.split()) for line in table[3:6])
     assert a == "a +10.00% [+8.00%,+12.00%] +12.00% [+10.00%,+14.00%] 1.20 [0.90,1.50]"
     assert "2.50 [second text's interval reaches 0]" in b and "0.33 [0.25,0.45]" in c
-    assert table[6] == ("same ranking: NO; every relative loss within 1.5x of the first text's: NO; "
+    assert table[6] == ("same ranking: NO; every value within 1.5x of the first text's: NO; "
                         "ratio intervals reaching [0.67, 1.5]: 1 of 2 (not: c)")
-    same = format_second_text(rows[:2]).splitlines()[-1]
-    assert same == "same ranking: yes; every relative loss within 1.5x of the first text's: yes; " \
+    assert len(table) == 7  # no KL measured, no KL table
+    # the KL table: its own values, intervals and verdict (here the ranking holds and every ratio is bounded)
+    for x, kl, first_kl in zip(rows[1:], (0.010, 0.004, 0.030), (0.012, 0.005, 0.021)):
+        x.update(kl=kl, first_kl=first_kl, kl_interval=(kl * 0.8, kl * 1.2),
+                 first_kl_interval=(first_kl * 0.8, first_kl * 1.2), kl_ratio_interval=(first_kl / kl * 0.7, first_kl / kl * 1.3))
+    table = format_second_text(rows).splitlines()
+    assert " ".join(table[10].split()) == "a 0.0100 [0.0080,0.0120] 0.0120 [0.0096,0.0144] 1.20 [0.84,1.56]"
+    assert table[13] == ("same ranking: yes; every value within 1.5x of the first text's: yes; "
+                         "ratio intervals reaching [0.67, 1.5]: 3 of 3")
+    same = format_second_text(rows[:2]).splitlines()[4]
+    assert same == "same ranking: yes; every value within 1.5x of the first text's: yes; " \
                    "ratio intervals reaching [0.67, 1.5]: 1 of 1"
 
 
@@ -437,6 +456,9 @@ def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     for x in results["second_text"][1:]:  # each with its intervals, around its own measured loss
         assert x["interval"][0] <= x["relative"] <= x["interval"][1], x
         assert x["first_interval"][0] <= x["first_relative"] <= x["first_interval"][1], x
+        assert 0 <= x["kl_interval"][0] <= x["kl"] <= x["kl_interval"][1], x  # KL from full precision
+    # rkv-4 quantizes blocks of these 256 tokens (the 2-bit allocations keep all 256 in full precision: 0)
+    assert results["second_text"][1]["kl"] > 0 and results["second_text"][1]["first_kl"] > 0
     assert "runs of 128 tokens" in table and ("ratio intervals reaching" in table or "no ratio is bounded" in table)
     percents = [int(line[1:4]) for line in lines]  # "[ 37% 1:02 ETA 1:45] ..."
     assert percents == sorted(percents) and "ETA" in lines[-1]

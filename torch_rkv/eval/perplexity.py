@@ -39,27 +39,32 @@ def token_nll(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return -logprobs.gather(1, ids[0, 1:, None])[:, 0].double()
 
 
+def block_means(values: torch.Tensor, block: int = 128, samples: int = 2000, seed: int = 0) -> torch.Tensor:
+    """(samples,) block-bootstrap draws of the mean of per-token values (N,): runs of `block` consecutive
+    tokens (the last one shorter when N is not a multiple) resampled with replacement, each draw the
+    token-weighted mean of its runs. Neighbouring tokens' values are correlated, so single tokens would
+    understate the spread; runs at different positions are treated as exchangeable although a loss grows
+    with context, which widens the interval. Independent texts need independent seeds."""
+    runs = -(-values.numel() // block)
+    if values.dim() != 1 or runs < 2:
+        raise ValueError(f"block bootstrap: {tuple(values.shape)} values make fewer than 2 runs of {block} tokens")
+    values = values.double()
+    sums = torch.zeros(runs, dtype=torch.float64).index_add_(0, torch.arange(values.numel()) // block, values)
+    counts = torch.full((runs,), float(block), dtype=torch.float64)
+    counts[-1] = values.numel() - block * (runs - 1)
+    pick = torch.randint(0, runs, (samples, runs), generator=torch.Generator().manual_seed(seed))
+    return sums[pick].sum(1) / counts[pick].sum(1)
+
+
 def relative_loss_samples(nll: torch.Tensor, reference: torch.Tensor, block: int = 128, samples: int = 2000,
                           seed: int = 0) -> torch.Tensor:
-    """(samples,) block-bootstrap draws of perplexity / reference perplexity - 1 over the same tokens:
-    runs of `block` consecutive tokens (the last one shorter when the length is not a multiple) resampled
-    with replacement, each draw the token-weighted mean of its runs. Neighbouring tokens' losses are
-    correlated, so single tokens would understate the spread; runs at different positions are treated as
-    exchangeable although the loss grows with context, which widens the interval. Its 2.5 and 97.5
-    percentiles are a 95% interval for what one text's relative loss could have been with other passages
-    of the same kind. Independent texts need independent seeds."""
+    """(samples,) block-bootstrap draws (block_means) of perplexity / reference perplexity - 1 over the
+    same tokens. Their 2.5 and 97.5 percentiles are a 95% interval for what one text's relative loss
+    could have been with other passages of the same kind."""
     if nll.shape != reference.shape or nll.dim() != 1:
         raise ValueError(f"relative_loss_samples: nll {tuple(nll.shape)} and reference {tuple(reference.shape)} "
                          "must be equal 1-D shapes")
-    runs = -(-nll.numel() // block)
-    if runs < 2:
-        raise ValueError(f"relative_loss_samples: {nll.numel()} tokens make fewer than 2 runs of {block}")
-    diff = (nll - reference).double()
-    sums = torch.zeros(runs, dtype=torch.float64).index_add_(0, torch.arange(diff.numel()) // block, diff)
-    counts = torch.full((runs,), float(block), dtype=torch.float64)
-    counts[-1] = diff.numel() - block * (runs - 1)
-    pick = torch.randint(0, runs, (samples, runs), generator=torch.Generator().manual_seed(seed))
-    return (sums[pick].sum(1) / counts[pick].sum(1)).exp() - 1
+    return block_means(nll.double() - reference.double(), block, samples, seed).exp() - 1
 
 
 def interval(draws: torch.Tensor, level: float = 0.95) -> tuple[float, float]:
@@ -76,10 +81,16 @@ def ratio_interval(first: torch.Tensor, second: torch.Tensor, level: float = 0.9
     return interval(first / second, level)
 
 
+def token_kl(reference: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """(positions,) float64 KL(reference || logprobs) at each position, nats: how far a quantized model's
+    next-token distribution moved from the reference's (never negative, unlike a perplexity difference,
+    and with far less spread between texts, since it does not depend on which token came next)."""
+    return (reference.exp() * (reference - logprobs)).sum(-1).double()
+
+
 def kl_divergence(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
-    """Mean KL(reference || logprobs) per position, nats: how far a quantized model's next-token
-    distribution moved from the reference's (never negative, unlike a perplexity difference)."""
-    return (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
+    """Mean token_kl, nats per position."""
+    return token_kl(reference, logprobs).mean().item()
 
 
 @torch.no_grad()

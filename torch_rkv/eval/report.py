@@ -165,17 +165,25 @@ class Report:
         self.simulation = sensitivity.simulations_for(model, positions, self.layer_rope)
         self.results: dict = {}
         self.token_nll: dict[str, torch.Tensor] = {}  # name -> each token's loss (_simulated's keep)
+        self.token_kl: dict[str, torch.Tensor] = {}  # name -> each position's KL from full precision (the same)
+        self.fp_logprobs: dict[str, torch.Tensor] = {}  # text prefix ("" or SECOND) -> full precision's, kept
         self._profile: Sensitivity | None = None
         self.progress = Progress(self.planned_work())
         self.log = lambda line: log(f"{self.progress.prefix()} {line}")
 
     def _simulated(self, ids, sim, keep: str | None = None) -> float:
         """Perplexity of ids under sim; keep: also remember each token's loss under that name (the main
-        text's rows, for the second text's intervals)."""
+        text's rows, for the second text's intervals) and, with a second text, each position's KL from
+        full precision (whose log-probabilities the FULL rows keep: 0.4 GB a text at 2048 tokens)."""
         logprobs = perplexity.simulated_logprobs(self.model, ids, sim)
         self.progress.advance(forward_units(ids.shape[1]))
         if keep is not None:
             self.token_nll[keep] = perplexity.token_nll(logprobs, ids)
+            text = SECOND if keep.startswith(SECOND) else ""
+            if keep == text + FULL and self.opts.second_text:
+                self.fp_logprobs[text] = logprobs
+            elif text in self.fp_logprobs:
+                self.token_kl[keep] = perplexity.token_kl(self.fp_logprobs[text], logprobs)
         return perplexity.perplexity_of(logprobs, ids)
 
     def _decoded(self, ids, make) -> float:
@@ -390,15 +398,22 @@ class Report:
 
     def loss_intervals(self, name: str) -> dict:
         """95% intervals of `name`'s relative loss on each text and of their ratio (first / second), from
-        the kept token losses; none where a text is too short for two runs of 128 tokens, or the first
-        text has no such row."""
-        nll = self.token_nll
+        the kept token losses, and the same for its mean KL from full precision; none where a text is
+        too short for two runs of 128 tokens, or the first text has no such row."""
+        nll, kl = self.token_nll, self.token_kl
         if name not in nll or nll[FULL].numel() <= 128:
             return {}
+        # independent texts, independent draws
         second = perplexity.relative_loss_samples(nll[SECOND + name], nll[SECOND + FULL], seed=1)
-        first = perplexity.relative_loss_samples(nll[name], nll[FULL], seed=0)  # independent texts, draws
-        return {"interval": perplexity.interval(second), "first_interval": perplexity.interval(first),
-                "ratio_interval": perplexity.ratio_interval(first, second)}
+        first = perplexity.relative_loss_samples(nll[name], nll[FULL], seed=0)
+        out = {"interval": perplexity.interval(second), "first_interval": perplexity.interval(first),
+               "ratio_interval": perplexity.ratio_interval(first, second)}
+        if name in kl and SECOND + name in kl:
+            second, first = perplexity.block_means(kl[SECOND + name], seed=1), perplexity.block_means(kl[name], seed=0)
+            out.update(kl=kl[SECOND + name].mean().item(), first_kl=kl[name].mean().item(),
+                       kl_interval=perplexity.interval(second), first_kl_interval=perplexity.interval(first),
+                       kl_ratio_interval=perplexity.ratio_interval(first, second))
+        return out
 
     def long_context(self) -> list[dict]:
         """Perplexity at long_tokens (--full): where sinks, recent window and open block are a small share,
@@ -550,44 +565,58 @@ class Report:
 
 
 def format_second_text(second: list[dict]) -> str:
-    """The second text's table: each relative loss on both texts with its 95% interval, their ratio, and
-    the issue's two checks (same ranking; every loss within 1.5x of the other text's), judged on the
-    measured values and, for the 1.5x, also on whether the ratio's interval reaches [1/1.5, 1.5]."""
+    """The second text's tables, relative perplexity change and then mean KL from full precision: each
+    on both texts with its 95% interval, their ratio, and the issue's two checks (same ranking; every
+    value within 1.5x of the other text's), judged on the measured values and, for the 1.5x, also on
+    whether the ratio's interval reaches [1/1.5, 1.5]."""
     rows = [x for x in second if x["scheme"] != FULL]
-
-    def span(iv):
-        return f"[{iv[0]:+.2%},{iv[1]:+.2%}]" if iv else ""
-
     lines = [(f"\nA second text ({rows[0]['text']}, full precision {second[0]['ppl']:.3f}): relative perplexity "
               "change [95% block-bootstrap interval, runs of 128 tokens] beside the first text's, and their ratio "
-              "(first / second)"),
-             f"{'scheme':20s} {'second text':>28s} {'first text':>28s}  ratio"]
+              "(first / second)")]
+    lines += second_text_table(rows, "relative", "first_relative", "interval", "first_interval", "ratio_interval",
+                               lambda v: f"{v:+.2%}")
+    if any("kl" in x for x in rows):
+        lines.append("\nThe same rows' mean KL divergence from full precision's next-token distribution (nats per "
+                     "token; it does not depend on which token came next, so it varies less between texts)")
+        lines += second_text_table([x for x in rows if "kl" in x], "kl", "first_kl", "kl_interval",
+                                   "first_kl_interval", "kl_ratio_interval", lambda v: f"{v:.4f}")
+    return "\n".join(lines)
+
+
+def second_text_table(rows: list[dict], value: str, first_value: str, iv: str, first_iv: str, ratio_iv: str,
+                      fmt) -> list[str]:
+    """format_second_text's table of one measure: the row keys holding it on each text, its intervals
+    and the ratio's interval; fmt prints one value."""
+
+    def span(bounds):
+        return f"[{fmt(bounds[0])},{fmt(bounds[1])}]" if bounds else ""
+
+    lines = [f"{'scheme':20s} {'second text':>28s} {'first text':>28s}  ratio"]
     for x in rows:
-        first = x["first_relative"]
-        cells = f"{x['scheme']:20s} {x['relative']:+8.2%} {span(x.get('interval')):>19s}"
+        first = x[first_value]
+        cells = f"{x['scheme']:20s} {fmt(x[value]):>8s} {span(x.get(iv)):>19s}"
         if first is not None:
-            ratio = x.get("ratio_interval")
-            cells += (f" {first:+8.2%} {span(x.get('first_interval')):>19s}  "
-                      + (f"{first / x['relative']:.2f}" if x["relative"] > 0 else "-")
+            ratio = x.get(ratio_iv)
+            cells += (f" {fmt(first):>8s} {span(x.get(first_iv)):>19s}  "
+                      + (f"{first / x[value]:.2f}" if x[value] > 0 else "-")
                       + (f" [{ratio[0]:.2f},{ratio[1]:.2f}]" if ratio else
-                         " [second text's interval reaches 0]" if "interval" in x else ""))
+                         " [second text's interval reaches 0]" if iv in x else ""))
         lines.append(cells)
-    known = [x for x in rows if x["first_relative"] is not None]
-    same = [x["scheme"] for x in sorted(known, key=lambda x: x["relative"])] == \
-        [x["scheme"] for x in sorted(known, key=lambda x: x["first_relative"])]
-    within = all(max(x["relative"], x["first_relative"]) <= 1.5 * min(x["relative"], x["first_relative"])
-                 for x in known if x["relative"] > 0 and x["first_relative"] > 0)
-    verdict = (f"same ranking: {'yes' if same else 'NO'}; every relative loss within 1.5x of the first "
-               f"text's: {'yes' if within else 'NO'}")
-    bounded = [x for x in known if x.get("ratio_interval")]
+    known = [x for x in rows if x[first_value] is not None]
+    same = [x["scheme"] for x in sorted(known, key=lambda x: x[value])] == \
+        [x["scheme"] for x in sorted(known, key=lambda x: x[first_value])]
+    within = all(max(x[value], x[first_value]) <= 1.5 * min(x[value], x[first_value])
+                 for x in known if x[value] > 0 and x[first_value] > 0)
+    verdict = (f"same ranking: {'yes' if same else 'NO'}; every value within 1.5x of the first text's: "
+               f"{'yes' if within else 'NO'}")
+    bounded = [x for x in known if x.get(ratio_iv)]
     if bounded:
-        reach = [x["scheme"] for x in bounded if x["ratio_interval"][1] < 1 / 1.5 or x["ratio_interval"][0] > 1.5]
+        reach = [x["scheme"] for x in bounded if x[ratio_iv][1] < 1 / 1.5 or x[ratio_iv][0] > 1.5]
         verdict += (f"; ratio intervals reaching [0.67, 1.5]: {len(bounded) - len(reach)} of {len(bounded)}"
                     + (f" (not: {', '.join(reach)})" if reach else ""))
-    elif any("interval" in x for x in known):
+    elif any(iv in x for x in known):
         verdict += "; no ratio is bounded (every second-text interval reaches 0)"
-    lines.append(verdict)
-    return "\n".join(lines)
+    return lines + [verdict]
 
 
 def format_localization(results: list[dict]) -> str:
