@@ -82,8 +82,8 @@ def main() -> None:
             kl = perplexity.kl_divergence(fp_logprobs[t], lp)
             cells.append(f"{rel[t]:+.2%} [{lo:+.2%},{hi:+.2%}] KL {kl:.4f}".rjust(38))
         ratio = perplexity.ratio_interval(draws[first], draws[second])
-        ratio_cell = f"{rel[first] / rel[second]:.2f} " + (f"[{ratio[0]:.2f},{ratio[1]:.2f}]" if ratio else
-                                                           f"[{second}'s interval reaches 0]")
+        point = f"{rel[first] / rel[second]:.2f}" if rel[second] != 0 else "-"
+        ratio_cell = f"{point} " + (f"[{ratio[0]:.2f},{ratio[1]:.2f}]" if ratio else f"[{second}'s interval reaches 0]")
         bits = sum(s.effective_bits(report.head_dim) for s in schemes) / len(schemes)
         print(f"{name:16s} {calibration:12s} {bits:5.2f}  " + "  ".join(cells) + f"  {ratio_cell:30s} {layers}",
               flush=True)

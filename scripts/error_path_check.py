@@ -19,9 +19,15 @@ except ValueError as e:
 def main(devices):
     bad = 0
     for dev in devices:
-        r = subprocess.run([sys.executable, "-c", PROBE.format(dev=dev)], capture_output=True, text=True, timeout=120)
+        try:
+            r = subprocess.run([sys.executable, "-c", PROBE.format(dev=dev)], capture_output=True, text=True,
+                               timeout=120)
+        except subprocess.TimeoutExpired:
+            print(f"error path on {dev}: BROKEN (no answer in 120 s)", flush=True)
+            bad += 1
+            continue
         said = r.stdout.strip()
-        ok = r.returncode == 0 and "bits" in said
+        ok = r.returncode == 0 and "must be 2, 3, 4 or 8" in said
         how = f"raised: {said}" if ok else f"exit {r.returncode}: {(r.stdout + r.stderr).strip()[-300:]}"
         print(f"error path on {dev}: {'ok' if ok else 'BROKEN'} ({how})", flush=True)
         bad += not ok

@@ -2,9 +2,9 @@
 # Everything that needs a GPU, as one script for a lent GPU machine (torch preinstalled there, no package
 # registry): build the extension for this GPU, check that raised errors reach Python, run the CUDA tests,
 # run a part of them under compute-sanitizer (memcheck, racecheck), and the GPU benchmarks. Each stage
-# has a time limit (seconds, overridable), so the whole fits one device call (10 minutes at most on an
-# H200, about 8 in practice) with the most important results first. Writes eight files under $OUT (default
-# out/gpu), the most a lent machine returns; summary.txt holds the stage results and times.
+# has a time limit (seconds, overridable), and all of them together RKV_BUDGET_S (default 570), so the
+# whole fits one device call of 10 minutes with the most important results first. Writes eight files
+# under $OUT (default out/gpu), the most a lent machine returns; summary.txt: stage results and times.
 #   bash scripts/gpu_check.sh [peak GB/s of the device, default 4800 (H200)]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,11 +15,18 @@ source scripts/gpu_env.sh
 export MAX_JOBS=${MAX_JOBS:-16}
 t_start=$(date +%s)
 say() { echo "$* (+$(( $(date +%s) - t_start )) s)" | tee -a "$out/summary.txt"; }
+# a stage's limit: its own (seconds), or what is left of the whole run's RKV_BUDGET_S if that is less
+lim() {
+  local left=$(( t_start + ${RKV_BUDGET_S:-570} - $(date +%s) ))
+  (( left < 1 )) && left=1
+  echo $(( left < $1 ? left : $1 ))
+}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
   echo "CXX=${CXX:-c++}: $(${CXX:-c++} --version | head -1)"; } | tee "$out/summary.txt"
 
-python setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; say "build failed"; exit 1; }
+timeout -k 10 "$(lim 300)" python setup.py -q build_ext --inplace > "$out/build.log" 2>&1 \
+  || { tail -40 "$out/build.log"; say "build failed"; exit 1; }
 say "built"
 export PYTHONPATH=$PWD HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 python scripts/error_path_check.py cpu cuda | tee -a "$out/summary.txt"
@@ -28,40 +35,40 @@ python scripts/error_path_check.py cpu cuda | tee -a "$out/summary.txt"
 xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
 # the transformers modules are left out: they run no CUDA kernels, and a lent image's transformers may be
 # one the integration refuses (import error by design)
-timeout "${RKV_TESTS_S:-150}" python -m pytest -q -p no:cacheprovider $xdist tests -k cuda --ignore=tests/test_families.py \
-  --ignore=tests/test_report.py --ignore=tests/test_transformers.py > "$out/tests_cuda.log" 2>&1
+timeout -k 10 "$(lim "${RKV_TESTS_S:-150}")" python -m pytest -q -p no:cacheprovider $xdist tests -k cuda \
+  --ignore=tests/test_families.py --ignore=tests/test_report.py --ignore=tests/test_transformers.py \
+  > "$out/tests_cuda.log" 2>&1
 rc=$?
 grep -E "^(FAILED|ERROR)" "$out/tests_cuda.log" | head -20 | tee -a "$out/summary.txt"
 say "cuda tests: exit $rc, $(grep -E '(passed|failed)' "$out/tests_cuda.log" | tail -1)"
 
-python bench/bench_decode.py --json --device cuda --peak-gbps "$peak" --contexts 4096 16384 65536 --bits 4 2 \
-  --keys pre-rope-per-channel --min-run-time 0.1 > "$out/bench_decode.jsonl" 2> "$out/bench.err" &
-bench=$!
-( sleep "${RKV_BENCH_S:-100}"; kill $bench 2>/dev/null ) & watchdog=$!
-wait $bench; rc=$?; kill $watchdog 2>/dev/null
-say "bench_decode: exit $rc, $(wc -l < "$out/bench_decode.jsonl") rows"
-
-cs=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
-for tool_s in memcheck:${RKV_MEMCHECK_S:-130} racecheck:${RKV_RACECHECK_S:-70}; do
-  tool=${tool_s%%:*}
-  HYPOTHESIS_PROFILE=sanitizer timeout "${tool_s##*:}" "$cs" --tool "$tool" --error-exitcode 9 --target-processes all \
-    python -m pytest -q -p no:cacheprovider ${xdist:+-n 4} tests/test_quant.py tests/test_attention.py tests/test_paged.py \
-    tests/test_cache.py -k cuda \
-    2>&1 | head -c 4000000 > "$out/sanitizer_$tool.log"
-  rc=${PIPESTATUS[0]}
-  # a hazard is printed when it happens, so a run cut at its time limit still reports those it met
-  say "compute-sanitizer $tool: exit $rc (124: stage time limit), $(grep -cE '^========= (Invalid|Error|Race|Warning)' \
-    "$out/sanitizer_$tool.log") hazards reported, $(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitizer_$tool.log") clean summaries"
-done
-
-timeout "${RKV_QUANT_S:-70}" python bench/bench_quant.py --json --device cuda --bits 4 --min-run-time 0.2 \
-  > "$out/bench_quant.jsonl" 2>> "$out/bench.err"
-say "bench_quant: exit $?"
+timeout -k 10 "$(lim "${RKV_BENCH_S:-100}")" python bench/bench_decode.py --json --device cuda --peak-gbps "$peak" \
+  --contexts 4096 16384 65536 --bits 4 2 --keys pre-rope-per-channel --min-run-time 0.1 \
+  > "$out/bench_decode.jsonl" 2> "$out/bench.err"
+say "bench_decode: exit $?, $(wc -l < "$out/bench_decode.jsonl") rows"
 python - "$out/bench_decode.jsonl" <<'PY' | tee -a "$out/summary.txt"
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    print(f"  {r['q_heads']}q/{r['kv_heads']}kv/d{r['head_dim']} {r.get('keys', '')} {r.get('bits', '')}b ctx {r['context']}:"
+    print(f"  {r['q_heads']}q/{r['kv_heads']}kv/d{r['head_dim']} {r['keys']} {r['bits']}b ctx {r['context']}:"
           f" gpu {r['gpu_ms']:.4f} ms ({r['gpu_gbps']:.0f} GB/s), fp16 SDPA {r['sdpa_half_gpu_ms']:.4f} ms,"
           f" dequantize+SDPA wall {r['deq_sdpa_ms']:.3f} ms")
 PY
+
+cs=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
+for tool_s in memcheck:${RKV_MEMCHECK_S:-130} racecheck:${RKV_RACECHECK_S:-70}; do
+  tool=${tool_s%%:*}
+  HYPOTHESIS_PROFILE=sanitizer timeout -k 10 "$(lim "${tool_s##*:}")" "$cs" --tool "$tool" --error-exitcode 9 \
+    --target-processes all python -m pytest -q -p no:cacheprovider ${xdist:+-n 4} tests/test_quant.py \
+    tests/test_attention.py tests/test_paged.py tests/test_cache.py -k cuda \
+    2>&1 | head -c 4000000 > "$out/sanitizer_$tool.log"
+  rc=${PIPESTATUS[0]}
+  # a hazard is printed when it happens, so a run cut at its time limit still reports those it met
+  hazards=$(grep -cE '^========= (Invalid|Error|Race|Warning)' "$out/sanitizer_$tool.log")
+  clean=$(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitizer_$tool.log")
+  say "compute-sanitizer $tool: exit $rc (124: stage time limit), $hazards hazards reported, $clean clean summaries"
+done
+
+timeout -k 10 "$(lim "${RKV_QUANT_S:-70}")" python bench/bench_quant.py --json --device cuda --bits 4 \
+  --min-run-time 0.2 > "$out/bench_quant.jsonl" 2>> "$out/bench.err"
+say "bench_quant: exit $?"

@@ -85,7 +85,13 @@ def token_kl(reference: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     """(positions,) float64 KL(reference || logprobs) at each position, nats: how far a quantized model's
     next-token distribution moved from the reference's (never negative, unlike a perplexity difference,
     and with far less spread between texts, since it does not depend on which token came next)."""
-    return (reference.exp() * (reference - logprobs)).sum(-1).double()
+    if reference.shape != logprobs.shape:
+        raise ValueError(f"token_kl: reference {tuple(reference.shape)} and logprobs {tuple(logprobs.shape)} differ")
+    out = torch.empty(reference.shape[:-1], dtype=torch.float64)
+    for i in range(0, reference.shape[0], 256):  # in chunks: three temporaries of (positions, vocab) otherwise
+        r, q = reference[i : i + 256], logprobs[i : i + 256]
+        out[i : i + 256] = (r.exp() * (r - q)).sum(-1).double()
+    return out
 
 
 def kl_divergence(reference: torch.Tensor, logprobs: torch.Tensor) -> float:

@@ -1,5 +1,6 @@
-// CUDA quantization of one block-row (block_tokens rows x dim channels) by one thread block: the same
-// arithmetic as cpu/block_quant.h (include/rkv/quant.h), used by rkv::quantize and the cache append.
+// CUDA quantization of one block-row (block_tokens rows x dim channels) by a team of threads (a block or
+// a warp): the same arithmetic as cpu/block_quant.h (include/rkv/quant.h), used by rkv::quantize and the
+// cache append.
 #pragma once
 
 #include "common.cuh"

@@ -74,8 +74,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
             x.const_data_ptr<scalar_t>(), packed.mutable_data_ptr<uint8_t>(), scale.mutable_data_ptr<meta_t>(),
             symmetric ? nullptr : zero.mutable_data_ptr<meta_t>(), g, symmetric, clip, levels_data(levels));
       };
-      // A block-row of up to 32 values a lane (per-token groups) is one warp's work; a block-wide team
-      // would leave three of its four warps idle while one finds the range.
+      // A block-row of up to 32 values a lane (per-token groups, short per-channel blocks) is one warp's
+      // work; a block-wide team would leave three of its four warps idle while one finds a group's range.
       if (g.block_tokens * g.dim <= kWarpBlockRow)
         launch(quantize_kernel<scalar_t, meta_t, WarpTeam>, 128 / 32);
       else
