@@ -46,14 +46,7 @@ timeout -k 10 "$(lim "${RKV_BENCH_S:-100}")" python bench/bench_decode.py --json
   --contexts 4096 16384 65536 --bits 4 2 --keys pre-rope-per-channel --min-run-time 0.1 \
   > "$out/bench_decode.jsonl" 2> "$out/bench.err"
 say "bench_decode: exit $?, $(wc -l < "$out/bench_decode.jsonl") rows"
-python - "$out/bench_decode.jsonl" <<'PY' | tee -a "$out/summary.txt"
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(f"  {r['q_heads']}q/{r['kv_heads']}kv/d{r['head_dim']} {r['keys']} {r['bits']}b ctx {r['context']}:"
-          f" gpu {r['gpu_ms']:.4f} ms ({r['gpu_gbps']:.0f} GB/s), fp16 SDPA {r['sdpa_half_gpu_ms']:.4f} ms,"
-          f" dequantize+SDPA wall {r['deq_sdpa_ms']:.3f} ms")
-PY
+python scripts/gpu_bench_summary.py "$out/bench_decode.jsonl" | tee -a "$out/summary.txt"
 
 cs=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
 for tool_s in memcheck:${RKV_MEMCHECK_S:-130} racecheck:${RKV_RACECHECK_S:-70}; do

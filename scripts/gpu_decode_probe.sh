@@ -58,14 +58,7 @@ for i in "${!variants[@]}"; do
     | sed "s/^{/{\"variant\": \"${variants[$i]}\", /" >> "$out/bench.jsonl"
   echo "bench $i (${variants[$i]}) rc=${PIPESTATUS[0]}"
 done
-python3 - "$out/bench.jsonl" <<'EOF'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(f"  {r['variant']:>12} {r['q_heads']}q/{r['kv_heads']}kv/d{r['head_dim']} ctx {r['context']}: wall {r['ms']:.3f} ms,"
-          f" gpu {r['gpu_ms']:.4f} ms ({r['gpu_gbps']:.0f} GB/s), fp16 SDPA gpu {r['sdpa_half_gpu_ms']:.4f} ms,"
-          f" dequantize+SDPA wall {r['deq_sdpa_ms']:.3f} ms")
-EOF
+python3 "$repo/scripts/gpu_bench_summary.py" "$out/bench.jsonl"
 
 stamp "ncu"
 cat > /tmp/rkv_one.py <<'EOF'

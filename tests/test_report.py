@@ -343,12 +343,14 @@ def test_ratio_interval_is_unbounded_where_the_second_loss_may_be_zero():
 
 def test_second_text_table_prints_intervals_and_judges_the_ratios():
     """The second text's checks: the ranking and the 1.5x bar on the measured losses, and how many ratios'
-    intervals reach [1/1.5, 1.5]; a ratio whose second loss may be 0 is printed as unbounded, not judged."""
+    intervals overlap [1/1.5, 1.5] and lie inside it; a ratio whose second loss may be 0 is printed as
+    unbounded, not judged."""
     from torch_rkv.eval.report import FULL, format_second_text
 
     def row(name, rel, first, iv, first_iv, ratio):
         return {"scheme": name, "text": "asyoulik.txt", "ppl": 20 * (1 + rel), "relative": rel,
-                "first_relative": first, "interval": iv, "first_interval": first_iv, "ratio_interval": ratio}
+                "first_relative": first, "relative_interval": iv, "first_relative_interval": first_iv,
+                "relative_ratio_interval": ratio}
 
     rows = [{"scheme": FULL, "text": "asyoulik.txt", "ppl": 20.0, "relative": 0.0, "first_relative": 0.0},
             row("a", 0.10, 0.12, (0.08, 0.12), (0.10, 0.14), (0.90, 1.50)),
@@ -365,7 +367,8 @@ def test_second_text_table_prints_intervals_and_judges_the_ratios():
     # the KL table: its own values, intervals and verdict (here the ranking holds and every ratio is bounded)
     for x, kl, first_kl in zip(rows[1:], (0.010, 0.004, 0.030), (0.012, 0.005, 0.021)):
         x.update(kl=kl, first_kl=first_kl, kl_interval=(kl * 0.8, kl * 1.2),
-                 first_kl_interval=(first_kl * 0.8, first_kl * 1.2), kl_ratio_interval=(first_kl / kl * 0.7, first_kl / kl * 1.3))
+                 first_kl_interval=(first_kl * 0.8, first_kl * 1.2),
+                 kl_ratio_interval=(first_kl / kl * 0.7, first_kl / kl * 1.3))
     table = format_second_text(rows).splitlines()
     assert " ".join(table[10].split()) == "a 0.0100 [0.0080,0.0120] 0.0120 [0.0096,0.0144] 1.20 [0.84,1.56]"
     assert table[13] == ("same ranking: yes; every value within 1.5x of the first text's: yes; "
@@ -462,8 +465,8 @@ def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     assert [x["scheme"] for x in results["second_text"]] == ["full precision", "rkv-4", "rkv-alloc-2.5",
                                                              "rkv-split-2.5"]
     for x in results["second_text"][1:]:  # each with its intervals, around its own measured loss
-        assert x["interval"][0] <= x["relative"] <= x["interval"][1], x
-        assert x["first_interval"][0] <= x["first_relative"] <= x["first_interval"][1], x
+        assert x["relative_interval"][0] <= x["relative"] <= x["relative_interval"][1], x
+        assert x["first_relative_interval"][0] <= x["first_relative"] <= x["first_relative_interval"][1], x
         assert -1e-7 <= x["kl_interval"][0] <= x["kl"] <= x["kl_interval"][1], x  # KL from full precision
     # rkv-4 quantizes blocks of these 256 tokens (the 2-bit allocations keep all 256 in full precision: 0)
     assert results["second_text"][1]["kl"] > 0 and results["second_text"][1]["first_kl"] > 0

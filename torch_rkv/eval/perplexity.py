@@ -74,8 +74,9 @@ def interval(draws: torch.Tensor, level: float = 0.95) -> tuple[float, float]:
 
 
 def ratio_interval(first: torch.Tensor, second: torch.Tensor, level: float = 0.95) -> tuple[float, float] | None:
-    """Interval of first / second from two texts' independent relative_loss_samples, paired draw by draw;
-    None when the second's own interval reaches 0, where the ratio has no bound."""
+    """Interval of first / second from two texts' independent bootstrap draws (relative_loss_samples,
+    block_means), paired draw by draw; None when the second's own interval reaches 0, where the ratio
+    has no bound."""
     if interval(second, level)[0] <= 0:
         return None
     return interval(first / second, level)
@@ -87,11 +88,12 @@ def token_kl(reference: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     and with far less spread between texts, since it does not depend on which token came next)."""
     if reference.shape != logprobs.shape:
         raise ValueError(f"token_kl: reference {tuple(reference.shape)} and logprobs {tuple(logprobs.shape)} differ")
-    out = torch.empty(reference.shape[:-1], dtype=torch.float64)
-    for i in range(0, reference.shape[0], 256):  # in chunks: three temporaries of (positions, vocab) otherwise
-        r, q = reference[i : i + 256], logprobs[i : i + 256]
+    ref, lp = reference.reshape(-1, reference.shape[-1]), logprobs.reshape(-1, logprobs.shape[-1])
+    out = torch.empty(ref.shape[0], dtype=torch.float64)
+    for i in range(0, ref.shape[0], 256):  # in chunks: three temporaries of (positions, vocab) otherwise
+        r, q = ref[i : i + 256], lp[i : i + 256]
         out[i : i + 256] = (r.exp() * (r - q)).sum(-1).double()
-    return out
+    return out.reshape(reference.shape[:-1])
 
 
 def kl_divergence(reference: torch.Tensor, logprobs: torch.Tensor) -> float:

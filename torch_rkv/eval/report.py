@@ -404,16 +404,19 @@ class Report:
         nll, kl = self.token_nll, self.token_kl
         if name not in nll or nll[FULL].numel() <= 128:
             return {}
-        # independent texts, independent draws
-        second = perplexity.relative_loss_samples(nll[SECOND + name], nll[SECOND + FULL], seed=1)
-        first = perplexity.relative_loss_samples(nll[name], nll[FULL], seed=0)
-        out = {"interval": perplexity.interval(second), "first_interval": perplexity.interval(first),
-               "ratio_interval": perplexity.ratio_interval(first, second)}
+
+        def intervals(measure: str, second: torch.Tensor, first: torch.Tensor) -> dict:
+            return {f"{measure}_interval": perplexity.interval(second),
+                    f"first_{measure}_interval": perplexity.interval(first),
+                    f"{measure}_ratio_interval": perplexity.ratio_interval(first, second)}
+
+        # independent texts, independent draws (seeds 1 and 0)
+        out = intervals("relative", perplexity.relative_loss_samples(nll[SECOND + name], nll[SECOND + FULL], seed=1),
+                        perplexity.relative_loss_samples(nll[name], nll[FULL], seed=0))
         if name in kl and SECOND + name in kl:
-            second, first = perplexity.block_means(kl[SECOND + name], seed=1), perplexity.block_means(kl[name], seed=0)
             out.update(kl=kl[SECOND + name].mean().item(), first_kl=kl[name].mean().item(),
-                       kl_interval=perplexity.interval(second), first_kl_interval=perplexity.interval(first),
-                       kl_ratio_interval=perplexity.ratio_interval(first, second))
+                       **intervals("kl", perplexity.block_means(kl[SECOND + name], seed=1),
+                                   perplexity.block_means(kl[name], seed=0)))
         return out
 
     def long_context(self) -> list[dict]:
@@ -574,20 +577,20 @@ def format_second_text(second: list[dict]) -> str:
     lines = [(f"\nA second text ({rows[0]['text']}, full precision {second[0]['ppl']:.3f}): relative perplexity "
               "change [95% block-bootstrap interval, runs of 128 tokens] beside the first text's, and their ratio "
               "(first / second)")]
-    lines += second_text_table(rows, "relative", "first_relative", "interval", "first_interval", "ratio_interval",
-                               lambda v: f"{v:+.2%}")
+    lines += second_text_table(rows, "relative", lambda v: f"{v:+.2%}")
     if any("kl" in x for x in rows):
         lines.append("\nThe same rows' mean KL divergence from full precision's next-token distribution (nats per "
                      "token; it does not depend on which token came next, so it varies less between texts)")
-        lines += second_text_table([x for x in rows if "kl" in x], "kl", "first_kl", "kl_interval",
-                                   "first_kl_interval", "kl_ratio_interval", lambda v: f"{v:.4f}")
+        lines += second_text_table([x for x in rows if "kl" in x], "kl", lambda v: f"{v:.4f}")
     return "\n".join(lines)
 
 
-def second_text_table(rows: list[dict], value: str, first_value: str, iv: str, first_iv: str, ratio_iv: str,
-                      fmt) -> list[str]:
-    """format_second_text's table of one measure: the row keys holding it on each text, its intervals
-    and the ratio's interval; fmt prints one value."""
+def second_text_table(rows: list[dict], measure: str, fmt) -> list[str]:
+    """format_second_text's table of one measure, whose row keys (Report.loss_intervals) are <measure>
+    and first_<measure> (the value on each text), <measure>_interval, first_<measure>_interval and
+    <measure>_ratio_interval; fmt prints one value."""
+    value, first_value = measure, f"first_{measure}"
+    iv, first_iv, ratio_iv = f"{measure}_interval", f"first_{measure}_interval", f"{measure}_ratio_interval"
 
     def span(bounds):
         return f"[{fmt(bounds[0])},{fmt(bounds[1])}]" if bounds else ""

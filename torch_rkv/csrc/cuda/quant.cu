@@ -36,15 +36,15 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restr
   }
 }
 
-// One warp per token row: the row's parameters are located once (the divisions by tokens and block_tokens),
-// its lanes decode the row's channels.
+// One warp per token row: the row's parameters are located once, its lanes decode the row's channels.
+// Each lead slice holds blocks() x block_tokens rows (checks.cpp), so row r reads block row r / block_tokens.
 template <typename out_t, typename meta_t>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const meta_t* __restrict__ scale,
                                   const meta_t* __restrict__ zero, out_t* __restrict__ out, QuantGeometry g,
                                   const float* __restrict__ lut) {
   const int64_t rows = g.lead * g.tokens, rb = g.row_bytes(), ng = g.groups(), warps = blockDim.x / 32;
   for (int64_t r = blockIdx.x * warps + threadIdx.x / 32; r < rows; r += gridDim.x * warps) {
-    const int64_t meta = ((r / g.tokens) * g.blocks() + (r % g.tokens) / g.block_tokens) * ng;
+    const int64_t meta = r / g.block_tokens * ng;
     const uint8_t* codes = packed + r * rb;
     for (int64_t c = threadIdx.x & 31; c < g.dim; c += 32) {
       const int64_t m = meta + c / g.group_size;
