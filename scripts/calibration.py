@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from torch_rkv.allocate import allocate_average
+from torch_rkv.allocate import allocate_average, refine
 from torch_rkv.eval import data, perplexity, sensitivity
 from torch_rkv.eval.report import ALLOCATED, Options, Report
 
@@ -32,6 +32,9 @@ def main() -> None:
     p.add_argument("--texts", nargs="+", default=["alice29.txt", "asyoulik.txt"],
                    help="corpus texts; the ratio column compares the first two")
     p.add_argument("--tokens", type=int, default=2048, help="evaluation tokens")
+    p.add_argument("--refine", action="store_true",
+                   help="also each allocation refined once (allocate.refine: every side moved a level, measured in "
+                        "place on its calibration sample; up to 4 x layers passes of that many tokens)")
     args = p.parse_args()
     if len(set(args.texts)) != len(args.texts):
         p.error(f"--texts names a text twice: {args.texts}")
@@ -62,6 +65,15 @@ def main() -> None:
             alloc = allocate_average(profile, target)
             rows.append((f"{ALLOCATED}{target:g}", f"{n} tokens", alloc.schemes(),
                          f"{alloc.describe()}  (predicted {alloc.predicted:.4f})"))
+            if args.refine:
+                ids = sensitivity.calibration_ids(tok, sensitivity.CALIBRATION_TEXT, n)
+                cost, moves = sensitivity.measure_moves(
+                    model, ids, alloc, sensitivity.simulations_for(model, n),
+                    progress=lambda i, total, n=n, t=target: print(f"refining {t:g} bits on {n} tokens: {i}/{total}",
+                                                                   file=sys.stderr, flush=True) if i % 20 == 0 else None)
+                better = refine(alloc, cost, moves)
+                rows.append((f"{ALLOCATED}{target:g}+r", f"{n} tokens", better.schemes(),
+                             f"{better.describe()}  (measured {cost:.4f}, predicted {better.predicted:.4f})"))
     first, second = list(texts)[:2] if len(texts) > 1 else (args.texts[0], args.texts[0])
     print(f"SmolLM2, {args.tokens} tokens; full precision "
           + ", ".join(f"{t} {perplexity.nll_to_ppl(x.mean().item()):.3f}" for t, x in fp.items())

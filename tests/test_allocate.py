@@ -70,6 +70,26 @@ def test_the_sensitive_sides_get_the_bits():
         A.allocate_average(profile(4, costs), 1.5)
 
 
+def test_refine_takes_the_measured_moves_that_pay_within_the_budget():
+    """Measured in place, layer 0's keys gain more from a fourth bit than layer 1's values lose from
+    their third: the refined allocation trades them, at the same code size; moves that cost more than
+    they save, or that the budget cannot hold, are left."""
+    alloc = A.Allocation(((3, 3), (3, 3)), (2, 3, 4), predicted=0.0)
+    moves = {(0, "k", 4): -0.5, (0, "k", 2): 0.3, (0, "v", 4): -0.05, (0, "v", 2): 0.2,
+             (1, "k", 4): -0.01, (1, "k", 2): 0.4, (1, "v", 4): -0.02, (1, "v", 2): 0.1}
+    better = A.refine(alloc, 0.9, moves)
+    assert better.bits == ((4, 3), (3, 2)) and better.average_bits() == alloc.average_bits()
+    assert math.isclose(better.predicted, 0.9 - 0.5 + 0.1)
+    # nothing pays: the allocation stays, predicted at its measured cost
+    stay = A.refine(alloc, 0.9, {key: abs(c) for key, c in moves.items()})
+    assert stay.bits == alloc.bits and stay.predicted == 0.9
+    # a sliding layer (weight 1 against 2) frees too little to pay for a full layer's upgrade: the
+    # upgrade is paid by the full layer's own values, which cost more to drop
+    assert A.refine(alloc, 0.9, moves, weights=[2, 1]).bits == ((4, 2), (3, 3))
+    with pytest.raises(ValueError, match=r"move \(2, 'k', 4\)"):
+        A.refine(alloc, 0.9, {(2, "k", 4): -1.0})
+
+
 def test_layers_of_one_allocation_differ_only_in_bits():
     a, b = A.layer_scheme(2, 4, (2, 3, 4)), A.layer_scheme(4, 3, (2, 3, 4))
     assert (a.k_bits, a.v_bits, a.k_clip, b.k_clip) == (2, 4, True, False)

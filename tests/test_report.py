@@ -198,6 +198,33 @@ def test_sensitivity_on_a_tiny_model():
     assert again.drops[3][1][0] == 0.0 and again.drops[3][1][1] > 0
 
 
+def test_moves_are_measured_at_the_allocation_on_a_tiny_model():
+    """measure_moves: the allocation's own KL from full precision, and for every side each width one
+    level away, the change in that KL when only that side moves (a layer frozen at 8 bits never moves)."""
+    from torch_rkv.allocate import Allocation, layer_scheme
+    from torch_rkv.eval.sensitivity import measure_moves, simulations_for
+
+    model = tiny_llama()
+    ids = torch.randint(0, 160, (1, 320), generator=torch.Generator().manual_seed(7))
+    make = simulations_for(model, 320)
+    alloc = Allocation(((2, 3), (3, 4), (4, 2)), (2, 3, 4), 0.0)
+    calls = []
+    cost, moves = measure_moves(model, ids, alloc, make, progress=lambda *a: calls.append(a))
+    assert sorted(moves) == sorted([(0, "k", 3), (0, "v", 2), (0, "v", 4), (1, "k", 2), (1, "k", 4), (1, "v", 3),
+                                    (2, "k", 3), (2, "v", 3)])
+    assert calls[-1] == (8, 8)
+    reference = perplexity.simulated_logprobs(model, ids, None)
+
+    def kl(bits):
+        schemes = [layer_scheme(k, v, (2, 3, 4)) for k, v in bits]
+        out = perplexity.simulated_logprobs(model, ids, make(schemes[0], layer_schemes=dict(enumerate(schemes))))
+        return perplexity.kl_divergence(reference, out)
+
+    assert cost > 0 and math.isclose(cost, kl(alloc.bits), rel_tol=1e-6)
+    assert math.isclose(moves[(2, "v", 3)], kl(((2, 3), (3, 4), (4, 3))) - cost, rel_tol=1e-4, abs_tol=1e-9)
+    assert moves[(0, "k", 3)] != 0 and moves[(2, "v", 3)] < 0  # a third value bit in layer 2 helps here
+
+
 def test_simulation_at_8_bits_is_close_to_full_precision_and_all_view_quantizes_everything():
     model = tiny_llama()
     ids = torch.randint(0, 160, (1, 128), generator=torch.Generator().manual_seed(6))
@@ -352,12 +379,13 @@ def test_second_text_table_prints_intervals_and_judges_the_ratios():
                 "first_relative": first, "relative_interval": iv, "first_relative_interval": first_iv,
                 "relative_ratio_interval": ratio}
 
-    rows = [{"scheme": FULL, "text": "asyoulik.txt", "ppl": 20.0, "relative": 0.0, "first_relative": 0.0},
+    rows = [{"scheme": FULL, "text": "asyoulik.txt", "ppl": 20.0, "relative": 0.0, "first_relative": 0.0,
+             "tokens": 4096},
             row("a", 0.10, 0.12, (0.08, 0.12), (0.10, 0.14), (0.90, 1.50)),
             row("b", 0.02, 0.05, (-0.01, 0.05), (0.03, 0.07), None),
             row("c", 0.30, 0.10, (0.25, 0.35), (0.08, 0.12), (0.25, 0.45))]
     table = format_second_text(rows).splitlines()
-    assert "full precision 20.000" in table[1]
+    assert "full precision 20.000; 4096 tokens a text" in table[1]
     a, b, c = (" ".join(line.split()) for line in table[3:6])
     assert a == "a +10.00% [+8.00%,+12.00%] +12.00% [+10.00%,+14.00%] 1.20 [0.90,1.50]"
     assert "2.50 [second text's interval reaches 0]" in b and "0.33 [0.25,0.45]" in c
@@ -441,6 +469,38 @@ def test_an_allocation_with_sparse_outliers_is_served_as_simulated(smollm2_alice
     assert row["quantized_tokens"] > 0 and abs(row["relative_difference"]) < 1e-4, row
 
 
+def test_second_text_losses_pool_every_window():
+    """A row's relative loss over several windows is the perplexity ratio over all their tokens (not one
+    window's, nor a mean of per-window ratios), and its intervals draw from every window's tokens."""
+    from torch_rkv.eval.report import FULL, SECOND, Report
+
+    report = Report.__new__(Report)  # only the kept losses: no model
+    g = torch.Generator().manual_seed(0)
+    fp = [torch.rand(255, generator=g, dtype=torch.float64) + 2 for _ in range(3)]
+    row = [fp[0] + 0.01, fp[1] + 0.05, fp[2] + 0.03]  # window losses of 1%, 5%, 3% (in log terms)
+    report.token_nll = {FULL: fp, "r": row, SECOND + FULL: fp[:2], SECOND + "r": [fp[0] + 0.02, fp[1] + 0.04]}
+    report.token_kl = {}
+    assert report.relative("r") == pytest.approx(math.exp(0.03) - 1, rel=1e-9)
+    assert report.relative(SECOND + "r") == pytest.approx(math.exp(0.03) - 1, rel=1e-9)
+    iv = report.loss_intervals("r")
+    assert iv["first_relative_interval"][0] < math.exp(0.03) - 1 < iv["first_relative_interval"][1]
+    # one window's loss would be outside the pooled interval: the draws see all three windows
+    assert not iv["first_relative_interval"][0] <= math.exp(0.01) - 1 <= iv["first_relative_interval"][1]
+
+
+def test_second_text_windows_must_fit_in_the_text():
+    """Asking for more windows than a text holds is an error that names the option, not fewer windows."""
+    from torch_rkv.eval.report import Options, Report
+
+    report = Report.__new__(Report)
+    report.opts = Options(tokens=256, second_windows=3)
+    assert [w[0].tolist() for w in report.text_windows(torch.arange(800)[None], "t")] == \
+        [list(range(256)), list(range(256, 512)), list(range(512, 768))]
+    with pytest.raises(data.MissingMaterial, match="second_windows 4 x --tokens 256"):
+        report.opts = Options(tokens=256, second_windows=4)
+        report.text_windows(torch.arange(800)[None], "t")
+
+
 @pytest.mark.slow
 def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     """Every section of the report, plots included, in a CI-sized run (the main job must not break where
@@ -451,7 +511,8 @@ def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     opts = Options(tokens=256, bits=(4,), families=("rkv (recommended)",), noise=False, loc_lengths=(512,),
                    loc_schemes=("rkv-4",), decode_tokens=96, decode_schemes=("rkv-4",), chunk_sizes=(128,),
                    chunk_schemes=("rkv-4",), alloc_levels=(2, 3), alloc_targets=(2.5,), split_targets=(2.5,),
-                   alloc_tokens=384, second_text="asyoulik.txt", second_schemes=("rkv-4",), peers=False, out_dir=str(tmp_path))
+                   alloc_tokens=384, second_text="asyoulik.txt", second_windows=2, second_schemes=("rkv-4",), peers=False,
+                   out_dir=str(tmp_path))
     lines = []
     results = Report(model, tok, text, opts, log=lines.append).run()
     assert set(results["plots"]) == {"ppl_vs_bits", "localization", "key_magnitudes"}
@@ -464,6 +525,7 @@ def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     assert split["scheme"] == "rkv-split-2.5" and {k + v for k, v in split["bits"]} == {5}  # 5 bits every layer
     assert [x["scheme"] for x in results["second_text"]] == ["full precision", "rkv-4", "rkv-alloc-2.5",
                                                              "rkv-split-2.5"]
+    assert {x["tokens"] for x in results["second_text"]} == {512}  # two windows of 256 a text
     for x in results["second_text"][1:]:  # each with its intervals, around its own measured loss
         assert x["relative_interval"][0] <= x["relative"] <= x["relative_interval"][1], x
         assert x["first_relative_interval"][0] <= x["first_relative"] <= x["first_relative_interval"][1], x

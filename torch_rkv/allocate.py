@@ -218,6 +218,35 @@ def allocate(profile: Sensitivity, budget_units: int, weights=None) -> Allocatio
     return Allocation(bits, profile.levels, predicted)
 
 
+def refine(alloc: Allocation, base_cost: float, moves: dict[tuple[int, str, int], float], weights=None
+           ) -> Allocation:
+    """One step of local search measured in place: moves[(layer, side, bits)] is how much the cost
+    (measured, e.g. KL from full precision) changes when only that side of that layer moves from its
+    width in `alloc` to `bits`, every other side as allocated (sensitivity.measure_moves). The profile's
+    single-layer drops are measured from a uniform base and do not add up once many layers sit below it;
+    these are measured at the allocation itself. The knapsack then picks at most one move per side, the
+    code size within alloc's own; staying costs 0, so the result is predicted no worse (predicted:
+    base_cost plus the chosen moves)."""
+    w = list(weights or [1] * len(alloc.bits))
+    if len(w) != len(alloc.bits):
+        raise ValueError(f"refine: {len(w)} layer weights for an allocation of {len(alloc.bits)} layers")
+    for layer, side, bits in moves:
+        if not (0 <= layer < len(alloc.bits) and side in SIDES and bits in alloc.levels):
+            raise ValueError(f"refine: move {(layer, side, bits)} is not (layer, 'k' or 'v', one of {alloc.levels})")
+    g = reduce(math.gcd, w)
+    w = [x // g for x in w]
+    keys = [(layer, side) for layer in range(len(alloc.bits)) for side in SIDES]
+    groups = []
+    for layer, side in keys:
+        now = alloc.bits[layer][SIDES.index(side)]
+        groups.append([(w[layer] * now, 0.0)] + [(w[layer] * b, moves[(layer, side, b)])
+                                                 for b in alloc.levels if (layer, side, b) in moves and b != now])
+    picks = solve(groups, sum(wl * (k + v) for wl, (k, v) in zip(w, alloc.bits)))
+    chosen = [groups[j][i][0] // w[keys[j][0]] for j, i in enumerate(picks)]
+    bits = tuple((chosen[2 * i], chosen[2 * i + 1]) for i in range(len(alloc.bits)))
+    return Allocation(bits, alloc.levels, base_cost + sum(groups[j][i][1] for j, i in enumerate(picks)))
+
+
 def allocate_average(profile: Sensitivity, target_bits: float) -> Allocation:
     """Per-layer K/V bits whose average code bits (every layer holding the same tokens) is at most
     target_bits, at least predicted cost."""

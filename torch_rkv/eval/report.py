@@ -10,7 +10,7 @@
    the allocation the knapsack picks at each target, measured here like the schemes;
 6. --full: peers when installed (transformers' QuantizedCache, quanto and HQQ, token by token on that
    window), perplexity at 8192 tokens, 24 needles a length, and the ranking on a second text
-   (asyoulik.txt);
+   (asyoulik.txt, 8 windows of 2048 tokens on each text);
 7. plots (PNG) and every number in --json. Progress and an ETA on the terminal as it runs.
 """
 
@@ -106,6 +106,10 @@ class Options:
     split_targets: tuple = (3.0,)  # allocate_split: average code bits (multiples of 0.5)
     alloc_tokens: int = sensitivity.CALIBRATION_TOKENS  # of the calibration text
     second_text: str = ""  # --full: asyoulik.txt, the same schemes ranked on a text the calibration never saw
+    # windows of `tokens` tokens per text the second-text check scores (the first text's first is the
+    # schemes table's). One window of 2048 tokens leaves a 1% loss about as uncertain as the loss itself
+    # (--full: 8, 16384 tokens a text)
+    second_windows: int = 1
     second_schemes: tuple = ("rkv-4", "rkv-3", "rkv-mixed-2", "rkv-2")
     peers: bool = False
     out_dir: str = "out/report"
@@ -125,7 +129,7 @@ class Options:
                    long_schemes=("rkv-4", "rkv-3", "rkv-2", "rkv-alloc-2.5", "rkv-sparse-alloc-2.5", "rkv-sparse-3",
                                  "rkv-sparse-2", "turboquant-4"),
                    alloc_targets=(2.5, 3.0, 3.5), split_targets=(3.0, 3.5), chunk_sizes=(256, 1024),
-                   second_text="asyoulik.txt", peers=True)
+                   second_text="asyoulik.txt", second_windows=8, peers=True)
 
     @classmethod
     def quick(cls) -> "Options":
@@ -156,6 +160,12 @@ class Report:
         if all_ids.shape[1] < opts.tokens:
             raise data.MissingMaterial(f"the text has {all_ids.shape[1]} tokens, fewer than --tokens {opts.tokens}")
         self.ids = all_ids[:, : opts.tokens]
+        if opts.second_windows < 1:
+            raise ValueError(f"Options.second_windows must be >= 1 (got {opts.second_windows})")
+        if opts.second_text:  # both texts' windows, checked before a long run rather than after it
+            second = data.encode(tok, data.read_text(str(data.text_path(opts.second_text))))
+            self.windows = {"": self.text_windows(all_ids, "the text"),
+                            SECOND: self.text_windows(second, opts.second_text)}
         positions = max([opts.tokens, opts.long_tokens, opts.decode_tokens + 8] + [n + 64 for n in opts.loc_lengths])
         self.long_ids = all_ids[:, : opts.long_tokens]
         if opts.long_tokens and all_ids.shape[1] < opts.long_tokens:
@@ -164,26 +174,36 @@ class Report:
         self.layer_rope = models.layer_rope_tables(model, positions)
         self.simulation = sensitivity.simulations_for(model, positions, self.layer_rope)
         self.results: dict = {}
-        self.token_nll: dict[str, torch.Tensor] = {}  # name -> each token's loss (_simulated's keep)
-        self.token_kl: dict[str, torch.Tensor] = {}  # name -> each position's KL from full precision (the same)
-        self.fp_logprobs: dict[str, torch.Tensor] = {}  # text prefix ("" or SECOND) -> full precision's, kept
+        # name -> each token's loss, one tensor per window scored (_simulated's keep)
+        self.token_nll: dict[str, list[torch.Tensor]] = {}
+        self.token_kl: dict[str, list[torch.Tensor]] = {}  # name -> each position's KL from full precision (the same)
+        # text prefix ("" or SECOND) -> full precision's on the window being scored
+        self.fp_logprobs: dict[str, torch.Tensor] = {}
         self._profile: Sensitivity | None = None
         self.progress = Progress(self.planned_work())
         self.log = lambda line: log(f"{self.progress.prefix()} {line}")
 
+    def text_windows(self, ids: torch.Tensor, name: str) -> list[torch.Tensor]:
+        """The second-text check's windows of a text: its first second_windows runs of `tokens` tokens."""
+        n, w = self.opts.tokens, self.opts.second_windows
+        if ids.shape[1] < n * w:
+            raise data.MissingMaterial(f"{name} has {ids.shape[1]} tokens, fewer than second_windows {w} x --tokens {n}")
+        return [ids[:, i * n : (i + 1) * n] for i in range(w)]
+
     def _simulated(self, ids, sim, keep: str | None = None) -> float:
-        """Perplexity of ids under sim; keep: also remember each token's loss under that name (the main
+        """Perplexity of ids under sim; keep: also append each token's loss under that name (the main
         text's rows, for the second text's intervals) and, with a second text, each position's KL from
-        full precision (whose log-probabilities the FULL rows keep: 0.4 GB a text at 2048 tokens)."""
+        full precision (whose log-probabilities the FULL row of each window keeps, scored before the
+        window's other rows: 0.4 GB at 2048 tokens)."""
         logprobs = perplexity.simulated_logprobs(self.model, ids, sim)
         self.progress.advance(forward_units(ids.shape[1]))
         if keep is not None:
-            self.token_nll[keep] = perplexity.token_nll(logprobs, ids)
+            self.token_nll.setdefault(keep, []).append(perplexity.token_nll(logprobs, ids))
             text = SECOND if keep.startswith(SECOND) else ""
             if keep == text + FULL and self.opts.second_text:
                 self.fp_logprobs[text] = logprobs
             elif text in self.fp_logprobs:
-                self.token_kl[keep] = perplexity.token_kl(self.fp_logprobs[text], logprobs)
+                self.token_kl.setdefault(keep, []).append(perplexity.token_kl(self.fp_logprobs[text], logprobs))
         return perplexity.perplexity_of(logprobs, ids)
 
     def _decoded(self, ids, make) -> float:
@@ -214,7 +234,9 @@ class Report:
                 len(REFERENCE) * len(o.bits) * fwd(n) if n % 128 == 0 else 0,
                 rows * fwd(n),
                 calibration + len(self.allocated_names()) * fwd(n),
-                (2 + len(o.second_schemes) + len(self.allocated_names())) * fwd(n) if o.second_text else 0,
+                # both texts' windows but the first text's first, each with full precision and every row
+                (2 * o.second_windows - 1) * (1 + len(o.second_schemes) + len(self.allocated_names())) * fwd(n)
+                if o.second_text else 0,
                 (1 + len(o.long_schemes)) * fwd(o.long_tokens) if o.long_tokens else 0,
                 (1 + len(o.loc_schemes)) * loc_docs,
                 (1 + len(o.decode_schemes)) * fwd(o.decode_tokens) +
@@ -379,30 +401,55 @@ class Report:
     def second_text(self) -> list[dict]:
         """The schemes and the allocations (calibrated on lcet10.txt) ranked on a second text: the same
         order, and relative losses within 1.5x of the first text's, say nothing was tuned to one text.
-        Each relative loss carries its 95% block-bootstrap interval (perplexity.relative_loss_samples;
-        each text its own draws), and the ratio of the two texts' losses one from those draws."""
+        Both texts are scored on second_windows windows of `tokens` tokens (the first text's first one is
+        the schemes table's). Each relative loss carries its 95% block-bootstrap interval
+        (perplexity.relative_loss_samples; each text its own draws), and the ratio of the two texts'
+        losses one from those draws."""
         o = self.opts
-        ids = data.encode(self.tok, data.read_text(str(data.text_path(o.second_text))))[:, : o.tokens]
-        fp = self._simulated(ids, None, SECOND + FULL)
-        first = {x["scheme"]: x["delta"] / self.results["full_precision_ppl"]
-                 for x in self.results["schemes"] + self.results["allocation"]}
-        rows = [{"scheme": FULL, "text": o.second_text, "ppl": fp, "relative": 0.0, "first_relative": 0.0}]
+        names = {}  # the report's name -> the schemes table's name (the token losses' key)
         for name in list(o.second_schemes) + self.allocated_names():
             schemes = self.layer_schemes(name)
-            name = name if name.startswith(PER_LAYER) else schemes[0].name  # the schemes table's name
-            ppl = self._simulated(ids, self.simulation_of(schemes), SECOND + name)
-            rows.append({"scheme": name, "text": o.second_text, "ppl": ppl, "relative": ppl / fp - 1,
-                         "first_relative": first.get(name), **self.loss_intervals(name)})
-            self.log(f"  {o.second_text} {name:14s} ppl {ppl:8.3f} ({ppl / fp - 1:+.2%}; {o.tokens} tokens)")
+            names[name if name.startswith(PER_LAYER) else schemes[0].name] = schemes
+        first = [name for name in names if name in self.token_nll]  # rows the first text's table has
+        for text, rows in (("", first), (SECOND, list(names))):
+            for i, ids in enumerate(self.windows[text]):
+                if text == "" and i == 0:
+                    continue  # scored by the schemes and allocation tables
+                self._simulated(ids, None, text + FULL)
+                for name in rows:
+                    ppl = self._simulated(ids, self.simulation_of(names[name]), text + name)
+                    self.log(f"  {o.second_text if text else 'first text'} window {i + 1}/{o.second_windows} "
+                             f"{name:14s} ppl {ppl:8.3f}")
         self.fp_logprobs.clear()  # 0.4 GB a text at 2048 tokens, not needed past here
-        return rows
+        fp = self.tokens_of(self.token_nll, SECOND + FULL).mean().exp().item()
+        out = [{"scheme": FULL, "text": o.second_text, "ppl": fp, "relative": 0.0, "first_relative": 0.0,
+                "tokens": o.tokens * o.second_windows}]
+        for name in names:
+            out.append({"scheme": name, "text": o.second_text, "tokens": o.tokens * o.second_windows,
+                        "ppl": self.tokens_of(self.token_nll, SECOND + name).mean().exp().item(),
+                        "relative": self.relative(SECOND + name),
+                        "first_relative": self.relative(name) if name in first else None,
+                        **self.loss_intervals(name)})
+            self.log(f"  {o.second_text} {name:14s} {out[-1]['relative']:+.2%} ({o.second_windows} x {o.tokens} "
+                     "tokens)")
+        return out
+
+    @staticmethod
+    def tokens_of(kept: dict, name: str) -> torch.Tensor:
+        """Every window's per-token values kept under `name`, in one tensor."""
+        return torch.cat(kept[name])
+
+    def relative(self, name: str) -> float:
+        """The relative perplexity change of the row kept as `name` over the windows it was scored on."""
+        full = (SECOND if name.startswith(SECOND) else "") + FULL
+        return (self.tokens_of(self.token_nll, name).mean() - self.tokens_of(self.token_nll, full).mean()).exp().item() - 1
 
     def loss_intervals(self, name: str) -> dict:
         """95% intervals of `name`'s relative loss on each text and of their ratio (first / second), from
         the kept token losses, and the same for its mean KL from full precision; none where a text is
         too short for two runs of 128 tokens, or the first text has no such row."""
         nll, kl = self.token_nll, self.token_kl
-        if name not in nll or nll[FULL].numel() <= 128:
+        if name not in nll or self.tokens_of(nll, FULL).numel() <= 128:
             return {}
 
         def intervals(measure: str, second: torch.Tensor, first: torch.Tensor) -> dict:
@@ -410,13 +457,16 @@ class Report:
                     f"first_{measure}_interval": perplexity.interval(first),
                     f"{measure}_ratio_interval": perplexity.ratio_interval(first, second)}
 
+        cat = self.tokens_of
         # independent texts, independent draws (seeds 1 and 0)
-        out = intervals("relative", perplexity.relative_loss_samples(nll[SECOND + name], nll[SECOND + FULL], seed=1),
-                        perplexity.relative_loss_samples(nll[name], nll[FULL], seed=0))
+        out = intervals("relative",
+                        perplexity.relative_loss_samples(cat(nll, SECOND + name), cat(nll, SECOND + FULL), seed=1),
+                        perplexity.relative_loss_samples(cat(nll, name), cat(nll, FULL), seed=0))
         if name in kl and SECOND + name in kl:
-            out.update(kl=kl[SECOND + name].mean().item(), first_kl=kl[name].mean().item(),
-                       **intervals("kl", perplexity.block_means(kl[SECOND + name], seed=1),
-                                   perplexity.block_means(kl[name], seed=0)))
+            second_kl, first_kl = cat(kl, SECOND + name), cat(kl, name)
+            out.update(kl=second_kl.mean().item(), first_kl=first_kl.mean().item(),
+                       **intervals("kl", perplexity.block_means(second_kl, seed=1),
+                                   perplexity.block_means(first_kl, seed=0)))
         return out
 
     def long_context(self) -> list[dict]:
@@ -574,9 +624,9 @@ def format_second_text(second: list[dict]) -> str:
     value within 1.5x of the other text's), judged on the measured values and, for the 1.5x, also on
     whether the ratio's interval overlaps [1/1.5, 1.5] (consistent with the bar) or lies inside it."""
     rows = [x for x in second if x["scheme"] != FULL]
-    lines = [(f"\nA second text ({rows[0]['text']}, full precision {second[0]['ppl']:.3f}): relative perplexity "
-              "change [95% block-bootstrap interval, runs of 128 tokens] beside the first text's, and their ratio "
-              "(first / second)")]
+    lines = [(f"\nA second text ({rows[0]['text']}, full precision {second[0]['ppl']:.3f}; {second[0]['tokens']} "
+              "tokens a text): relative perplexity change [95% block-bootstrap interval, runs of 128 tokens] beside "
+              "the first text's, and their ratio (first / second)")]
     lines += second_text_table(rows, "relative", lambda v: f"{v:+.2%}")
     if any("kl" in x for x in rows):
         lines.append("\nThe same rows' mean KL divergence from full precision's next-token distribution (nats per "
