@@ -10,6 +10,9 @@ costs (worse even in sample) from an allocation fitted to its sample (better in 
     # 21 minutes on 2 cores, 15 of them the 2048-token profile (cached after a machine's first run)
     python scripts/calibration.py --calibration 512 2048 --presets rkv-3 rkv-mixed-2 --tokens 8192
     # 19 minutes with both profiles cached: about a minute a row and text
+    python scripts/calibration.py --calibration 2048 --targets 2.5 --refine --presets \
+        --texts alice29.txt asyoulik.txt lcet10.txt
+    # each allocation beside its refined one (allocate.refine): 735 s with the profile cached
 """
 
 import argparse

@@ -406,7 +406,7 @@ class Report:
         (perplexity.relative_loss_samples; each text its own draws), and the ratio of the two texts'
         losses one from those draws."""
         o = self.opts
-        names = {}  # the report's name -> the schemes table's name (the token losses' key)
+        names = {}  # the schemes table's name (the token losses' key) -> one scheme per layer
         for name in list(o.second_schemes) + self.allocated_names():
             schemes = self.layer_schemes(name)
             names[name if name.startswith(PER_LAYER) else schemes[0].name] = schemes
