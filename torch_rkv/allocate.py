@@ -199,22 +199,32 @@ def solve(groups: list[list[tuple[int, float]]], capacity: int) -> list[int]:
     return out[::-1]
 
 
-def allocate(profile: Sensitivity, budget_units: int, weights=None) -> Allocation:
-    """The allocation of least predicted cost whose code size sum over (layer, side) of weight[layer] x
-    bits fits in budget_units. weights: integers proportional to the token rows each layer stores (1
-    each when every layer holds the whole context; a sliding layer's ring holds fewer)."""
-    profile.check()
-    w = list(weights or [1] * profile.layers)
-    if len(w) != profile.layers:
-        raise ValueError(f"allocate: {len(w)} layer weights for a profile of {profile.layers} layers")
+def solve_widths(choices: list[list[tuple[int, float]]], budget_units: int, weights, who: str, subject: str
+                 ) -> tuple[tuple[tuple[int, int], ...], float]:
+    """One (bits, cost) of choices[2 * layer + side] per (layer, side) whose code size, sum of
+    weight[layer] x bits, fits in budget_units, total cost minimal: ((key bits, value bits) per layer,
+    that cost). weights: integers proportional to the token rows each layer stores (1 each when every
+    layer holds the whole context; a sliding layer's ring holds fewer); who and subject name the caller
+    and what it solves for in errors."""
+    layers = len(choices) // 2
+    w = list(weights or [1] * layers)
+    if len(w) != layers:
+        raise ValueError(f"{who}: {len(w)} layer weights for {subject} of {layers} layers")
     g = reduce(math.gcd, w)
     w = [x // g for x in w]
-    groups = [[(wl * b, profile.cost(layer, side, b)) for b in profile.levels]
-              for layer, wl in enumerate(w) for side in SIDES]
-    picks = solve(groups, budget_units // g)
-    chosen = [profile.levels[i] for i in picks]
-    bits = tuple((chosen[2 * i], chosen[2 * i + 1]) for i in range(profile.layers))
-    predicted = sum(groups[j][i][1] for j, i in enumerate(picks))
+    picks = solve([[(w[j // 2] * b, c) for b, c in options] for j, options in enumerate(choices)], budget_units // g)
+    chosen = [choices[j][i] for j, i in enumerate(picks)]
+    bits = tuple((chosen[2 * i][0], chosen[2 * i + 1][0]) for i in range(layers))
+    return bits, sum(c for _, c in chosen)
+
+
+def allocate(profile: Sensitivity, budget_units: int, weights=None) -> Allocation:
+    """The allocation of least predicted cost whose code size sum over (layer, side) of weight[layer] x
+    bits fits in budget_units (solve_widths)."""
+    profile.check()
+    choices = [[(b, profile.cost(layer, side, b)) for b in profile.levels]
+               for layer in range(profile.layers) for side in SIDES]
+    bits, predicted = solve_widths(choices, budget_units, weights, "allocate", "a profile")
     return Allocation(bits, profile.levels, predicted)
 
 
@@ -227,24 +237,18 @@ def refine(alloc: Allocation, base_cost: float, moves: dict[tuple[int, str, int]
     these are measured at the allocation itself. The knapsack then picks at most one move per side, the
     code size within alloc's own; staying costs 0, so the result is predicted no worse (predicted:
     base_cost plus the chosen moves)."""
-    w = list(weights or [1] * len(alloc.bits))
-    if len(w) != len(alloc.bits):
-        raise ValueError(f"refine: {len(w)} layer weights for an allocation of {len(alloc.bits)} layers")
     for layer, side, bits in moves:
         if not (0 <= layer < len(alloc.bits) and side in SIDES and bits in alloc.levels):
             raise ValueError(f"refine: move {(layer, side, bits)} is not (layer, 'k' or 'v', one of {alloc.levels})")
-    g = reduce(math.gcd, w)
-    w = [x // g for x in w]
-    keys = [(layer, side) for layer in range(len(alloc.bits)) for side in SIDES]
-    groups = []
-    for layer, side in keys:
-        now = alloc.bits[layer][SIDES.index(side)]
-        groups.append([(w[layer] * now, 0.0)] + [(w[layer] * b, moves[(layer, side, b)])
-                                                 for b in alloc.levels if (layer, side, b) in moves and b != now])
-    picks = solve(groups, sum(wl * (k + v) for wl, (k, v) in zip(w, alloc.bits)))
-    chosen = [groups[j][i][0] // w[keys[j][0]] for j, i in enumerate(picks)]
-    bits = tuple((chosen[2 * i], chosen[2 * i + 1]) for i in range(len(alloc.bits)))
-    return Allocation(bits, alloc.levels, base_cost + sum(groups[j][i][1] for j, i in enumerate(picks)))
+    choices = []
+    for layer, kv in enumerate(alloc.bits):
+        for s, side in enumerate(SIDES):
+            choices.append([(kv[s], 0.0)] + [(b, moves[(layer, side, b)]) for b in alloc.levels
+                                             if (layer, side, b) in moves and b != kv[s]])
+    # alloc's own code size (a weight count that does not match is refused by solve_widths)
+    budget = sum(wl * (k + v) for wl, (k, v) in zip(weights or [1] * len(alloc.bits), alloc.bits))
+    bits, gain = solve_widths(choices, budget, weights, "refine", "an allocation")
+    return Allocation(bits, alloc.levels, base_cost + gain)
 
 
 def allocate_average(profile: Sensitivity, target_bits: float) -> Allocation:
