@@ -127,18 +127,15 @@ def test_a_split_keeps_every_layers_total_and_takes_its_cheapest_split(seed):
 
 
 def test_a_split_gives_every_layer_pages_of_the_same_bytes():
-    """Equal key + value bits: every layer's page has the same bytes (one page size serves them, what
-    vLLM needs); a free allocation's layers do not, and common_page_bytes names the first that differs."""
-    from torch_rkv.layout import PageLayout, common_page_bytes
+    """Equal key + value bits: every layer's page has the same bytes (an engine with one page size for
+    every layer can hold them); other totals give other pages."""
+    from torch_rkv.layout import PageLayout
 
     split = A.Allocation(((4, 2), (3, 3), (2, 4)), (2, 3, 4), 0.0).schemes()
     for heads, dim in ((3, 64), (8, 128), (1, 80)):
-        got = common_page_bytes(split, heads, dim, 128)
-        assert got == PageLayout(split[1], heads, dim, 128).page_bytes
-        assert got != PageLayout(A.layer_scheme(3, 2, (2, 3, 4)), heads, dim, 128).page_bytes
-    free = A.Allocation(((3, 3), (3, 3), (4, 3)), (2, 3, 4), 0.0).schemes()
-    with pytest.raises(ValueError, match="layer 2's page"):
-        common_page_bytes(free, 3, 64, 128)
+        pages = {PageLayout(s, heads, dim, 128).page_bytes for s in split}
+        assert len(pages) == 1
+        assert pages != {PageLayout(A.layer_scheme(3, 2, (2, 3, 4)), heads, dim, 128).page_bytes}
 
 
 def test_an_allocation_file_round_trips_and_is_checked(tmp_path):
@@ -158,28 +155,50 @@ def test_an_allocation_file_round_trips_and_is_checked(tmp_path):
         A.Allocation.load(path)
 
 
-def test_the_vllm_plugin_takes_an_allocation_with_one_page_size(tmp_path, monkeypatch):
+def test_the_vllm_plugin_takes_an_allocation_file(tmp_path, monkeypatch):
     """TORCH_RKV_ALLOCATION (torch_rkv.integrations.vllm; vLLM itself is not imported here): each
-    layer's scheme from the file, layer 0's for the shared page; a file whose layers' totals differ, or
-    one beside TORCH_RKV_SCHEME, is refused by name."""
+    layer's scheme from the file, whether or not the layers' key + value totals are equal (each layer's
+    pages have its own bytes), layer 0's for the shared sinks, window and block; a file beside
+    TORCH_RKV_SCHEME is refused by name."""
     from torch_rkv.integrations import vllm as plugin
 
     monkeypatch.delenv(plugin.ENV, raising=False)
     monkeypatch.delenv(plugin.CODEBOOK_ENV, raising=False)
-    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
-    A.Allocation(((4, 2), (3, 3), (2, 4)), (2, 3, 4), 0.0).save(good)
-    A.Allocation(((3, 3), (4, 3)), (2, 3, 4), 0.0).save(bad)
-    monkeypatch.setenv(plugin.ALLOCATION_ENV, str(good))
-    layers = plugin.configured_layers()
-    assert [(s.k_bits, s.v_bits) for s in layers] == [(4, 2), (3, 3), (2, 4)]
-    assert plugin.configured_scheme() == layers[0]
+    for bits in (((4, 2), (3, 3), (2, 4)), ((3, 3), (4, 3), (2, 2))):
+        path = tmp_path / f"{len({k + v for k, v in bits})}.json"
+        A.Allocation(bits, (2, 3, 4), 0.0).save(path)
+        monkeypatch.setenv(plugin.ALLOCATION_ENV, str(path))
+        layers = plugin.configured_layers()
+        assert [(s.k_bits, s.v_bits) for s in layers] == list(bits)
+        assert plugin.configured_scheme() == layers[0]
+        assert {(s.sinks, s.recent, s.block) for s in layers} == {(layers[0].sinks, layers[0].recent, layers[0].block)}
     monkeypatch.setenv(plugin.ENV, "rkv-3")
     with pytest.raises(ValueError, match="unset TORCH_RKV_SCHEME"):
         plugin.configured_scheme()
-    monkeypatch.delenv(plugin.ENV)
-    monkeypatch.setenv(plugin.ALLOCATION_ENV, str(bad))
-    with pytest.raises(ValueError, match="layer 1 keeps 4\\+3"):
-        plugin.configured_scheme()
+
+
+def test_calibrate_writes_the_allocation_or_the_split_it_is_asked_for(tmp_path, monkeypatch, capsys):
+    """python -m torch_rkv calibrate --bits B / --split B: the allocation file at B average code bits
+    (each layer its cheapest bits; or every layer the same total), from the profile (here a given one,
+    in place of a measured one); a width outside the levels is refused before any calibration."""
+    from torch_rkv.__main__ import main
+    from torch_rkv.eval import sensitivity
+
+    costs = [(0.5 - 0.01 * i, 0.2) for i in range(6)]
+    given = profile(6, costs, costs)
+    monkeypatch.setattr(sensitivity.data, "load_model", lambda *a: (torch.nn.Linear(1, 1), None))
+    monkeypatch.setattr(sensitivity, "load_or_measure", lambda *a, **k: given)
+    monkeypatch.setattr(sensitivity, "model_key", lambda model: "tiny")
+    for flag, solve in (("--bits", A.allocate_average), ("--split", A.allocate_split)):
+        out = tmp_path / f"{flag[2:]}.json"
+        assert main(["calibrate", flag, "2.5", "--out", str(out)]) == 0
+        assert A.Allocation.load(out) == solve(given, 2.5)
+        assert f"TORCH_RKV_ALLOCATION={out}" in capsys.readouterr().out
+    assert len(set(A.allocate_average(given, 2.5).layer_totals())) > 1  # (the two differ here)
+    assert main(["calibrate", "--bits", "4.5"]) == 2
+    assert "4.5 bits is outside the levels" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--bits", "3", "--split", "3"])
 
 
 GEMMA_LIKE = plan.ModelShape("gemma-like", 6, 2, 64, 1e6, sliding_layers=4, sliding_window=256,
@@ -210,7 +229,7 @@ def test_planned_allocation_bytes_are_the_layouts_bytes(context, batch):
 
 @pytest.mark.parametrize("context,batch", [(4096, 1), (1000, 3)])
 def test_a_planned_split_is_the_most_bits_that_fit(context, batch):
-    """plan --split: every layer the same key + value bits (one page size: what vLLM serves), the most
+    """plan --split: every layer the same key + value bits (pages of one size), the most
     that fit the budget, each layer's split the cheapest; its bytes are the layouts' bytes."""
     costs = [(1.0, 0.1), (0.1, 1.0), (1.0, 0.1), (0.5, 0.5), (0.1, 1.0), (1.0, 0.1)]
     p = profile(6, costs, costs)

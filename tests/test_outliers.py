@@ -192,7 +192,7 @@ def test_bytes_are_counted_by_the_layouts_and_the_vllm_pages():
     assert lay.nbytes() - plain.nbytes() == 2 * 3 * (1024 // s.block) * k * 4
     extra = PageLayout(s, 3, 64, 128).payload_bytes - PageLayout(base, 3, 64, 128).payload_bytes
     assert extra == 2 * 3 * k * 4  # one block per page: a row of K entries per side and head
-    assert content_bytes([s], 3, 64, torch.float16) * 128 >= PageLayout(s, 3, 64, 128).page_bytes
+    assert content_bytes(s, 3, 64, torch.float16) * 128 >= PageLayout(s, 3, 64, 128).page_bytes
     s.check_served()  # the caches and the vLLM plugin store them
     with pytest.raises(ValueError, match="outliers"):
         S.recommended(2).replace(outliers=0.5)

@@ -34,17 +34,35 @@ LOGGED = [(torch.bfloat16, None, 93_184, 22.75), (torch.float32, None, 46_592, 1
           (torch.float32, "kivi-2", 497_024, 121.34)]
 
 
+# ... and for a per-layer allocation whose layers keep K/V bits 44, 22, 42, 33, 24, 32 by turns (tests/in_vllm,
+# LAYER_BITS: pages of four sizes)
+LAYER_BITS = ((4, 4), (2, 2), (4, 2), (3, 3), (2, 4), (3, 2))
+LOGGED_ALLOCATION = (447_360, 109.22)
+
+
 @pytest.mark.parametrize("dtype,name,tokens,concurrency", LOGGED)
 def test_the_capacity_is_what_vllm_logged(dtype, name, tokens, concurrency):
     got_tokens, got_concurrency = smollm2_pool(dtype, name).capacity(2 * GIB, 4096)
     assert got_tokens == tokens and round(got_concurrency, 2) == concurrency
 
 
+def test_each_layer_has_its_own_page_under_an_allocation():
+    """vLLM sizes each layer's page by its own scheme (UniformTypeKVCacheSpecs) and cuts its memory into
+    blocks of every layer's page: the capacity is what it logged for such an allocation."""
+    schemes = tuple(A.layer_scheme(*LAYER_BITS[i % 6], (2, 3, 4)) for i in range(30))
+    pool = VllmPool(30, 3, 64, torch.float32, schemes)
+    assert pool.layer_pages == tuple(128 * content_bytes(s, 3, 64, torch.float32) for s in schemes)
+    assert len(set(pool.layer_pages)) == 4 and pool.block_bytes == sum(pool.layer_pages)
+    tokens, concurrency = pool.capacity(2 * GIB, 4096)
+    assert (tokens, round(concurrency, 2)) == LOGGED_ALLOCATION
+
+
 def test_a_page_is_the_block_size_times_the_published_bytes_per_token():
     pool = smollm2_pool(torch.float32, "rkv-3")
     layout = PageLayout(S.by_name("rkv-3"), 3, 64, 128, torch.float32)
-    assert pool.page_bytes == 128 * content_bytes([S.by_name("rkv-3")], 3, 64, torch.float32) >= layout.page_bytes
-    assert smollm2_pool(torch.bfloat16).page_bytes == 128 * 2 * 3 * 64 * 2  # K and V of 3 heads, bf16
+    assert pool.layer_pages == (128 * content_bytes(S.by_name("rkv-3"), 3, 64, torch.float32),) * 30
+    assert pool.layer_pages[0] >= layout.page_bytes
+    assert smollm2_pool(torch.bfloat16).layer_pages[0] == 128 * 2 * 3 * 64 * 2  # K and V of 3 heads, bf16
     with pytest.raises(ValueError, match="multiple of 128"):
         VllmPool(30, 3, 64, torch.float32, (S.by_name("rkv-3"),) * 30, block_size=64)
     with pytest.raises(ValueError, match="2 schemes for 30 layers"):
@@ -160,8 +178,7 @@ def test_plan_vllm_split_is_the_most_bits_whose_pages_and_side_pool_fit(tmp_path
         return plan.vllm_bytes(SMOLLM2, engine, A.allocate_split(profile, total / 2).schemes(), 32768, 8)
 
     def split(budget):
-        return plan.split_for_budget(SMOLLM2, profile, budget, 32768, 8, nbytes=lambda ss:
-                                     plan.vllm_bytes(SMOLLM2, engine, ss, 32768, 8))
+        return plan.split_for_budget(SMOLLM2, profile, budget, 32768, 8, engine=engine)
 
     for total in (5, 6, 7):
         for budget in (nbytes(total), nbytes(total + 1) - 1):
@@ -174,8 +191,36 @@ def test_plan_vllm_split_is_the_most_bits_whose_pages_and_side_pool_fit(tmp_path
     out = json.loads(run_plan(capsys, "--budget-gb", str(budget / 1e9), "--context", "32768", "--batch", "8",
                               "--sensitivity", str(path), "--split", "--json"))["allocation"]
     assert {k + v for k, v in out["bits"]} == {6} and out["kv_bytes"] == nbytes(6)
-    with pytest.raises(SystemExit, match="add --split"):
-        run_plan(capsys, "--budget-gb", "2", "--sensitivity", str(path))
+
+
+def test_plan_vllm_allocation_is_the_cheapest_whose_pages_and_side_pool_fit(tmp_path, capsys):
+    """plan --vllm --sensitivity (no --split): each layer its own bits (vLLM gives each layer pages of
+    its own bytes), the least predicted cost whose pages and side pool fit: never more than the split's
+    at the same budget, and the budget's last step is bought."""
+    path = tmp_path / "profile.json"
+    costs = [(1.0 / (i + 1), 0.3) for i in range(30)]
+    profile = A.Sensitivity("tiny", "calibration", 64, (2, 3, 4), 10.0, {3: 10.0, 4: 10.0}, {3: costs, 4: costs},
+                            {b: [(0.0, 0.0)] * 30 for b in (3, 4)})
+    path.write_text(profile.to_json())
+    engine = plan.VllmEngine(torch.bfloat16)
+
+    def nbytes(schemes):
+        return plan.vllm_bytes(SMOLLM2, engine, schemes, 32768, 8)
+
+    low, high = (nbytes([A.layer_scheme(b, b, (2, 3, 4))] * 30) for b in (2, 4))
+    step = 8 * 32768 * 3 * 64 // 8  # one layer's side one bit more: 8 requests of 32768 tokens, 3 heads of 64
+    for budget in (low, (2 * low + high) // 3, (low + 2 * high) // 3 + 12345, high):
+        alloc, got, _ = plan.allocation_for_budget(SMOLLM2, profile, budget, 32768, 8, engine=engine)
+        assert got == nbytes(alloc.schemes()) <= budget < got + step
+        split, _, _ = plan.split_for_budget(SMOLLM2, profile, budget, 32768, 8, engine=engine)
+        assert alloc.predicted <= split.predicted + 1e-12
+    assert len(set(alloc.layer_totals())) == 1  # (at the top every layer keeps 4 + 4)
+    budget = (low + high) // 2  # the CLI: the same choice
+    out = json.loads(run_plan(capsys, "--budget-gb", str(budget / 1e9), "--context", "32768", "--batch", "8",
+                              "--sensitivity", str(path), "--json"))["allocation"]
+    want, want_bytes, _ = plan.allocation_for_budget(SMOLLM2, profile, budget, 32768, 8, engine=engine)
+    assert [tuple(b) for b in out["bits"]] == list(want.bits) and out["kv_bytes"] == want_bytes
+    assert len({k + v for k, v in out["bits"]}) > 1
 
 
 def test_plan_vllm_refuses_what_it_does_not_model(capsys):

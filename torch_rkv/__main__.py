@@ -38,9 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         "calibrate", help="measure a model's per-layer sensitivity on a calibration text (cached): the profile "
         "plan --sensitivity and per-layer allocations use"))
     cal.add_argument("--levels", type=int, nargs="+", default=[2, 3, 4], help="bit widths to choose among")
-    cal.add_argument("--split", type=float, help="also write the per-layer split at this average code bits (every "
-                     "layer the same key + value bits: what the vLLM plugin serves, TORCH_RKV_ALLOCATION)")
-    cal.add_argument("--out", help="where --split writes its file (default: beside the cached profile)")
+    written = cal.add_mutually_exclusive_group()
+    written.add_argument("--bits", type=float, help="also write the per-layer allocation at this average code bits "
+                         "(each layer the key and value bits that pay most; TORCH_RKV_ALLOCATION serves it in vLLM)")
+    written.add_argument("--split", type=float, help="also write the per-layer split at this average code bits (every "
+                         "layer the same key + value bits: pages of one size)")
+    cal.add_argument("--out", help="where --bits or --split writes its file (default: beside the cached profile)")
     lev = calibration_arguments(sub.add_parser(
         "calibrate-levels", help="fit a model's per-layer non-uniform levels (a codebook file, cached) on a "
         "calibration text: Scheme(levels='calibrated', codebook=PATH)"))

@@ -19,11 +19,11 @@ measures how far that holds by evaluating the allocation it picks.
 Every layer of an allocation stores the library's recommended layout (`layer_scheme`); only the bit
 widths differ, so the bytes a choice costs are its code bytes and the rest of the cache is fixed.
 
-`allocate_split` is the allocation an engine with one page size serves (vLLM gives every layer pages of
-the same bytes): every layer keeps the same key + value bits, and only how it splits them between its
-keys and values follows the profile. A page's metadata does not depend on the widths, so equal totals
-mean equal pages. An allocation is saved as a small JSON file (`save` / `load`; docs/format.md) that
-the vLLM plugin reads (TORCH_RKV_ALLOCATION).
+`allocate_split` is the allocation an engine with one page size for every layer can hold: every layer
+keeps the same key + value bits, and only how it splits them between its keys and values follows the
+profile. A page's metadata does not depend on the widths, so equal totals mean equal pages. An
+allocation is saved as a small JSON file (`save` / `load`; docs/format.md) that the vLLM plugin reads
+(TORCH_RKV_ALLOCATION; each layer's pages at its own bytes, split or not).
 """
 
 from __future__ import annotations

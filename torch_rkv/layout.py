@@ -207,18 +207,3 @@ class PageLayout:
         adds the alignment padding, page_bytes - payload_bytes a page (0 for the presets at head_dim 64
         and 128)."""
         return self.pages_for(tokens) * self.payload_bytes + self.slot_bytes
-
-
-def common_page_bytes(schemes: list[Scheme], kv_heads: int, head_dim: int, page_size: int,
-                      dtype: torch.dtype = torch.float16) -> int:
-    """page_bytes of every layer's scheme (schemes[i]: layer i) at `page_size`, when all are equal: an
-    engine with one page size for every layer (vLLM) can hold them. ValueError naming the first layer
-    whose page differs from layer 0's."""
-    first = PageLayout(schemes[0], kv_heads, head_dim, page_size, dtype).page_bytes
-    for i, s in enumerate(schemes[1:], 1):
-        got = PageLayout(s, kv_heads, head_dim, page_size, dtype).page_bytes
-        if got != first:
-            raise ValueError(f"layer {i}'s page ({s.name}: {got} bytes) differs from layer 0's ({schemes[0].name}: "
-                             f"{first} bytes); one page size for every layer needs equal key + value bits "
-                             f"(allocate_split)")
-    return first

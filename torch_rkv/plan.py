@@ -222,47 +222,65 @@ def layouts_bytes(model: ModelShape, schemes: list[Scheme], context: int, batch:
 
 
 def _lowest(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int,
-            dtype, nbytes=None) -> tuple[list[int], int]:
+            dtype, nbytes) -> tuple[list[int], int]:
     """(each layer's packed rows, the cache's bytes) at the profile's lowest level; refuses a profile of
-    another model, or a budget that does not hold even that. nbytes(schemes): the bytes to fit (default
-    the layers' CacheLayouts, layouts_bytes)."""
+    another model, or a budget that does not hold even that. nbytes(schemes): the bytes to fit
+    (_bytes_to_fit)."""
     if profile.layers != model.layers:
         raise ValueError(f"plan: the sensitivity profile has {profile.layers} layers, {model.name} has {model.layers} "
                          "layers")
     schemes = [layer_scheme(min(profile.levels), min(profile.levels), profile.levels)] * model.layers
     low = layer_layouts(model, schemes, context, batch, dtype)
-    lowest = sum(lay.nbytes() for lay in low) if nbytes is None else nbytes(schemes)
+    lowest = nbytes(schemes)
     if budget < lowest:
         raise ValueError(f"plan: {budget / GB:.2f} GB does not hold {batch} x {context:,} tokens even at "
                          f"{min(profile.levels)} bits in every layer ({lowest / GB:.2f} GB)")
     return [lay.packed_capacity for lay in low], lowest
 
 
+def _bytes_to_fit(model: ModelShape, context: int, batch: int, dtype, engine: VllmEngine | None):
+    """nbytes(schemes): the bytes a per-layer allocation takes, as the layers' CacheLayouts or, with an
+    engine, as its vLLM pages and side pool (vllm_bytes)."""
+    def nbytes(schemes: list[Scheme]) -> int:
+        if engine is None:
+            return layouts_bytes(model, schemes, context, batch, dtype)
+        return vllm_bytes(model, engine, schemes, context, batch)
+    return nbytes
+
+
 def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int = 1,
-                          dtype=torch.float16) -> tuple[Allocation, int, list[int]]:
+                          dtype=torch.float16, engine: VllmEngine | None = None) -> tuple[Allocation, int, list[int]]:
     """(the per-layer K/V bits of least predicted cost whose cache of `batch` sequences of `context` tokens
     fits in `budget` bytes, its exact bytes, each layer's packed rows). A choice changes only the layer's
     code bytes, rows x head_dim x bits / 8 per kv head and side, so the knapsack weighs each layer by its
     rows (a sliding layer's ring holds fewer) and everything else is a fixed cost, counted at the lowest
-    level."""
-    rows, lowest = _lowest(model, profile, budget, context, batch, dtype)
+    level. engine: a vLLM engine with the plugin, whose pages and side pool must fit (vllm_bytes; a
+    layer's rows are then every token of the requests' whole blocks, and each page's bytes per token are
+    rounded up to the dtype, so the exact bytes are checked and the budget cut until they fit)."""
+    nbytes = _bytes_to_fit(model, context, batch, dtype, engine)
+    rows, lowest = _lowest(model, profile, budget, context, batch, dtype, nbytes)
+    if engine is not None:  # every layer's pages hold every token of the requests' whole blocks
+        lowest_level = min(profile.levels)
+        block = engine.block_for(layer_scheme(lowest_level, lowest_level, profile.levels))
+        rows = [-(-context // block) * block] * model.layers
     per_unit = batch * model.kv_heads * model.head_dim  # bits of code per (row x bit)
     fixed = lowest - 2 * min(profile.levels) * sum(rows) * per_unit // 8
-    alloc = allocate(profile, int((budget - fixed) * 8 // per_unit), weights=rows)
-    exact = layouts_bytes(model, alloc.schemes(), context, batch, dtype)
-    assert exact <= budget, (exact, budget)  # the knapsack's weights are the layouts' code bytes
-    return alloc, exact, rows
+    units = int((budget - fixed) * 8 // per_unit)
+    while True:
+        alloc = allocate(profile, units, weights=rows)
+        exact = nbytes(alloc.schemes())
+        if exact <= budget:
+            return alloc, exact, rows
+        units -= max(1, int((exact - budget) * 8 // per_unit))
 
 
 def split_for_budget(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int = 1,
-                     dtype=torch.float16, nbytes=None) -> tuple[Allocation, int, list[int]]:
-    """allocation_for_budget for an allocation vLLM serves (allocate_split: every layer the same key +
-    value bits, so every page the same bytes): the most bits per layer whose cache fits `budget`, each
-    layer's split the one of least predicted cost. nbytes(schemes): the bytes to fit (default the
-    layers' CacheLayouts; vllm_bytes: a vLLM engine's pages and side pool)."""
-    if nbytes is None:
-        def nbytes(schemes):
-            return layouts_bytes(model, schemes, context, batch, dtype)
+                     dtype=torch.float16, engine: VllmEngine | None = None) -> tuple[Allocation, int, list[int]]:
+    """allocation_for_budget for an allocation whose layers all keep the same key + value bits
+    (allocate_split: every page the same bytes, for an engine with one page size): the most bits per
+    layer whose cache (or the vLLM engine's pages and side pool) fits `budget`, each layer's split the
+    one of least predicted cost."""
+    nbytes = _bytes_to_fit(model, context, batch, dtype, engine)
     rows, _ = _lowest(model, profile, budget, context, batch, dtype, nbytes)
     # the totals a layer can keep: a key level plus a value level (levels 2 and 4 have no 5)
     for total in sorted({k + v for k in profile.levels for v in profile.levels}, reverse=True):
@@ -289,12 +307,16 @@ class VllmEngine:
     block_size: int | None = None
     max_num_seqs: int = 256
 
+    def block_for(self, scheme: Scheme | None) -> int:
+        """The block size the engine runs with this scheme (every layer's: an allocation's share it)."""
+        return self.block_size or preferred_block_size(scheme, self.device)
+
     def pool(self, model: ModelShape, schemes: list[Scheme] | None) -> VllmPool:
         if model.sliding_layers:
             raise ValueError(f"plan --vllm: {model.name} has sliding-window layers, which vLLM sizes in KV-cache "
                              "groups of their own; only models whose layers all attend to the whole context are "
                              "planned for vLLM")
-        block = self.block_size or preferred_block_size(schemes[0] if schemes else None, self.device)
+        block = self.block_for(schemes[0] if schemes else None)
         return VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
                         None if schemes is None else tuple(schemes), block)
 
@@ -322,7 +344,7 @@ def vllm_rows(model: ModelShape, engine: VllmEngine, budget: float, context: int
         tokens, concurrency = pool.capacity(kv, context)
         bits = 16.0 if scheme is None else scheme.effective_bits(model.head_dim)
         rows.append({"scheme": name, "bits_per_element": bits, "block_size": pool.block_size,
-                     "page_bytes": pool.page_bytes, "side_pool_bytes": side, "kv_cache_memory_bytes": kv,
+                     "page_bytes": pool.layer_pages[0], "side_pool_bytes": side, "kv_cache_memory_bytes": kv,
                      "kv_tokens": tokens, "max_concurrency": concurrency,
                      "fits": concurrency >= batch and batch <= engine.max_num_seqs})
     return rows
@@ -365,12 +387,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sensitivity", help="a per-layer sensitivity profile of this model (JSON, written by "
                    "python -m torch_rkv calibrate)")
     p.add_argument("--split", action="store_true", help="with --sensitivity: an allocation whose layers all keep the "
-                   "same key + value bits (what the vLLM plugin serves, TORCH_RKV_ALLOCATION)")
+                   "same key + value bits (pages of one size; by default each layer keeps the bits that pay most)")
     p.add_argument("--out", help="with --sensitivity: write the allocation to this file (docs/format.md)")
     p.add_argument("--vllm", action="store_true", help="plan a vLLM engine with the plugin (docs/serving.md): per "
                    "scheme, the KV memory to give vLLM once the side pool for --batch requests at once is set aside, "
-                   "and the tokens and concurrency vLLM reports for requests of --context tokens; with --split, "
-                   "the allocation whose pages and side pool fit")
+                   "and the tokens and concurrency vLLM reports for requests of --context tokens; with --sensitivity, "
+                   "the allocation whose pages and side pool fit (serve it with TORCH_RKV_ALLOCATION)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="with --vllm: the model dtype (vLLM's own cache and the plugin's full-precision rows)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="with --vllm: where vLLM runs (its "
@@ -412,19 +434,12 @@ def main(args) -> int:
     allocation = None
     if (args.split or args.out) and not args.sensitivity:
         raise SystemExit("torch_rkv plan: --split and --out choose a per-layer allocation, which needs --sensitivity")
-    if args.sensitivity and engine is not None and not args.split:
-        raise SystemExit("torch_rkv plan: vLLM serves only allocations whose layers keep the same key + value bits; "
-                         "add --split")
     if args.sensitivity:
         with open(args.sensitivity) as f:
             profile = Sensitivity.from_json(f.read())
         try:
-            if engine is not None:
-                allocation = split_for_budget(model, profile, budget, args.context, args.batch, nbytes=lambda ss:
-                                              vllm_bytes(model, engine, ss, args.context, args.batch))
-            else:
-                solver = split_for_budget if args.split else allocation_for_budget
-                allocation = solver(model, profile, budget, args.context, args.batch)
+            solver = split_for_budget if args.split else allocation_for_budget
+            allocation = solver(model, profile, budget, args.context, args.batch, engine=engine)
         except ValueError as e:
             raise SystemExit(f"torch_rkv {e}")
         if args.out:
@@ -495,8 +510,6 @@ def print_allocation(model: ModelShape, budget: float, args, profile: Sensitivit
           f"with metadata) per element; {where}: {nbytes / GB:.2f} GB; predicted cost {alloc.predicted:.4f} "
           "nats/token (the profile's KL, summed)")
     if args.split:
-        print(f"  every layer keeps {alloc.layer_totals()[0]} key + value bits: one page size, what the vLLM "
-              "plugin serves")
+        print(f"  every layer keeps {alloc.layer_totals()[0]} key + value bits: pages of one size")
     if args.out:
-        serve = f": serve it with TORCH_RKV_ALLOCATION={args.out}" if args.split else ""
-        print(f"  written to {args.out}{serve}")
+        print(f"  written to {args.out}: serve it in vLLM with TORCH_RKV_ALLOCATION={args.out}")

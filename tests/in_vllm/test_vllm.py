@@ -237,23 +237,27 @@ def layer_codebook(model_dir, tmp_path_factory) -> str:
     return str(path)
 
 
+LAYER_BITS = ((4, 4), (2, 2), (4, 2), (3, 3), (2, 4), (3, 2))  # by turns: four page sizes, three of one
+
+
 @pytest.fixture(scope="module")
-def split_allocation(model_dir, tmp_path_factory) -> str:
-    """An allocation file for SmolLM2 whose layers split 6 bits three ways, K4/V2, K3/V3 and K2/V4 by
-    turns (the shape `calibrate --split 3` writes, without the calibration)."""
+def layer_allocation(model_dir, tmp_path_factory) -> str:
+    """An allocation file for SmolLM2 whose layers keep LAYER_BITS by turns: unequal key + value totals,
+    so pages of four sizes, and three splits of 6 bits whose pages are the same size (the shape
+    `calibrate --bits` writes, without the calibration)."""
     from torch_rkv.allocate import Allocation
 
     layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
-    path = tmp_path_factory.mktemp("allocation") / "split.json"
-    Allocation(tuple(((4, 2), (3, 3), (2, 4))[i % 3] for i in range(layers)), (2, 3, 4), 0.0).save(path)
+    path = tmp_path_factory.mktemp("allocation") / "layers.json"
+    Allocation(tuple(LAYER_BITS[i % len(LAYER_BITS)] for i in range(layers)), (2, 3, 4), 0.0).save(path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def transformers_ppl(model_dir, layer_codebook, split_allocation):
+def transformers_ppl(model_dir, layer_codebook, layer_allocation):
     """The same chunked protocol through torch_rkv's transformers integration, in the main venv
     (TORCH_RKV_HF_PYTHON: it needs transformers >= 5.24; vLLM pins an older one); "rkv-3+codebook":
-    rkv-3 with layer_codebook's levels; "split": split_allocation's per-layer schemes."""
+    rkv-3 with layer_codebook's levels; "allocation": layer_allocation's per-layer schemes."""
     py = os.environ.get("TORCH_RKV_HF_PYTHON")
     if not py:
         pytest.skip("TORCH_RKV_HF_PYTHON (the main venv's python) is not set")
@@ -266,7 +270,7 @@ def transformers_ppl(model_dir, layer_codebook, split_allocation):
             "schemes['rkv-3+codebook'] = schemes['rkv-3'].replace(levels='calibrated', "
             f"codebook={layer_codebook!r})\n"
             "from torch_rkv.allocate import Allocation\n"
-            f"schemes['split'] = Allocation.load({split_allocation!r}).schemes()\n"
+            f"schemes['allocation'] = Allocation.load({layer_allocation!r}).schemes()\n"
             "for name, scheme in schemes.items():\n"
             "    out[name] = perplexity.chunked(model, ids, lambda n, s=scheme: RKVCache(model, s, capacity=n), 256)\n"
             "print('RESULT ' + json.dumps(out))\n")
@@ -299,17 +303,29 @@ def test_calibrated_levels_give_the_same_perplexity_in_both_engines(model_dir, a
     assert abs(want / transformers_ppl["rkv-3"] - 1) > 3e-3, (want, transformers_ppl["rkv-3"])
 
 
-def test_per_layer_bits_give_the_same_perplexity_in_both_engines(model_dir, alice, split_allocation,
+def test_per_layer_bits_give_the_same_perplexity_in_both_engines(model_dir, alice, layer_allocation,
                                                                   transformers_ppl):
-    """TORCH_RKV_ALLOCATION: each layer stores its own key and value bits (K4/V2, K3/V3, K2/V4 by turns;
-    one page size) in vLLM as in the transformers integration (1e-3 relative; the same chunked
-    protocol), and the per-layer bits change the result (they are read, not ignored)."""
-    got = engine("split-chunked", None, lambda: chunked_job(model_dir, alice), allocation=split_allocation)
-    want = transformers_ppl["split"]
+    """TORCH_RKV_ALLOCATION: each layer stores its own key and value bits (LAYER_BITS by turns: pages of
+    unequal bytes) in vLLM as in the transformers integration (1e-3 relative; the same chunked
+    protocol), and the per-layer bits change the result (they are read, not ignored). vLLM sizes each
+    layer's pages by its own bits: the capacity it logs is the one `plan --vllm` predicts for these
+    pages, not the one of pages all sized by layer 0's bits."""
+    import torch
+
+    from torch_rkv.allocate import Allocation
+    from torch_rkv.integrations.vllm_pool import VllmPool
+
+    got = engine("allocation-chunked", None, lambda: chunked_job(model_dir, alice), allocation=layer_allocation)
+    want = transformers_ppl["allocation"]
     assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
     assert abs(want / transformers_ppl["rkv-3"] - 1) > 3e-3, (want, transformers_ppl["rkv-3"])
-    same_bits = engine("rkv-3-chunked", "rkv-3", lambda: chunked_job(model_dir, alice))
-    assert got["kv_tokens"] == same_bits["kv_tokens"]  # 6 bits a layer, as rkv-3: pages of the same bytes
+    schemes = tuple(Allocation.load(layer_allocation).schemes())
+    def capacity(layer_schemes):
+        return VllmPool(30, 3, 64, torch.float32, layer_schemes).capacity(float(KV_GB) * 2**30, 4096)
+
+    tokens, concurrency = capacity(schemes)
+    assert (got["kv_tokens"], got["concurrency"]) == (tokens, round(concurrency, 2))
+    assert tokens > capacity((schemes[0],) * 30)[0]
 
 
 def test_capacity_follows_the_packed_bytes(model_dir, alice):
@@ -372,7 +388,7 @@ def test_preempted_requests_are_recomputed_to_the_same_outputs(model_dir, alice)
     from torch_rkv.scheme import by_name
 
     roomy = engine("rkv-4-chunked", "rkv-4", lambda: chunked_job(model_dir, alice, with_prefix_prompts=True))
-    per_token = 30 * content_bytes([by_name("rkv-4")], 3, 64, torch.float32)  # SmolLM2's 30 layers, one page's bytes
+    per_token = 30 * content_bytes(by_name("rkv-4"), 3, 64, torch.float32)  # SmolLM2's 30 layers, one page's bytes
     job = chunked_job(model_dir, alice)
     job["tasks"] = [{"kind": "generate", "prompts": preempt_prompts(alice), "max_tokens": PREEMPT["new"]}]
     # (vLLM refuses a pool smaller than one max_model_len request)

@@ -78,7 +78,7 @@ FULL_FAMILIES = tuple(FAMILIES)
 DEFAULT_FAMILIES = tuple(f for f in FAMILIES if f not in ("grouped g32", "rkv + 0.5% sparse outliers",
                                                           CALIBRATED_LEVELS))
 ALLOCATED = "rkv-alloc-"  # the report's name of a per-layer allocation: rkv-alloc-<average code bits>
-SPLIT = "rkv-split-"  # every layer the same key + value bits, split by the profile (what vLLM serves)
+SPLIT = "rkv-split-"  # every layer the same key + value bits, split by the profile (pages of one size)
 SPARSE_ALLOCATED = "rkv-sparse-alloc-"  # rkv-alloc-<bits> with rkv-sparse's outliers in every layer
 PER_LAYER = (ALLOCATED, SPLIT, SPARSE_ALLOCATED)  # names that layer_schemes resolves through the profile
 FULL = "full precision"  # the rows' name of the unquantized model
@@ -377,7 +377,7 @@ class Report:
         """Per-layer K/V bits (torch_rkv.allocate) at each target average, from the model's sensitivity on
         the calibration text (measured once, cached), measured on this text like the schemes: beside
         the uniform schemes of the same bits (the schemes table), is the allocation worth its bits? The
-        split rows keep every layer's key + value bits equal (one page size: what vLLM serves)."""
+        split rows keep every layer's key + value bits equal (pages of one size)."""
         profile = self.profile()
         fp = self.results["full_precision_ppl"]
         rows = []
@@ -723,7 +723,7 @@ def format_tables(r: dict) -> str:
     if r.get("allocation"):
         lines.append(f"\nPer-layer allocation (K/V bits by layer, solved on the sensitivity measured on "
                      f"{r['allocation'][0]['calibration']}; rkv's layout at every layer; rkv-split: every layer the same "
-                     "key + value bits, one page size, what the vLLM plugin serves)")
+                     "key + value bits, pages of one size)")
         for x in r["allocation"]:
             lines.append(measured(x, x["allocation"]))
     if r.get("second_text"):

@@ -147,12 +147,14 @@ def main(args) -> int:
     if len(levels) < 2 or any(b not in (2, 3, 4) for b in levels) or levels[-1] - levels[0] != len(levels) - 1:
         print("torch_rkv calibrate: --levels must be consecutive widths among 2, 3, 4 (e.g. 2 3 4)", file=sys.stderr)
         return 2
-    if args.split is not None:
-        try:  # before the calibration, which may take minutes
+    try:  # before the calibration, which may take minutes
+        if args.split is not None:
             split_total(args.split, levels)
-        except ValueError as e:
-            print(f"torch_rkv calibrate --split: {e}", file=sys.stderr)
-            return 2
+        if args.bits is not None and not levels[0] <= args.bits <= levels[-1]:
+            raise ValueError(f"{args.bits} bits is outside the levels {levels}")
+    except ValueError as e:
+        print(f"torch_rkv calibrate: {e}", file=sys.stderr)
+        return 2
     try:
         model, tok = data.load_model(args.model, args.gguf)
         profile = load_or_measure(model, tok, levels, args.text, args.tokens,
@@ -169,12 +171,14 @@ def main(args) -> int:
         for layer, ((kk, kv), (pk, pv)) in enumerate(zip(profile.drops[base], profile.ppl_drops[base])):
             print(f"  layer {layer:3d}  K {kk:.5f} ({pk:+.3f})  V {kv:.5f} ({pv:+.3f})")
     print(profile_path(model, args.text, args.tokens, levels))
-    if args.split is not None:
-        alloc = allocate_split(profile, args.split)
+    for kind, bits, solve in (("split", args.split, allocate_split), ("allocation", args.bits, allocate_average)):
+        if bits is None:
+            continue
+        alloc = solve(profile, bits)
         path = Path(args.out) if args.out else profile_path(model, args.text, args.tokens, levels).with_name(
-            f"split-{args.split:g}-{model_key(model)}-{Path(args.text).name}-{args.tokens}.json")
+            f"{kind}-{bits:g}-{model_key(model)}-{Path(args.text).name}-{args.tokens}.json")
         alloc.save(path, model=profile.model, calibration=f"{profile.tokens} tokens of {profile.text}")
-        print(f"per-layer split at {args.split:g} bits (K/V bits by layer): {alloc.describe()}\n"
+        print(f"per-layer {kind} at {bits:g} bits (K/V bits by layer): {alloc.describe()}\n"
               f"TORCH_RKV_ALLOCATION={path}")
     return 0
 

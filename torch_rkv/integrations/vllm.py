@@ -9,9 +9,8 @@ The scheme is any torch_rkv preset name (rkv-4, rkv-3, rkv-2, rkv-mixed-2, kivi-
 per-token-8, ...: torch_rkv.scheme.by_name). TORCH_RKV_CODEBOOK=<file> gives it calibrated per-layer levels
 (a codebook from ``python -m torch_rkv calibrate-levels``; each layer decodes through its own rows).
 TORCH_RKV_ALLOCATION=<file>, in place of TORCH_RKV_SCHEME, gives each layer its own key and value bits
-(a per-layer split from ``python -m torch_rkv calibrate --split BITS``: every layer the same key + value
-bits, so that every page has the bytes vLLM's one page size gives it). Without either the plugin does
-nothing. The
+(an allocation from ``python -m torch_rkv calibrate --bits B`` or ``plan --vllm --sensitivity``; each
+layer's pages have its own bytes). Without either the plugin does nothing. The
 entry point (group ``vllm.general_plugins``) runs in every vLLM process, engine and workers, which
 inherit the variable.
 
@@ -21,7 +20,10 @@ What vLLM then does differently:
   ``vllm.v1.attention.backends.registry.register_backend``;
 - its KV cache spec publishes torch_rkv's page (``customize_spec``: one head slot of
   ``state_content_bytes`` per token, the packed bytes of every KV head), so the block manager sizes its
-  pool, reports its token capacity and admits requests from the real packed bytes;
+  pool, reports its token capacity and admits requests from the real packed bytes; with an allocation
+  each layer gets a backend class of its own scheme (``layer_backend``, bound once the model is loaded),
+  so each layer's page has its own bytes (vLLM's ``UniformTypeKVCacheSpecs``: one block table, pages of
+  unequal bytes);
 - each layer's forward runs ``rkv.paged_prefill_attention`` over the page pool (the new tokens see the
   cache as stored and themselves in full precision), then ``rkv.paged_append``.
 
@@ -29,7 +31,9 @@ The vLLM internals this relies on (checked at load time against the tested versi
 ``AttentionBackend`` / ``AttentionImpl`` / ``AttentionMetadataBuilder`` and ``CommonAttentionMetadata``
 (``query_start_loc``, ``seq_lens``, ``block_table_tensor``, ``max_query_len``, ``num_actual_tokens``) in
 ``vllm.v1.attention.backend``; ``register_backend`` and ``AttentionBackendEnum``; ``AttentionSpec``'s
-``num_head_slots`` / ``state_content_bytes``; the layer cache view ``[blocks, head slots, block tokens,
+``num_head_slots`` / ``state_content_bytes``; ``Attention.attn_backend``, ``layer_name`` and
+``AttentionImpl.process_weights_after_loading`` (called before the specs are asked for), and
+``compilation_config.static_forward_context``; the layer cache view ``[blocks, head slots, block tokens,
 content]`` (``KVCacheLayout.LBHNC``); ``get_rope`` for the model's own rotary table.
 
 Sequences' full-precision rows (sinks and the window ring) live in a side pool next to vLLM's, one slot
@@ -54,8 +58,8 @@ BACKEND = "torch_rkv.integrations.vllm_backend.RKVAttentionBackend"  # imported 
 
 def configured_layers() -> list[Scheme] | None:
     """Layer i's scheme (the model's numbering) of the TORCH_RKV_ALLOCATION file, or None when that is
-    not set. Every layer keeps the same key + value bits (one page size serves them), and shares its
-    sinks, window and block with the others."""
+    not set. Every layer shares its sinks, window and block with the others (layer_scheme); only the
+    bits differ."""
     path = os.environ.get(ALLOCATION_ENV, "").strip()
     if not path:
         return None
@@ -66,21 +70,13 @@ def configured_layers() -> list[Scheme] | None:
 def _allocation_schemes(path: str) -> list[Scheme]:
     from ..allocate import Allocation
 
-    alloc = Allocation.load(path)
-    totals = alloc.layer_totals()
-    for layer, total in enumerate(totals):
-        if total != totals[0]:
-            k, v = alloc.bits[layer]
-            raise ValueError(f"{ALLOCATION_ENV}={path}: layer {layer} keeps {k}+{v} key + value bits where layer 0 "
-                             f"keeps {totals[0]}; vLLM gives every layer pages of one size, so every layer must "
-                             f"keep the same total (python -m torch_rkv calibrate --split BITS writes such a file)")
-    return alloc.schemes()
+    return Allocation.load(path).schemes()
 
 
 def configured_scheme() -> Scheme | None:
     """The scheme TORCH_RKV_SCHEME names (with TORCH_RKV_CODEBOOK's levels when that is set), or None when
-    the plugin is off. With TORCH_RKV_ALLOCATION: layer 0's scheme, whose page size, sinks, window and
-    block every layer shares (configured_layers has each layer's bits)."""
+    the plugin is off. With TORCH_RKV_ALLOCATION: layer 0's scheme, whose sinks, window and block every
+    layer shares (configured_layers has each layer's bits)."""
     name = os.environ.get(ENV, "").strip()
     codebook = os.environ.get(CODEBOOK_ENV, "").strip()
     layers = configured_layers()

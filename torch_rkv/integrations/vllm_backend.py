@@ -27,7 +27,7 @@ from ..ops.rope import rope
 from ..reference import append_keeps_reads, quantized_count, read_rows
 from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE
-from .vllm import ALLOCATION_ENV, ENV, configured_layers, configured_scheme, overridden_backend
+from .vllm import ALLOCATION_ENV, ENV, TESTED_VLLM, configured_layers, configured_scheme, overridden_backend
 from .vllm_pool import block_multiple, content_bytes, slot_bytes
 from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, growth_beyond_headroom, slot_limit
 
@@ -35,18 +35,13 @@ logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed wit
 
 
 def _scheme() -> Scheme:
-    """The scheme every layer's pages are sized by (with an allocation: layer 0's, whose page bytes,
-    sinks, window and block every layer shares)."""
+    """The scheme every layer's sinks, window and block follow (with an allocation: layer 0's, which
+    every layer shares but for its bits)."""
     s = configured_scheme()
     if s is None:
         raise RuntimeError(f"torch_rkv's vLLM backend is in use but neither {ENV} nor {ALLOCATION_ENV} is set")
     s.check_served()
     return s
-
-
-def _all_schemes() -> list[Scheme]:
-    """One scheme per layer of the allocation, or the one scheme."""
-    return configured_layers() or [_scheme()]
 
 
 def layer_scheme(layer_name: str) -> Scheme:
@@ -96,13 +91,22 @@ class RKVAttentionBackend(AttentionBackend):
     def supports_sliding_window(cls) -> bool:
         return True  # the paged ops take sliding_window; vLLM frees the pages before the window
 
+    scheme: ClassVar[Scheme | None] = None  # the layer's, on layer_backend's classes (an allocation's rows)
+
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         if spec.state_content_bytes is not None:
             return spec
+        scheme = cls.scheme
+        if scheme is None:
+            if configured_layers() is not None:  # (vLLM asks after loading the model, which binds every layer)
+                raise RuntimeError(f"torch_rkv's vLLM backend: {ALLOCATION_ENV} is set but vLLM asked for a layer's "
+                                   "KV cache spec before the layer was bound to its scheme (process_weights_after_"
+                                   "loading); this vLLM calls its hooks in another order than vLLM "
+                                   f"{', '.join(TESTED_VLLM)}")
+            scheme = _scheme()
         return replace(spec, num_head_slots=1,
-                       state_content_bytes=content_bytes(_all_schemes(), spec.num_kv_heads, spec.head_size,
-                                                         spec.dtype))
+                       state_content_bytes=content_bytes(scheme, spec.num_kv_heads, spec.head_size, spec.dtype))
 
     @staticmethod
     def get_impl_cls():
@@ -111,6 +115,23 @@ class RKVAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls():
         return RKVMetadataBuilder
+
+
+_LAYER_BACKENDS: dict[Scheme, type[RKVAttentionBackend]] = {}
+
+
+def layer_backend(scheme: Scheme) -> type[RKVAttentionBackend]:
+    """The backend class of the layers that keep `scheme` (an allocation's row), whose customize_spec
+    publishes that scheme's page. vLLM's customize_spec hook sees the spec but not the layer, and it
+    asks the layer's own backend class (Attention.attn_backend), so a layer gets its page bytes from
+    its class: one KV cache group of pages of unequal bytes (UniformTypeKVCacheSpecs), and one
+    metadata builder per distinct scheme (vLLM groups layers by backend class and spec). Kept in this
+    module under its name, so that vLLM's (module, qualname) of it resolves."""
+    if scheme not in _LAYER_BACKENDS:
+        name = "RKVAttentionBackend_" + "".join(c if c.isalnum() else "_" for c in scheme.name)
+        cls = type(name, (RKVAttentionBackend,), {"scheme": scheme, "__module__": __name__, "__qualname__": name})
+        _LAYER_BACKENDS[scheme] = globals()[name] = cls
+    return _LAYER_BACKENDS[scheme]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,6 +273,19 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self._views = None  # (key, page region views) of the cache tensor (regions)
         self.levels = None  # (k_levels, v_levels) of this layer, read on the first forward (it names the layer)
         # (self.scheme is the shared one until then: side rows, signs and RoPE are the same in every layer)
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """vLLM calls this once the model is loaded, before it asks the layers for their KV cache specs:
+        with an allocation, the layer gets the backend class of its scheme (layer_backend), whose pages
+        have that scheme's bytes."""
+        if configured_layers() is None:
+            return
+        layers = self.vllm_config.compilation_config.static_forward_context.values()
+        layer = next((x for x in layers if getattr(x, "impl", None) is self), None)
+        if layer is None:
+            raise RuntimeError("torch_rkv's vLLM backend: this attention impl's layer is not in vLLM's "
+                               "static_forward_context, so its scheme of the allocation cannot be found")
+        layer.attn_backend = layer_backend(layer_scheme(layer.layer_name))
 
     def _bind(self, layer, device) -> tuple:
         """This layer's scheme (its row of an allocation) and codebook_rows, on the device: read once, on

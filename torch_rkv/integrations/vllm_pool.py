@@ -5,7 +5,8 @@ and the main suite use it, the backend publishes content_bytes from here, and te
 token counts against the ones vLLM logs ("KV cache size: N tokens, Maximum concurrency ...").
 
 vLLM 0.32 (v1/core/kv_cache_utils.py) cuts its KV memory into blocks of `block_size` tokens of every
-layer: blocks = memory // (layers x page bytes). A request of L tokens takes ceil(L / block_size) of
+layer: blocks = memory // (the sum of the layers' page bytes; under a per-layer allocation each layer's
+page has its own bytes, UniformTypeKVCacheSpecs). A request of L tokens takes ceil(L / block_size) of
 them, so the engine runs blocks / ceil(L / block_size) such requests at once ("maximum concurrency"),
 and logs int(concurrency x L) tokens as its KV cache size.
 """
@@ -17,7 +18,7 @@ from functools import cached_property
 
 import torch
 
-from ..layout import PageLayout, common_page_bytes, round_up
+from ..layout import PageLayout, round_up
 from ..scheme import Scheme
 from .vllm_slots import INITIAL_SLOTS, pool_slots, slot_limit
 
@@ -25,13 +26,12 @@ from .vllm_slots import INITIAL_SLOTS, pool_slots, slot_limit
 DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
 
 
-def content_bytes(schemes: list[Scheme], kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes per token of one page (every KV head), rounded up to the cache dtype: vLLM's page is
-    block_size x this, which holds PageLayout's page of block_size tokens for every block size that is a
-    multiple of the scheme's block (the per-block metadata is amortized over the block). schemes: every
-    layer's (they share one page size, so their pages must have equal bytes: common_page_bytes)."""
-    page = round_up(16, schemes[0].block)
-    per_token = -(-common_page_bytes(schemes, kv_heads, head_dim, page, dtype) // page)
+def content_bytes(scheme: Scheme, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes per token of one layer's page (every KV head) in `scheme`, rounded up to the cache dtype:
+    vLLM's page is block_size x this, which holds PageLayout's page of block_size tokens for every block
+    size that is a multiple of the scheme's block (the per-block metadata is amortized over the block)."""
+    page = round_up(16, scheme.block)
+    per_token = -(-PageLayout(scheme, kv_heads, head_dim, page, dtype).page_bytes // page)
     return round_up(per_token, dtype.itemsize)
 
 
@@ -61,7 +61,7 @@ def slot_bytes(scheme: Scheme, layers: int, kv_heads: int, head_dim: int, dtype:
 class VllmPool:
     """One engine's KV pool: `layers` attention layers (none sliding) of `kv_heads` x `head_dim`, the
     model in `dtype`, blocks of `block_size` tokens. schemes: each layer's torch_rkv scheme (the plugin;
-    one page size: equal key + value bits), or None: vLLM's own cache in the model dtype ("auto")."""
+    each layer's page has its scheme's bytes), or None: vLLM's own cache in the model dtype ("auto")."""
 
     layers: int
     kv_heads: int
@@ -79,15 +79,21 @@ class VllmPool:
                                  f"{block_multiple(s)} tokens, which {s.name}'s pages need")
 
     @cached_property  # (a frozen dataclass: computed once; content_bytes walks every layer's layout)
-    def page_bytes(self) -> int:
-        """One layer's page: block_size tokens of every KV head."""
+    def layer_pages(self) -> tuple[int, ...]:
+        """Each layer's page: block_size tokens of every KV head."""
         if self.schemes is None:
-            return self.block_size * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
-        return self.block_size * content_bytes(list(self.schemes), self.kv_heads, self.head_dim, self.dtype)
+            return (self.block_size * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize,) * self.layers
+        per_token = {s: content_bytes(s, self.kv_heads, self.head_dim, self.dtype) for s in set(self.schemes)}
+        return tuple(self.block_size * per_token[s] for s in self.schemes)
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of every layer: what vLLM divides its KV memory by."""
+        return sum(self.layer_pages)
 
     def blocks(self, kv_bytes: float) -> int:
         """Blocks (of every layer) in `kv_bytes` of KV memory."""
-        return int(kv_bytes // (self.layers * self.page_bytes))
+        return int(kv_bytes // self.block_bytes)
 
     def capacity(self, kv_bytes: float, max_model_len: int) -> tuple[int, float]:
         """(KV cache size in tokens, maximum concurrency for requests of max_model_len tokens), as vLLM
@@ -97,7 +103,7 @@ class VllmPool:
 
     def pages_bytes(self, context: int, requests: int) -> int:
         """KV memory `requests` requests of `context` tokens take at once: their blocks, whole."""
-        return requests * -(-context // self.block_size) * self.layers * self.page_bytes
+        return requests * -(-context // self.block_size) * self.block_bytes
 
     @property
     def slot_bytes(self) -> int:
