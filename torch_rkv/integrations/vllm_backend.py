@@ -172,6 +172,12 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         if self.page_size % scheme.block:
             raise ValueError(f"torch_rkv: vLLM's block_size ({self.page_size}) must be a multiple of scheme "
                              f"{scheme.name}'s block of {scheme.block} tokens (--block-size)")
+        padded, real = getattr(kv_cache_spec, "page_size_padded", None), kv_cache_spec.real_page_size_bytes
+        if padded is not None and padded > real:  # (vLLM's hybrid allocator: sliding and global layers' groups)
+            logger.warning("torch_rkv: vLLM pads the pages of %s from %d to %d bytes to give every KV-cache group "
+                           "pages of one size; an allocation whose layers keep other key + value totals holds no "
+                           "more tokens here than its largest page allows (python -m torch_rkv calibrate --split "
+                           "keeps one total)", ", ".join(layer_names), real, padded)
         self.tracker = SlotTracker(side_slot_count(vllm_config), self.page_size, scheme.sinks, INITIAL_SLOTS)
         self.slot_bytes = slot_bytes(scheme, len(layer_names), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                                      kv_cache_spec.dtype)
