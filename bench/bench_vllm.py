@@ -13,6 +13,11 @@ process per row (scripts/vllm_engine.py), all in this run. Runs in the vLLM venv
 
     .venv-vllm/bin/python bench/bench_vllm.py [--json] [--cases pressure roomy decode]
         [--requests 16 --prompt 1024 --new 64 --fit 4] [--context 16384] [--dtype bfloat16] [--in-process]
+        [--allocation FILE]
+
+--allocation FILE adds a row `allocation`: per-layer bits (TORCH_RKV_ALLOCATION, e.g. from `python -m
+torch_rkv calibrate --bits 3`), whose layers' pages differ in bytes and which vLLM runs with one metadata
+builder per distinct layer scheme; compare it with the uniform scheme of the same average bits.
 
 Prompts are alice29 tokens (the report's text) through the default model's HF export
 (python -m torch_rkv export-model). The throughput rows take the wall time of one generate call with
@@ -36,6 +41,7 @@ from common import emit, print_machine
 
 SCHEMES = ("auto", "rkv-4", "rkv-3")
 SAME = "auto+side"  # pressure: auto at the KV budget plus the largest side pool of the plugin's rows
+ALLOCATION = "allocation"  # the row of --allocation's per-layer bits
 
 
 def model_bytes_per_token(model_dir: str, dtype: str) -> int:
@@ -50,13 +56,18 @@ def model_bytes_per_token(model_dir: str, dtype: str) -> int:
 
 def side_pool_mib(log: str) -> float:
     """The plugin's side pool (sinks and window rows in full precision, outside vLLM's KV budget) at its
-    largest, from the plugin's log line."""
-    sizes = re.findall(r"torch_rkv: side pool of \d+ slots, ([\d.]+) MiB", log)
-    return float(sizes[-1]) if sizes else 0.0
+    largest, from the plugin's log lines: each metadata builder's last (an allocation's layers have one
+    builder per distinct scheme, each logging its own layers' share)."""
+    by_builder = {layer: float(mib) for mib, layer in re.findall(
+        r"torch_rkv: side pool of \d+ slots, ([\d.]+) MiB over \d+ layers from (\S+)", log)}
+    return sum(by_builder.values())
 
 
-def engine_run(model_dir, scheme, engine_args, tasks, in_process: bool) -> dict:
+def engine_run(model_dir, scheme, engine_args, tasks, in_process: bool, allocation: str | None = None) -> dict:
+    """One engine: `scheme` ("auto": vLLM's own cache; "allocation": the per-layer bits of `allocation`)."""
     job = {"model": model_dir, "engine": {"disable_log_stats": False, **engine_args}, "tasks": tasks}
+    if scheme == ALLOCATION:
+        return vllm_engine.run(None, job, timeout=1800, in_process=in_process, allocation=allocation)
     return vllm_engine.run(None if scheme == "auto" else scheme, job, timeout=1800, in_process=in_process)
 
 
@@ -88,7 +99,10 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--decode-new", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--allocation", help="also a row of these per-layer bits (an allocation file)")
     args = ap.parse_args()
+    if args.allocation:
+        args.schemes.append(ALLOCATION)
 
     from transformers import AutoTokenizer
 
@@ -126,7 +140,7 @@ def main() -> int:
                                                           and s in ("auto", "rkv-4") else [])
             if t:
                 runs[case, s] = engine_run(model_dir, s, {"dtype": args.dtype, "max_num_seqs": seqs, **extra}, t,
-                                           args.in_process)
+                                           args.in_process, args.allocation)
         if case not in args.cases:
             continue
         budgets = {s: budget for s in args.schemes}

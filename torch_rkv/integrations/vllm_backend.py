@@ -207,9 +207,9 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         slots, inits = self.tracker.assign(host_cached, host_counts, rows)
         if len(self.tracker.slots) > self.logged_slots:
             self.logged_slots = len(self.tracker.slots)
-            logger.info("torch_rkv: side pool of %d slots, %.1f MiB over %d layers (of at most %d slots)",
+            logger.info("torch_rkv: side pool of %d slots, %.1f MiB over %d layers from %s (of at most %d slots)",
                         self.logged_slots, self.logged_slots * self.slot_bytes / 2**20, len(self.layer_names),
-                        self.tracker.limit)
+                        self.layer_names[0], self.tracker.limit)
         positions = torch.cat([torch.arange(n, n + m) for n, m in zip(host_cached, host_counts)] or
                               [torch.zeros(0, dtype=torch.int64)]).to(qsl.device)
         tokens = int(qsl[-1])
