@@ -263,9 +263,6 @@ def transformers_ppl(model_dir, layer_codebook, layer_allocation):
     """The same chunked protocol through torch_rkv's transformers integration, in the main venv
     (TORCH_RKV_HF_PYTHON: it needs transformers >= 5.24; vLLM pins an older one); "rkv-3+codebook":
     rkv-3 with layer_codebook's levels; "allocation": layer_allocation's per-layer schemes."""
-    py = os.environ.get("TORCH_RKV_HF_PYTHON")
-    if not py:
-        pytest.skip("TORCH_RKV_HF_PYTHON (the main venv's python) is not set")
     code = ("import json\nfrom torch_rkv.eval import data, perplexity\nfrom torch_rkv import scheme as S\n"
             "from torch_rkv.integrations.transformers import RKVCache\n"
             f"model, tok = data.load_model({model_dir!r})\n"
@@ -279,10 +276,19 @@ def transformers_ppl(model_dir, layer_codebook, layer_allocation):
             "for name, scheme in schemes.items():\n"
             "    out[name] = perplexity.chunked(model, ids, lambda n, s=scheme: RKVCache(model, s, capacity=n), 256)\n"
             "print('RESULT ' + json.dumps(out))\n")
+    return json.loads(in_main_venv(code))
+
+
+def in_main_venv(code: str) -> str:
+    """Run `code` with the main venv's python (TORCH_RKV_HF_PYTHON: torch_rkv's transformers integration
+    needs transformers >= 5.24; vLLM pins an older one) and return what it printed after "RESULT "."""
+    py = os.environ.get("TORCH_RKV_HF_PYTHON")
+    if not py:
+        pytest.skip("TORCH_RKV_HF_PYTHON (the main venv's python) is not set")
     proc = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=900, check=False)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(line[-1][len("RESULT "):])
+    return line[-1][len("RESULT "):]
 
 
 @pytest.mark.parametrize("scheme", ["rkv-4", "rkv-3", "rkv-2", "rkv-sparse-2"])
@@ -341,8 +347,7 @@ def test_per_layer_bits_on_a_sliding_and_a_global_layer(tmp_path_factory, tmp_pa
     hardly feels), and the plugin warns that the padding costs the allocation its capacity."""
     from torch_rkv.allocate import Allocation
 
-    py = os.environ.get("TORCH_RKV_HF_PYTHON")
-    if not py:
+    if not os.environ.get("TORCH_RKV_HF_PYTHON"):  # (before the engine run: in_main_venv would skip after it)
         pytest.skip("TORCH_RKV_HF_PYTHON (the main venv's python) is not set")
     model = tiny_family(tmp_path_factory, "gemma2")
     path = tmp_path / "gemma2.json"
@@ -361,10 +366,7 @@ def test_per_layer_bits_on_a_sliding_and_a_global_layer(tmp_path_factory, tmp_pa
             ".schemes()):\n    with torch.no_grad():\n"
             "        out.append(perplexity.chunked(m, ids, lambda n: RKVCache(m, schemes, capacity=n), 256))\n"
             "print(f'RESULT {out[0]!r} {out[1]!r}')\n")
-    proc = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=600, check=False)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
-    want, uniform = map(float, line[-1][len("RESULT "):].split())
+    want, uniform = map(float, in_main_venv(code).split())
     assert abs(got["ppl"] / want - 1) < 2e-5, (got["ppl"], want)
     assert abs(uniform / want - 1) > 1e-4, (uniform, want)
     assert "vLLM pads the pages of model.layers.1.self_attn.attn" in got["log"]
