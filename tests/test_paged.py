@@ -429,6 +429,58 @@ def test_fork_shares_full_pages_and_copies_the_open_one(device):
     assert cache.free_pages() == cache.num_pages
 
 
+def test_per_layer_schemes_store_and_read_as_each_schemes_own_cache():
+    """A per-layer allocation in one pool (each layer its own key and value bits, 2-bit keys clipped):
+    chunked prefill, decode steps and a fork give, layer by layer, the outputs and page bytes of a
+    one-layer cache of that layer's scheme, bit for bit; the bytes are the sum of theirs."""
+    base = presets.recommended(2).replace(k_block_tokens=16, recent=8)
+    schemes = [base.replace(name=f"k{k}v{v}", k_bits=k, v_bits=v, k_clip=k == 2) for k, v in ((4, 4), (3, 2), (2, 2))]
+    gen = torch.Generator().manual_seed(3)
+
+    def make(ss):
+        return PagedQuantizedKVCache(ss, len(ss), H, D, 32, 4, dtype=torch.float32, rope=tables_for(),
+                                     max_pages_per_seq=12)
+
+    mixed, singles = make(schemes), [make([s]) for s in schemes]
+    assert len({lay.page_bytes for lay in mixed.layouts}) == 3
+    assert mixed.nbytes() == sum(c.nbytes() for c in singles)
+    seqs = [[c.add(), c.add()] for c in (mixed, *singles)]
+    for step, counts in enumerate(((13, 40), (1, 1), (30, 5), (1, 1), "fork", (1, 1))):
+        if counts == "fork":  # the second sequence's fork joins: its open page and side rows copied
+            seqs = [ids + [c.fork(ids[1])] for c, ids in zip((mixed, *singles), seqs)]
+            continue
+        counts = list(counts) + [1] * (len(seqs[0]) - len(counts))
+        batches = [c.schedule(ids, counts) for c, ids in zip((mixed, *singles), seqs)]
+        for layer, single in enumerate(singles):
+            t = sum(counts)
+            q, k, v = (torch.randn(t, n, D, generator=gen) for n in (2 * H, H, H))
+            if max(counts) > 1:
+                got = mixed.prefill(layer, batches[0], q, k, v)
+                want = single.prefill(0, batches[layer + 1], q, k, v)
+            else:
+                mixed.append(layer, batches[0], k, v)
+                single.append(0, batches[layer + 1], k, v)
+                got, want = mixed.attend(layer, batches[0], q), single.attend(0, batches[layer + 1], q)
+            assert torch.equal(got, want), (step, layer)
+        for c, b in zip((mixed, *singles), batches):
+            c.commit(b)
+    for layer, single in enumerate(singles):
+        for page in mixed.pages_of(seqs[0][2]) + mixed.pages_of(seqs[0][0]):
+            assert torch.equal(mixed.page_bytes(layer, page), single.page_bytes(0, page))
+    assert "K/V bits by layer 44 32 22" in repr(mixed)
+
+
+def test_per_layer_schemes_may_differ_only_in_their_bits():
+    base = presets.recommended(2).replace(k_block_tokens=16, recent=8)
+    with pytest.raises(ValueError, match="layer 1's scheme .* in recent; .* differ only in k_bits, v_bits"):
+        PagedQuantizedKVCache([base, base.replace(k_bits=3, recent=16)], 2, H, D, 8, 2, rope=tables_for())
+    with pytest.raises(ValueError, match="3 schemes for num_layers=2"):
+        PagedQuantizedKVCache([base] * 3, 2, H, D, 8, 2, rope=tables_for())
+    cal = calibrated_preset(bits=2)
+    with pytest.raises(NotImplementedError, match="calibrated levels"):
+        PagedQuantizedKVCache([cal, cal.replace(v_bits=3)], 2, H, D, 8, 2, rope=tables_for())
+
+
 # ------------------------------------------------------------------------------------------------
 # A pool under random admissions, appends, forks and evictions
 # ------------------------------------------------------------------------------------------------

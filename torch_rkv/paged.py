@@ -22,7 +22,7 @@ traces under torch.compile(fullgraph=True) with the batch size dynamic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
@@ -64,6 +64,9 @@ class _Sequence:
 class PagedQuantizedKVCache(torch.nn.Module):
     """num_layers x num_pages pages of page_size tokens (every kv head), and max_seqs side slots.
 
+    scheme: one for every layer, or one per layer (a per-layer bit allocation, torch_rkv.allocate: the
+    layers differ only in their key and value bits and clipping, PER_LAYER; each layer's pages hold its
+    own bytes, and the page pool and the sequences' block tables are shared by every layer).
     page_size: a multiple of the scheme's block (default: the block; 16 for per-token schemes).
     max_pages_per_seq: the block tables' width (default: every page), which bounds a sequence's length.
     rope: (cos, sin) (positions, rot_dim / 2), the model's table, for pre-RoPE schemes; it must cover
@@ -73,7 +76,8 @@ class PagedQuantizedKVCache(torch.nn.Module):
     an engine such as vLLM frees them; a model mixing sliding and global layers takes a cache per kind).
     """
 
-    def __init__(self, scheme: Scheme, num_layers: int, kv_heads: int, head_dim: int, num_pages: int, max_seqs: int,
+    def __init__(self, scheme: Scheme | Sequence[Scheme], num_layers: int, kv_heads: int, head_dim: int,
+                 num_pages: int, max_seqs: int,
                  page_size: Optional[int] = None, dtype: torch.dtype = torch.float16, device=None,
                  rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, rope_interleaved: bool = False,
                  max_pages_per_seq: Optional[int] = None, sliding_window: int = 0, softcap: float = 0.0,
@@ -82,10 +86,12 @@ class PagedQuantizedKVCache(torch.nn.Module):
         if num_layers < 1 or num_pages < 1 or max_seqs < 1:
             raise ValueError(f"PagedQuantizedKVCache: num_layers ({num_layers}), num_pages ({num_pages}) and max_seqs "
                              f"({max_seqs}) must be >= 1")
-        scheme.check_served()
-        self.scheme = scheme
+        self.schemes = per_layer_schemes(scheme, num_layers)
+        scheme = self.scheme = self.schemes[0]  # (its sinks, window, block and rotations are every layer's)
         self.num_layers = num_layers
-        self.layout = PageLayout(scheme, kv_heads, head_dim, page_size or default_page_size(scheme), dtype)
+        page_size = page_size or default_page_size(scheme)
+        self.layouts = [PageLayout(s, kv_heads, head_dim, page_size, dtype) for s in self.schemes]
+        self.layout = self.layouts[0]
         self.num_pages, self.max_seqs = num_pages, max_seqs
         self.max_pages_per_seq = max_pages_per_seq or num_pages
         self.rope_interleaved = rope_interleaved
@@ -93,9 +99,17 @@ class PagedQuantizedKVCache(torch.nn.Module):
         # each region of the page format in its own tensor (layers, pages, kv_heads, rows, last dim): the same
         # bytes per page as PageLayout's one-buffer page (page_bytes() packs them), but typed, so that
         # torch.compile can trace appends (aot_autograd cannot mutate dtype views of one byte buffer)
+        # (a region whose shape differs by layer, the codes of a per-layer allocation: one tensor per layer)
         self.regions = [name for name, _, _ in self.layout.regions()]
+        self._per_layer = set()
         for name, shape, dt in self.layout.regions():
-            self.register_buffer(name, torch.zeros(num_layers, num_pages, *shape, dtype=dt, device=device))
+            shapes = [{n: s for n, s, _ in lay.regions()}[name] for lay in self.layouts]
+            if all(s == shape for s in shapes):
+                self.register_buffer(name, torch.zeros(num_layers, num_pages, *shape, dtype=dt, device=device))
+                continue
+            self._per_layer.add(name)
+            for layer, s in enumerate(shapes):
+                self.register_buffer(f"{name}_{layer}", torch.zeros(num_pages, *s, dtype=dt, device=device))
         for name, (shape, dt) in self.layout.side_shapes(max_seqs).items():
             self.register_buffer(name, torch.zeros((num_layers, *shape), dtype=dt, device=device))
         self.register_buffer("page_fill", torch.zeros(num_layers, num_pages, dtype=torch.int32, device=device))
@@ -134,18 +148,17 @@ class PagedQuantizedKVCache(torch.nn.Module):
         return self.max_pages_per_seq * self.page_size
 
     def nbytes(self) -> int:
-        """Exact bytes of the pages, the side slots and the page counts (all layers), from the layout."""
-        lay = self.layout
-        return self.num_layers * (self.num_pages * lay.payload_bytes + self.max_seqs * lay.slot_bytes
-                                  + 4 * self.num_pages)
+        """Exact bytes of the pages, the side slots and the page counts (all layers), from the layouts."""
+        return sum(self.num_pages * lay.payload_bytes + self.max_seqs * lay.slot_bytes + 4 * self.num_pages
+                   for lay in self.layouts)
 
     def page_bytes(self, layer: int, page: int) -> torch.Tensor:
         """Page `page` of `layer` in the documented one-buffer byte layout (PageLayout, docs/format.md),
         (page_bytes,) uint8: what an engine that keeps one buffer per page stores."""
-        lay = self.layout
-        out = torch.zeros(lay.page_bytes, dtype=torch.uint8, device=self.k_codes.device)
+        lay = self.layouts[layer]
+        out = torch.zeros(lay.page_bytes, dtype=torch.uint8, device=self.page_fill.device)
         for name in self.regions:
-            raw = getattr(self, name)[layer, page].contiguous().view(torch.uint8).reshape(-1)
+            raw = self._region(name, layer)[page].contiguous().view(torch.uint8).reshape(-1)
             out[lay.offsets[name] : lay.offsets[name] + raw.numel()] = raw
         return out
 
@@ -200,7 +213,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         child = self.add()
         c = self._seqs[child]
         c.pages, c.length = pages + copy_dst, parent.length
-        dev = self.k_codes.device
+        dev = self.page_fill.device
         src = torch.tensor(copy_src, dtype=torch.int64, device=dev)
         dst = torch.tensor(copy_dst, dtype=torch.int64, device=dev)
         slots = (torch.tensor([parent.slot], device=dev), torch.tensor([c.slot], device=dev))
@@ -230,9 +243,9 @@ class PagedQuantizedKVCache(torch.nn.Module):
             while len(s.pages) < self.layout.pages_for(s.length + m):
                 s.pages.append(self._take_page())
                 fresh.append(s.pages[-1])
+        dev = self.page_fill.device
         if fresh:  # a recycled page starts empty: nothing quantized in it yet
-            self.page_fill[:, torch.tensor(fresh, device=self.k_codes.device)] = 0
-        dev = self.k_codes.device
+            self.page_fill[:, torch.tensor(fresh, device=dev)] = 0
         tables = torch.zeros(len(seqs), self.max_pages_per_seq, dtype=torch.int32)
         lengths, starts, positions = [], [0], []
         for i, (seq, m) in enumerate(zip(seqs, counts)):
@@ -258,9 +271,16 @@ class PagedQuantizedKVCache(torch.nn.Module):
         """The ten tensors the paged ops take for this layer: region views of the pool and side slots."""
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"PagedQuantizedKVCache: layer {layer} is out of range for {self.num_layers} layers")
-        region = lambda name: getattr(self, name)[layer] if name in self.regions else None  # noqa: E731
-        return [region("k_codes"), region("k_scale"), region("k_zero"), region("v_codes"), region("v_scale"),
-                region("v_zero"), self.k_window[layer], self.v_window[layer], self.k_sink[layer], self.v_sink[layer]]
+        region = self._region
+        return [region("k_codes", layer), region("k_scale", layer), region("k_zero", layer), region("v_codes", layer),
+                region("v_scale", layer), region("v_zero", layer), self.k_window[layer], self.v_window[layer],
+                self.k_sink[layer], self.v_sink[layer]]
+
+    def _region(self, name: str, layer: int) -> Optional[torch.Tensor]:
+        """Region `name` of `layer`'s pages (num_pages, kv_heads, rows, last dim), or None (not in the scheme)."""
+        if name not in self.regions:
+            return None
+        return getattr(self, f"{name}_{layer}") if name in self._per_layer else getattr(self, name)[layer]
 
     def to_storage(self, batch: PagedBatch, k: torch.Tensor, v: torch.Tensor):
         """Post-RoPE keys / values (T, Hkv, D) at batch.positions -> the storage space and dtype."""
@@ -277,7 +297,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         self._append_storage(layer, batch, *self.to_storage(batch, k, v))
 
     def _append_storage(self, layer, batch, ks, vs) -> None:
-        s = self.scheme
+        s = self.schemes[layer]
         paged_append(*self.layer_tensors(layer), self.page_fill[layer], batch.block_tables, batch.side_slots,
                      batch.lengths, batch.query_start_loc, ks, vs, s.k_bits, s.v_bits, s.block, s.recent, s.k_clip,
                      s.v_clip, None, *layer_levels(self, layer), *layer_outliers(self, layer))
@@ -286,7 +306,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
                split_tokens: int = 0) -> torch.Tensor:
         """Decode: attention (B, Hq, D) of each sequence's newest post-RoPE query q (B, Hq, D) over all its
         tokens, this step's appended ones included (call append first)."""
-        s = self.scheme
+        s = self.schemes[layer]
         return paged_decode_attention(q, *self.layer_tensors(layer), batch.block_tables, batch.side_slots,
                                       batch.lengths_after, s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
@@ -299,7 +319,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
         cache and the chunk itself (in full precision), then the chunk's keys / values (T, Hkv, D)
         appended. Serves chunked prefill, a later turn and speculative verification."""
         ks, vs = self.to_storage(batch, k, v)
-        s = self.scheme
+        s = self.schemes[layer]
         out = paged_prefill_attention(q, ks, vs, batch.query_start_loc, batch.max_query_len,
                                       *self.layer_tensors(layer), batch.block_tables, batch.side_slots, batch.lengths,
                                       s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos, self.rope_sin,
@@ -330,6 +350,36 @@ class PagedQuantizedKVCache(torch.nn.Module):
 
     def extra_repr(self) -> str:
         lay = self.layout
-        return (f"{self.scheme.describe(lay.head_dim)}; layers={self.num_layers}, pages={self.num_pages} x "
-                f"{lay.page_size} tokens ({lay.page_bytes} B), sequences<={self.max_seqs}, "
-                f"{self.nbytes() / 2**20:.1f} MiB")
+        if len(set(self.schemes)) == 1:
+            what, page = self.scheme.describe(lay.head_dim), f"{lay.page_bytes} B"
+        else:
+            what = "K/V bits by layer " + " ".join(f"{s.k_bits}{s.v_bits}" for s in self.schemes)
+            page = f"{min(x.page_bytes for x in self.layouts)}-{max(x.page_bytes for x in self.layouts)} B"
+        return (f"{what}; layers={self.num_layers}, pages={self.num_pages} x {lay.page_size} tokens ({page}), "
+                f"sequences<={self.max_seqs}, {self.nbytes() / 2**20:.1f} MiB")
+
+
+PER_LAYER = ("name", "k_bits", "v_bits", "k_clip", "v_clip")  # what a per-layer scheme list may vary by layer
+
+
+def per_layer_schemes(scheme: Scheme | Sequence[Scheme], num_layers: int) -> list[Scheme]:
+    """One scheme per layer: `scheme` for every layer, or the list, checked: one per layer, each served,
+    and differing from layer 0's only in PER_LAYER (the page pool, side slots and rotations are
+    shared). Calibrated levels come one table per width, so they take one scheme for every layer."""
+    schemes = [scheme] * num_layers if isinstance(scheme, Scheme) else list(scheme)
+    if len(schemes) != num_layers:
+        raise ValueError(f"PagedQuantizedKVCache: {len(schemes)} schemes for num_layers={num_layers}")
+    for s in set(schemes):
+        s.check_served()
+    first = schemes[0]
+    for layer, s in enumerate(schemes):
+        differ = [f.name for f in fields(Scheme)
+                  if f.name not in PER_LAYER and getattr(s, f.name) != getattr(first, f.name)]
+        if differ:
+            raise ValueError(f"PagedQuantizedKVCache: layer {layer}'s scheme {s.name} differs from layer 0's "
+                             f"({first.name}) in {', '.join(differ)}; the layers of one cache may differ only in "
+                             f"{', '.join(PER_LAYER[1:])}")
+    if len(set(schemes)) > 1 and first.levels == "calibrated":
+        raise NotImplementedError("PagedQuantizedKVCache: per-layer schemes with calibrated levels (a codebook "
+                                  "holds one table per width; give every layer the same scheme)")
+    return schemes
