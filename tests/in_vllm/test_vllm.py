@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -331,6 +332,9 @@ def test_per_layer_bits_give_the_same_perplexity_in_both_engines(model_dir, alic
     assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
     assert abs(want / transformers_ppl["rkv-3"] - 1) > 3e-3, (want, transformers_ppl["rkv-3"])
     schemes = tuple(Allocation.load(layer_allocation).schemes())
+    kept = set(re.findall(r"torch_rkv: (\d+) layers keep (\d)-bit keys and (\d)-bit values", got["log"]))
+    assert kept == {("5", str(k), str(v)) for k, v in LAYER_BITS}  # one metadata builder per layer scheme
+
     def capacity(layer_schemes):
         return VllmPool(30, 3, 64, torch.float32, layer_schemes).capacity(float(KV_GB) * 2**30, 4096)
 

@@ -172,6 +172,11 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         if self.page_size % scheme.block:
             raise ValueError(f"torch_rkv: vLLM's block_size ({self.page_size}) must be a multiple of scheme "
                              f"{scheme.name}'s block of {scheme.block} tokens (--block-size)")
+        if layers is not None:  # (an allocation: one builder per distinct layer scheme, layer_backend)
+            mine = layer_scheme(layer_names[0])
+            logger.info("torch_rkv: %d layers keep %d-bit keys and %d-bit values, pages of %d bytes a token (%s, ...)",
+                        len(layer_names), mine.k_bits, mine.v_bits, kv_cache_spec.real_page_size_bytes //
+                        kv_cache_spec.block_size, layer_names[0])
         padded, real = getattr(kv_cache_spec, "page_size_padded", None), kv_cache_spec.real_page_size_bytes
         if padded is not None and padded > real:  # (vLLM's hybrid allocator: sliding and global layers' groups)
             logger.warning("torch_rkv: vLLM pads the pages of %s from %d to %d bytes to give every KV-cache group "
