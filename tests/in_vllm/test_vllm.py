@@ -456,10 +456,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_vllm_serve_answers_a_completion(model_dir):
-    """`vllm serve` with the plugin on loopback answers an OpenAI completion request, then shuts down."""
+@pytest.mark.parametrize("served", ["rkv-4", "allocation"])
+def test_vllm_serve_answers_a_completion(model_dir, served, request):
+    """`vllm serve` with the plugin on loopback answers an OpenAI completion request, then shuts down:
+    with rkv-4, and with per-layer bits (layer_allocation: each layer bound to its scheme in vLLM's
+    worker process, the default multiprocess layout)."""
     port = _free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_GB, **{plugin.ENV: "rkv-4"})
+    setting = ({plugin.ENV: "rkv-4"} if served == "rkv-4" else
+               {plugin.ALLOCATION_ENV: request.getfixturevalue("layer_allocation")})
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_GB, **setting)
+    for name in (plugin.ENV, plugin.ALLOCATION_ENV, plugin.CODEBOOK_ENV):
+        if name not in setting:
+            env.pop(name, None)
     server = subprocess.Popen([sys.executable, str(SCRIPTS / "vllm_serve.py"), "serve", model_dir, "--host", "127.0.0.1",
                                "--port", str(port),
                                "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048"], env=env,
@@ -491,6 +499,9 @@ def test_vllm_serve_answers_a_completion(model_dir):
             server.kill()
             out, _ = server.communicate()
     assert "TORCH_RKV" in out or "KV cache size" in out
+    if served == "allocation":  # every layer scheme's pages (one metadata builder each)
+        kept = set(re.findall(r"torch_rkv: \d+ layers keep (\d)-bit keys and (\d)-bit values", out))
+        assert kept == {(str(k), str(v)) for k, v in LAYER_BITS}, out[-4000:]
 
 
 def test_outside_the_tested_versions_the_plugin_refuses(monkeypatch):
