@@ -33,7 +33,7 @@ from .layout import PageLayout, default_page_size
 from .ops.hadamard import hadamard, hadamard_signs
 from .ops.paged import paged_append, paged_copy, paged_decode_attention, paged_prefill_attention
 from .ops.rope import rope
-from .scheme import Scheme
+from .scheme import Scheme, per_layer
 
 
 @dataclass
@@ -366,9 +366,7 @@ def per_layer_schemes(scheme: Scheme | Sequence[Scheme], num_layers: int) -> lis
     """One scheme per layer: `scheme` for every layer, or the list, checked: one per layer, each served,
     and differing from layer 0's only in PER_LAYER (the page pool, side slots and rotations are
     shared). Calibrated levels come one table per width, so they take one scheme for every layer."""
-    schemes = [scheme] * num_layers if isinstance(scheme, Scheme) else list(scheme)
-    if len(schemes) != num_layers:
-        raise ValueError(f"PagedQuantizedKVCache: {len(schemes)} schemes for num_layers={num_layers}")
+    schemes = per_layer(scheme, num_layers, "PagedQuantizedKVCache", f"num_layers={num_layers}")
     for s in set(schemes):
         s.check_served()
     first = schemes[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -249,6 +250,16 @@ SERVED_PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "qua
                   "rkv-mixed": recommended_mixed, "rkv-sparse": recommended_sparse}  # the caches and kernels store these
 # and the report also simulates these
 PRESETS = {**SERVED_PRESETS, "turboquant": turboquant}
+
+
+def per_layer(scheme: Scheme | Sequence[Scheme], layers: int, owner: str, layers_named: str) -> list[Scheme]:
+    """One scheme per layer, as a cache takes them: `scheme` for every layer, or the list (a per-layer
+    allocation), which must hold one per layer (ValueError from `owner`, the layers named as
+    `layers_named`, otherwise)."""
+    schemes = [scheme] * layers if isinstance(scheme, Scheme) else list(scheme)
+    if len(schemes) != layers:
+        raise ValueError(f"{owner}: scheme lists {len(schemes)} schemes for {layers_named}")
+    return schemes
 
 
 def by_name(spec: str) -> Scheme:

@@ -47,7 +47,7 @@ if not TESTED_TRANSFORMERS[0] <= _version < TESTED_TRANSFORMERS[1]:
 
 from ..cache import QuantizedKVCache
 from ..layout import max_tokens
-from ..scheme import Scheme
+from ..scheme import Scheme, per_layer
 from . import models
 
 ATTENTION = "rkv"
@@ -199,9 +199,7 @@ class RKVCache(Cache):
         att = models.inspect(model)
         device = device if device is not None else next(model.parameters()).device
         dtype = dtype if dtype is not None else next(model.parameters()).dtype
-        schemes = [scheme] * att.layers if isinstance(scheme, Scheme) else list(scheme)
-        if len(schemes) != att.layers:
-            raise ValueError(f"RKVCache: scheme lists {len(schemes)} schemes for a model of {att.layers} layers")
+        schemes = per_layer(scheme, att.layers, "RKVCache", f"a model of {att.layers} layers")
         for s in set(schemes):
             s.check_head_dim(att.head_dim)
         # one QuantizedKVCache per kind of layer: sliding-window layers keep a ring of their window (a window
