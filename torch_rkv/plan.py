@@ -255,14 +255,14 @@ def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float
     code bytes, rows x head_dim x bits / 8 per kv head and side, so the knapsack weighs each layer by its
     rows (a sliding layer's ring holds fewer) and everything else is a fixed cost, counted at the lowest
     level. engine: a vLLM engine with the plugin, whose pages and side pool must fit (vllm_bytes; a
-    layer's rows are then every token of the requests' whole blocks, and each page's bytes per token are
+    layer's rows are then the tokens of the blocks it holds for a request, and each page's bytes per token are
     rounded up to the dtype, so the exact bytes are checked and the budget cut until they fit)."""
     nbytes = _bytes_to_fit(model, context, batch, dtype, engine)
     rows, lowest = _lowest(model, profile, budget, context, batch, dtype, nbytes)
-    if engine is not None:  # every layer's pages hold every token of the requests' whole blocks
+    if engine is not None:  # a layer's pages hold the requests' whole blocks (a sliding one's: its window's)
         lowest_level = min(profile.levels)
-        block = engine.block_for(layer_scheme(lowest_level, lowest_level, profile.levels))
-        rows = [-(-context // block) * block] * model.layers
+        rows = engine.pool(model, [layer_scheme(lowest_level, lowest_level, profile.levels)] * model.layers) \
+            .layer_rows(context)
     per_unit = batch * model.kv_heads * model.head_dim  # bits of code per (row x bit)
     fixed = lowest - 2 * min(profile.levels) * sum(rows) * per_unit // 8
     units = int((budget - fixed) * 8 // per_unit)
@@ -296,29 +296,59 @@ def split_for_budget(model: ModelShape, profile: Sensitivity, budget: float, con
 # ------------------------------------------------------------------------------------------------
 
 
+# vllm serve's max_num_batched_tokens (engine/arg_utils.py get_batch_defaults, one GPU or CPU socket):
+# on GPUs by their memory (A100s aside, which keep the smallest), on CPUs 2048
+SERVE_BATCHED_TOKENS = ((160 * 2**30, 16384), (70 * 2**30, 8192), (0, 2048))
+
+
 @dataclass(frozen=True)
 class VllmEngine:
     """How the engine runs: the model dtype (vLLM's own cache and the side rows), the device ("cuda" or
-    "cpu": its default block size), the block size (None: the one vLLM picks for the backend) and
-    max_num_seqs (the side pool's limit)."""
+    "cpu": its default block size), the block size (None: the one vLLM picks for the backend),
+    max_num_seqs (the side pool's limit), max_num_batched_tokens (what a sliding layer holds beyond its
+    window) and the hybrid KV-cache manager (vLLM's default; off, every sliding layer keeps every block
+    of its requests, like a full one)."""
 
     dtype: torch.dtype = torch.bfloat16
     device: str = "cuda"
     block_size: int | None = None
     max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    hybrid: bool = True
 
     def block_for(self, scheme: Scheme | None) -> int:
         """The block size the engine runs with this scheme (every layer's: an allocation's share it)."""
         return self.block_size or preferred_block_size(scheme, self.device)
 
+    @property
+    def in_flight_tokens(self) -> int:
+        """Tokens scheduled before a step's blocks are freed: vLLM schedules one batch ahead with async
+        scheduling, its default on CUDA; on CPU it runs without (platforms/cpu.py)."""
+        return self.max_num_batched_tokens * (2 if self.device == "cuda" else 1)
+
+    def windows(self, model: ModelShape) -> tuple[int, ...] | None:
+        """Each layer's sliding window as vLLM's KV-cache manager sees it (None: none slides)."""
+        if not model.sliding_layers or not self.hybrid:
+            return None
+        return tuple(model.window_of(i) for i in range(model.layers))
+
+    def pads_unequal_pages(self, model: ModelShape) -> bool:
+        """Whether vLLM groups the model's layers by window (sliding beside full layers), where it pads
+        pages of unequal bytes to the largest: an allocation then keeps one total in every layer."""
+        return len(set(self.windows(model) or ())) > 1
+
     def pool(self, model: ModelShape, schemes: list[Scheme] | None) -> VllmPool:
-        if model.sliding_layers:
-            raise ValueError(f"plan --vllm: {model.name} has sliding-window layers, which vLLM sizes in KV-cache "
-                             "groups of their own; only models whose layers all attend to the whole context are "
-                             "planned for vLLM")
         block = self.block_for(schemes[0] if schemes else None)
         return VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
-                        None if schemes is None else tuple(schemes), block)
+                        None if schemes is None else tuple(schemes), block, self.windows(model),
+                        self.in_flight_tokens)
+
+
+def serve_batched_tokens(device: str, gpu_bytes: float) -> int:
+    """vllm serve's default max_num_batched_tokens on this device (SERVE_BATCHED_TOKENS)."""
+    if device == "cpu":
+        return 2048
+    return next(tokens for least, tokens in SERVE_BATCHED_TOKENS if gpu_bytes >= least)
 
 
 def vllm_bytes(model: ModelShape, engine: VllmEngine, schemes: list[Scheme] | None, context: int, batch: int) -> int:
@@ -403,6 +433,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="with --vllm: the engine's max_num_seqs (it bounds the "
                    "side pool and the requests run at once; vLLM 0.32's default depends on the device and entry "
                    "point, 1024 on GPUs of 70 GiB or more: pass the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="with --vllm: the engine's max_num_batched_tokens, "
+                   "what a sliding layer holds beyond its window (default: vllm serve's, 2048 on CPU; on CUDA 8192 "
+                   "on GPUs of 70 GiB or more by --gpu-gb, 16384 from 160 GiB, 2048 below and on A100s)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", help="with --vllm: the engine runs "
+                   "with this vLLM flag (sliding layers then keep every block, like full ones)")
     p.add_argument("--json", action="store_true")
 
 
@@ -422,7 +457,9 @@ def main(args) -> int:
     else:
         gpu, reserve = args.gpu_gb * GB, args.reserve_gb * GB
     budget = gpu - weight - reserve
-    engine = (VllmEngine(getattr(torch, args.dtype), args.device, args.block_size, args.max_num_seqs)
+    engine = (VllmEngine(getattr(torch, args.dtype), args.device, args.block_size, args.max_num_seqs,
+                         args.max_num_batched_tokens or serve_batched_tokens(args.device, args.gpu_gb * GB),
+                         not args.disable_hybrid_kv_cache_manager)
               if args.vllm else None)
     try:
         if engine is not None:
@@ -432,13 +469,15 @@ def main(args) -> int:
     except (ValueError, NotImplementedError) as e:
         raise SystemExit(f"torch_rkv {e}")
     allocation = None
+    # vLLM pads a hybrid model's unequal pages to the largest: one total in every layer fits more there
+    split = args.split or (engine is not None and engine.pads_unequal_pages(model))
     if (args.split or args.out) and not args.sensitivity:
         raise SystemExit("torch_rkv plan: --split and --out choose a per-layer allocation, which needs --sensitivity")
     if args.sensitivity:
         with open(args.sensitivity) as f:
             profile = Sensitivity.from_json(f.read())
         try:
-            solver = split_for_budget if args.split else allocation_for_budget
+            solver = split_for_budget if split else allocation_for_budget
             allocation = solver(model, profile, budget, args.context, args.batch, engine=engine)
         except ValueError as e:
             raise SystemExit(f"torch_rkv {e}")
@@ -447,7 +486,7 @@ def main(args) -> int:
     if args.json:
         out = {"model": model.__dict__, "rows": rows}
         if allocation:
-            out["allocation"] = {"bits": allocation[0].bits, "kv_bytes": allocation[1], "split": args.split,
+            out["allocation"] = {"bits": allocation[0].bits, "kv_bytes": allocation[1], "split": split,
                                  "predicted_kl": allocation[0].predicted, "profile": args.sensitivity,
                                  "file": args.out}
         print(json.dumps(out, indent=1))
@@ -457,7 +496,7 @@ def main(args) -> int:
     else:
         print_contiguous(model, weight, budget, args, rows)
     if allocation:
-        print_allocation(model, budget, args, profile, allocation, engine)
+        print_allocation(model, budget, args, profile, allocation, engine, split)
     return 0
 
 
@@ -465,6 +504,17 @@ def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows:
     print(f"{model.name} in vLLM on {engine.device}: {model.layers} layers x {model.kv_heads} KV heads x head_dim "
           f"{model.head_dim}, {args.dtype}, max_num_seqs {engine.max_num_seqs}; "
           f"{budget / GB:.2f} GB for the KV pages and the plugin's side pool")
+    if model.sliding_layers:
+        if engine.hybrid:
+            groups = engine.pool(model, None).groups
+            print(f"{model.sliding_layers} of {model.layers} layers slide over {model.sliding_window:,} tokens: a "
+                  f"request holds in them only its blocks of the newest {model.sliding_window - 1:,} tokens and the "
+                  f"{engine.in_flight_tokens:,} in flight (max_num_batched_tokens {engine.max_num_batched_tokens:,}"
+                  f"{' x 2, async scheduling' if engine.device == 'cuda' else ''}), and one more; vLLM's "
+                  f"{len(groups)} KV-cache groups of at most {max(map(len, groups))} layers (the hybrid manager)")
+        else:
+            print(f"{model.sliding_layers} of {model.layers} layers slide, but without the hybrid KV-cache manager "
+                  "vLLM keeps every block of theirs, like a full layer's")
     print(f"{args.batch} requests at once; vLLM's capacity for requests of {args.context:,} tokens (max_model_len)\n")
     print(f"{'scheme':14s} {'bits/el':>7s} {'block':>5s} {'page KiB':>9s} {'side MiB':>9s} "
           f"{'kv_cache_memory_bytes':>22s} {'KV tokens':>12s} {'concurrency':>11s} {'fits':>5s}")
@@ -500,7 +550,8 @@ def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows
           "sequence's side slot (sinks and window) included")
 
 
-def print_allocation(model: ModelShape, budget: float, args, profile: Sensitivity, allocation, engine) -> None:
+def print_allocation(model: ModelShape, budget: float, args, profile: Sensitivity, allocation, engine,
+                     split: bool) -> None:
     alloc, nbytes, weights = allocation
     print(f"\nper-layer allocation for {args.batch} x {args.context:,} tokens in {budget / GB:.2f} GB "
           f"(profile {args.sensitivity}: {profile.model} on {profile.text}, levels {profile.levels}):")
@@ -509,7 +560,9 @@ def print_allocation(model: ModelShape, budget: float, args, profile: Sensitivit
     print(f"  {alloc.average_bits(weights):.2f} code bits ({alloc.effective_bits(model.head_dim, weights):.2f} "
           f"with metadata) per element; {where}: {nbytes / GB:.2f} GB; predicted cost {alloc.predicted:.4f} "
           "nats/token (the profile's KL, summed)")
-    if args.split:
-        print(f"  every layer keeps {alloc.layer_totals()[0]} key + value bits: pages of one size")
+    if split:
+        print(f"  every layer keeps {alloc.layer_totals()[0]} key + value bits: pages of one size"
+              + ("" if args.split else " (vLLM pads the pages of sliding and full layers to one size, so "
+                 "unequal totals would buy nothing there)"))
     if args.out:
         print(f"  written to {args.out}: serve it in vLLM with TORCH_RKV_ALLOCATION={args.out}")

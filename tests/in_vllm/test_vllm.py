@@ -190,14 +190,44 @@ def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, f
                                              skip_tokenizer_init=True, max_model_len=512)
 
 
-def tiny_family(tmp_path_factory, family: str) -> str:
-    """TINY_FAMILIES[family], random weights (seed 0), saved as a Hugging Face directory."""
+# Gemma 3 with 7 sliding layers and 2 full ones: vLLM's hybrid manager cuts the sliding bucket into 4
+# groups of 2 (one short: a padding layer) beside the full one, blocks of 2 pages
+GEMMA3_HYBRID = ["sliding_attention"] * 4 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"]
+
+
+def test_a_hybrid_models_capacity_is_what_plan_vllm_predicts(tmp_path_factory):
+    """Gemma 3, 7 sliding layers (64 tokens) and 2 full ones, through the plugin and through vLLM's own
+    cache: rkv-8 generations agree with vLLM's (several KV-cache groups of several layers each), and
+    the capacity each engine logs is the one VllmPool plans from vLLM's groups and the tokens in flight
+    (max_num_batched_tokens 256, without async scheduling on CPU)."""
+    import torch
+
+    from torch_rkv.integrations.vllm_pool import VllmPool
+    from torch_rkv.scheme import by_name
+
+    model = tiny_family(tmp_path_factory, "gemma3", num_hidden_layers=9, layer_types=GEMMA3_HYBRID)
+    gen = __import__("random").Random(1)
+    prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
+    runs = assert_8_bits_agree_with_vllms_own_cache("gemma3-hybrid", model, prompts, TINY_SENSITIVITY,
+                                                    skip_tokenizer_init=True, max_model_len=1024,
+                                                    max_num_batched_tokens=256)
+    windows = tuple(64 if t == "sliding_attention" else 0 for t in GEMMA3_HYBRID)
+    for run, schemes in zip(runs, (None, (by_name("rkv-8"),) * 9)):
+        pool = VllmPool(9, 2, 64, torch.float32, schemes, 128, windows, in_flight_tokens=256)
+        assert [len(g) for g in pool.groups] == [2, 2, 2, 1, 2]
+        tokens, concurrency = pool.capacity(float(KV_GB) * 2**30, 1024)
+        assert (run["kv_tokens"], run["concurrency"]) == (tokens, round(concurrency, 2)), schemes
+
+
+def tiny_family(tmp_path_factory, family: str, **overrides) -> str:
+    """TINY_FAMILIES[family] (its config updated by `overrides`), random weights (seed 0), saved as a
+    Hugging Face directory."""
     import torch
     import transformers
 
     config_cls, model_cls, kw = TINY_FAMILIES[family]
     torch.manual_seed(0)
-    cfg = getattr(transformers, config_cls)(vocab_size=512, **kw)
+    cfg = getattr(transformers, config_cls)(vocab_size=512, **{**kw, **overrides})
     path = tmp_path_factory.mktemp(f"tiny-{family}")
     getattr(transformers, model_cls)(cfg).save_pretrained(path)
     return str(path)

@@ -4,11 +4,21 @@ rows beside them. Plain arithmetic over torch_rkv's layouts, no vLLM: `python -m
 and the main suite use it, the backend publishes content_bytes from here, and tests/in_vllm checks the
 token counts against the ones vLLM logs ("KV cache size: N tokens, Maximum concurrency ...").
 
-vLLM 0.32 (v1/core/kv_cache_utils.py) cuts its KV memory into blocks of `block_size` tokens of every
-layer: blocks = memory // (the sum of the layers' page bytes; under a per-layer allocation each layer's
-page has its own bytes, UniformTypeKVCacheSpecs). A request of L tokens takes ceil(L / block_size) of
-them, so the engine runs blocks / ceil(L / block_size) such requests at once ("maximum concurrency"),
-and logs int(concurrency x L) tokens as its KV cache size.
+vLLM 0.32 (v1/core/kv_cache_utils.py) cuts its KV memory into blocks of `block_size` tokens and sizes
+the groups of layers that share a block table:
+- Every layer attends to the whole context (or every one to the same sliding window): one group. A
+  block is a page of every layer (under a per-layer allocation each layer's page has its own bytes,
+  UniformTypeKVCacheSpecs), blocks = memory // (the sum of the pages).
+- Sliding layers beside full ones (Gemma 2 and 3, gpt-oss; the hybrid KV-cache manager): a bucket of
+  layers per window (full: none), each cut into groups of `g` layers, g the smallest bucket's size
+  (the largest's when it has under 1.5x as many), a bucket's last group short by its padding layers
+  (_get_kv_cache_groups_uniform_page_size). A block is `g` pages, and every group draws its block
+  table from the one pool.
+A request of L tokens takes, per group, ceil(L / block_size) blocks if full, and if sliding over W
+tokens ceil(min(W - 1 + in-flight tokens, L) / block_size) + 1: vLLM frees a block only once the
+tokens scheduled after it have been computed (SlidingWindowSpec.max_admission_blocks_per_request).
+The engine runs blocks / (the sum over groups) such requests at once ("maximum concurrency") and logs
+int(concurrency x L) tokens as its KV cache size.
 """
 
 from __future__ import annotations
@@ -59,9 +69,12 @@ def slot_bytes(scheme: Scheme, layers: int, kv_heads: int, head_dim: int, dtype:
 
 @dataclass(frozen=True)
 class VllmPool:
-    """One engine's KV pool: `layers` attention layers (none sliding) of `kv_heads` x `head_dim`, the
-    model in `dtype`, blocks of `block_size` tokens. schemes: each layer's torch_rkv scheme (the plugin;
-    each layer's page has its scheme's bytes), or None: vLLM's own cache in the model dtype ("auto")."""
+    """One engine's KV pool: `layers` attention layers of `kv_heads` x `head_dim`, the model in `dtype`,
+    blocks of `block_size` tokens. schemes: each layer's torch_rkv scheme (the plugin; each layer's page
+    has its scheme's bytes), or None: vLLM's own cache in the model dtype ("auto"). windows: each layer's
+    sliding window in tokens, 0 for a layer that attends to the whole context (None: no layer slides);
+    in_flight_tokens: what the engine schedules before the step that frees a sliding layer's blocks
+    settles (max_num_batched_tokens x the batches in flight; VllmEngine)."""
 
     layers: int
     kv_heads: int
@@ -69,14 +82,24 @@ class VllmPool:
     dtype: torch.dtype
     schemes: tuple[Scheme, ...] | None = None
     block_size: int = DEFAULT_BLOCK_SIZE["cpu"]
+    windows: tuple[int, ...] | None = None
+    in_flight_tokens: int = 0
 
     def __post_init__(self):
         if self.schemes is not None and len(self.schemes) != self.layers:
             raise ValueError(f"VllmPool: {len(self.schemes)} schemes for {self.layers} layers")
+        if self.windows is not None and len(self.windows) != self.layers:
+            raise ValueError(f"VllmPool: {len(self.windows)} windows for {self.layers} layers")
         for s in self.schemes or ():
             if self.block_size % block_multiple(s):
                 raise ValueError(f"VllmPool: block_size {self.block_size} is not a multiple of "
                                  f"{block_multiple(s)} tokens, which {s.name}'s pages need")
+        if len(self.groups) > 1 and len(set(self.layer_pages)) > 1:
+            # vLLM then pads every smaller page to the largest (or, where it divides it, takes more
+            # tokens a block in that layer's group): neither is modelled here
+            raise ValueError("VllmPool: the layers attend to different windows and their pages differ in bytes "
+                             f"({sorted(set(self.layer_pages))}), which vLLM brings to one size by padding; plan "
+                             "one key + value total in every layer (a split) for such a model")
 
     @cached_property  # (a frozen dataclass: computed once; content_bytes walks every layer's layout)
     def layer_pages(self) -> tuple[int, ...]:
@@ -86,24 +109,57 @@ class VllmPool:
         per_token = {s: content_bytes(s, self.kv_heads, self.head_dim, self.dtype) for s in set(self.schemes)}
         return tuple(self.block_size * per_token[s] for s in self.schemes)
 
+    def window(self, layer: int) -> int:
+        return 0 if self.windows is None else self.windows[layer]
+
+    @cached_property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """vLLM's KV-cache groups, as layer indices: one per window bucket and run of g layers."""
+        buckets: dict[int, list[int]] = {}  # window -> its layers, in the order vLLM meets them
+        for i in range(self.layers):
+            buckets.setdefault(self.window(i), []).append(i)
+        if len(buckets) == 1:
+            return (tuple(range(self.layers)),)
+        sizes = [len(b) for b in buckets.values()]
+        g = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
+        groups = []
+        for layers in buckets.values():
+            n = -(-len(layers) // g)
+            groups += [tuple(layers[i::n]) for i in range(n)]
+        return tuple(groups)
+
     @property
     def block_bytes(self) -> int:
-        """One block of every layer: what vLLM divides its KV memory by."""
-        return sum(self.layer_pages)
+        """One block: the widest group's pages, what vLLM divides its KV memory by."""
+        return max(sum(self.layer_pages[i] for i in group) for group in self.groups)
 
     def blocks(self, kv_bytes: float) -> int:
-        """Blocks (of every layer) in `kv_bytes` of KV memory."""
+        """Blocks in `kv_bytes` of KV memory."""
         return int(kv_bytes // self.block_bytes)
+
+    def window_blocks(self, window: int, max_model_len: int) -> int:
+        """The blocks a request of max_model_len tokens holds at most in a group of this window (0: full)."""
+        if window == 0:
+            return -(-max_model_len // self.block_size)
+        return -(-min(window - 1 + self.in_flight_tokens, max_model_len) // self.block_size) + 1
+
+    def request_blocks(self, max_model_len: int) -> int:
+        """The blocks a request of max_model_len tokens takes at most, over every group."""
+        return sum(self.window_blocks(self.window(group[0]), max_model_len) for group in self.groups)
+
+    def layer_rows(self, max_model_len: int) -> list[int]:
+        """The token rows each layer's pages hold for such a request."""
+        return [self.window_blocks(self.window(i), max_model_len) * self.block_size for i in range(self.layers)]
 
     def capacity(self, kv_bytes: float, max_model_len: int) -> tuple[int, float]:
         """(KV cache size in tokens, maximum concurrency for requests of max_model_len tokens), as vLLM
         logs them for `kv_bytes` of KV memory."""
-        concurrency = self.blocks(kv_bytes) / -(-max_model_len // self.block_size)
+        concurrency = self.blocks(kv_bytes) / self.request_blocks(max_model_len)
         return int(concurrency * max_model_len), concurrency
 
     def pages_bytes(self, context: int, requests: int) -> int:
         """KV memory `requests` requests of `context` tokens take at once: their blocks, whole."""
-        return requests * -(-context // self.block_size) * self.block_bytes
+        return requests * self.request_blocks(context) * self.block_bytes
 
     @property
     def slot_bytes(self) -> int:
