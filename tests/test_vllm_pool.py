@@ -304,6 +304,29 @@ def test_plan_vllm_plans_sliding_models(tmp_path, capsys):
     assert out["split"] and [tuple(b) for b in out["bits"]] == list(want.bits) and out["kv_bytes"] == want_bytes
 
 
+def test_plan_vllm_shards_the_kv_heads_over_tensor_parallel_ranks(capsys):
+    """--tensor-parallel-size N: one GPU holds 1/N of the weights and of the KV heads (one head where
+    there are fewer heads than GPUs), and vLLM's capacity is one rank's (tests/in_vllm runs 2 ranks)."""
+    llama70 = plan.MODELS["llama-3-70b"]  # 8 KV heads
+    for tp, heads in ((1, 8), (4, 2), (8, 1), (16, 1)):
+        out = json.loads(run_plan(capsys, "--model", "llama-3-70b", "--context", "131072", "--batch", "8",
+                                  "--schemes", "rkv-3", "--tensor-parallel-size", str(tp), "--json"))
+        assert out["tensor_parallel_size"] == tp and out["model"]["kv_heads"] == heads
+        budget = 80e9 - llama70.weight_bytes(4.0) / tp - 4e9  # one GPU: its share of the 4-bit weights
+        engine = plan.VllmEngine(torch.bfloat16, "cuda")
+        pool = plan.VllmPool(80, heads, 128, torch.bfloat16, (S.by_name("rkv-3"),) * 80, 128)
+        rkv3 = out["rows"][1]
+        assert rkv3["side_pool_bytes"] == pool.side_bytes(8, engine.max_num_seqs)
+        assert rkv3["kv_cache_memory_bytes"] == int(budget) - rkv3["side_pool_bytes"]
+        assert (rkv3["kv_tokens"], rkv3["max_concurrency"]) == pool.capacity(rkv3["kv_cache_memory_bytes"], 131072)
+    with pytest.raises(SystemExit, match="--tensor-parallel-size 3 neither divides"):
+        run_plan(capsys, "--model", "llama-3-70b", "--tensor-parallel-size", "3")
+    with pytest.raises(SystemExit, match="add --vllm"):
+        from torch_rkv.__main__ import main
+
+        main(["plan", "--model", "llama-3-70b", "--tensor-parallel-size", "2"])
+
+
 def test_plan_vllm_refuses_what_it_does_not_model(capsys):
     with pytest.raises(SystemExit, match="simulated only"):
         run_plan(capsys, "--budget-gb", "2", "--schemes", "turboquant-4")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -315,6 +315,19 @@ class VllmEngine:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     hybrid: bool = True
+    tensor_parallel: int = 1
+
+    def rank(self, model: ModelShape) -> ModelShape:
+        """What one GPU of the engine holds of the model: tensor parallelism shards the KV heads evenly,
+        and gives every rank one when there are fewer heads than ranks (each head on tp / heads ranks:
+        vLLM's QKVParallelLinear), so the pages and side rows of a rank are the model's with that many
+        heads. vLLM logs the engine's capacity, which is every rank's (each holds its heads of every
+        token)."""
+        tp, heads = self.tensor_parallel, model.kv_heads
+        if tp < 1 or (heads % tp if tp <= heads else tp % heads):
+            raise ValueError(f"plan --vllm: --tensor-parallel-size {tp} neither divides {model.name}'s {heads} KV "
+                             "heads nor is a multiple of them, which vLLM needs to shard or replicate them")
+        return replace(model, kv_heads=max(1, heads // tp))
 
     def block_for(self, scheme: Scheme | None) -> int:
         """The block size the engine runs with this scheme (every layer's: an allocation's share it)."""
@@ -438,6 +451,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on GPUs of 70 GiB or more by --gpu-gb, 16384 from 160 GiB, 2048 below and on A100s)")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", help="with --vllm: the engine runs "
                    "with this vLLM flag (sliding layers then keep every block, like full ones)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="with --vllm: GPUs the engine shards the "
+                   "model over; --gpu-gb, --reserve-gb and --budget-gb are then one GPU's, which holds 1/N of the "
+                   "weights and of the KV heads")
     p.add_argument("--json", action="store_true")
 
 
@@ -456,11 +472,18 @@ def main(args) -> int:
         gpu, weight, reserve = args.budget_gb * GB, 0.0, 0.0
     else:
         gpu, reserve = args.gpu_gb * GB, args.reserve_gb * GB
-    budget = gpu - weight - reserve
     engine = (VllmEngine(getattr(torch, args.dtype), args.device, args.block_size, args.max_num_seqs,
                          args.max_num_batched_tokens or serve_batched_tokens(args.device, args.gpu_gb * GB),
-                         not args.disable_hybrid_kv_cache_manager)
+                         not args.disable_hybrid_kv_cache_manager, args.tensor_parallel_size)
               if args.vllm else None)
+    budget = gpu - weight / (engine.tensor_parallel if engine else 1) - reserve  # (one GPU's: its share of weights)
+    if engine is not None:  # from here on one GPU's share of the KV heads too
+        try:
+            model = engine.rank(model)
+        except ValueError as e:
+            raise SystemExit(f"torch_rkv {e}")
+    elif args.tensor_parallel_size != 1:
+        raise SystemExit("torch_rkv plan: --tensor-parallel-size plans a vLLM engine; add --vllm")
     try:
         if engine is not None:
             rows = vllm_rows(model, engine, budget, args.context, args.batch, schemes)
@@ -484,7 +507,9 @@ def main(args) -> int:
         if args.out:
             allocation[0].save(args.out, model=model.name, calibration=f"{profile.model} on {profile.text}")
     if args.json:
-        out = {"model": model.__dict__, "rows": rows}
+        out = {"model": model.__dict__, "rows": rows}  # (with --vllm: one GPU's share of the KV heads)
+        if engine is not None:
+            out["tensor_parallel_size"] = engine.tensor_parallel
         if allocation:
             out["allocation"] = {"bits": allocation[0].bits, "kv_bytes": allocation[1], "split": split,
                                  "predicted_kl": allocation[0].predicted, "profile": args.sensitivity,
@@ -501,9 +526,11 @@ def main(args) -> int:
 
 
 def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows: list[dict]) -> None:
-    print(f"{model.name} in vLLM on {engine.device}: {model.layers} layers x {model.kv_heads} KV heads x head_dim "
-          f"{model.head_dim}, {args.dtype}, max_num_seqs {engine.max_num_seqs}; "
-          f"{budget / GB:.2f} GB for the KV pages and the plugin's side pool")
+    tp = engine.tensor_parallel
+    print(f"{model.name} in vLLM on {engine.device}: {model.layers} layers x {model.kv_heads} KV heads"
+          f"{f' a GPU (tensor parallel {tp})' if tp > 1 else ''} x head_dim {model.head_dim}, {args.dtype}, "
+          f"max_num_seqs {engine.max_num_seqs}; {budget / GB:.2f} GB{' a GPU' if tp > 1 else ''} for the KV pages "
+          "and the plugin's side pool")
     if model.sliding_layers:
         if engine.hybrid:
             groups = engine.pool(model, None).groups

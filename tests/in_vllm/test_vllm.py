@@ -219,6 +219,56 @@ def test_a_hybrid_models_capacity_is_what_plan_vllm_predicts(tmp_path_factory):
         assert (run["kv_tokens"], run["concurrency"]) == (tokens, round(concurrency, 2)), schemes
 
 
+def test_tensor_parallel_ranks_read_what_one_rank_reads(tmp_path_factory, monkeypatch):
+    """Tensor parallelism over 2 ranks (vLLM's multiprocess executor on CPU, a core each) shards a tiny
+    Llama's 4 KV heads, 2 on each rank's pages: rkv-4's teacher-forced log-probabilities equal one rank's
+    up to float reordering (1e-3; vLLM's own cache is 2.8e-2 from rkv-4 on these prompts, so the
+    comparison feels the cache), and each engine logs the capacity `plan --vllm --tensor-parallel-size`
+    plans from one rank's heads (twice the tokens: each rank holds half of every token)."""
+    import torch
+    import transformers
+
+    from torch_rkv import plan
+    from torch_rkv.scheme import by_name
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("tensor parallelism on CPU needs 2 CPUs (one a rank)")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                   max_position_embeddings=1024, tie_word_embeddings=False)
+    model = str(tmp_path_factory.mktemp("tiny-llama-4kv"))
+    transformers.LlamaForCausalLM(cfg).save_pretrained(model)
+    gen = __import__("random").Random(0)
+    prompts = [[gen.randrange(512) for _ in range(600)] for _ in range(2)]
+
+    def run(scheme, tp):
+        return run_engine(scheme, {"model": model, "tasks": [{"kind": "forced", "ids": prompts, "starts": [1, 1],
+                                                              "top": 1}],
+                                   "engine": {"dtype": "float32", "max_model_len": 1024, "max_num_batched_tokens": 256,
+                                              "skip_tokenizer_init": True, "tensor_parallel_size": tp,
+                                              "distributed_executor_backend": "mp" if tp > 1 else "uni"}})
+
+    def logprobs(run):
+        f = run["forced"]
+        return [row[str(seq[start + j])] for seq, start, rows in zip(f["ids"], f["starts"], f["logprobs"])
+                for j, row in enumerate(rows)]
+
+    own, one = run(None, 1), run("rkv-4", 1)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")  # vLLM binds a rank's threads
+    two = run("rkv-4", 2)
+    assert max(abs(a - b) for a, b in zip(logprobs(one), logprobs(two))) < 1e-3
+    assert max(abs(a - b) for a, b in zip(logprobs(own), logprobs(one))) > 1e-2
+    shape = plan.ModelShape("tiny", 2, 4, 64, 1e6)
+    for got, tp in ((one, 1), (two, 2)):
+        engine = plan.VllmEngine(torch.float32, "cpu", tensor_parallel=tp)
+        tokens, concurrency = engine.pool(engine.rank(shape), [by_name("rkv-4")] * 2).capacity(
+            float(KV_GB) * 2**30, 1024)
+        assert (got["kv_tokens"], got["concurrency"]) == (tokens, round(concurrency, 2)), tp
+    assert two["kv_tokens"] > 1.9 * one["kv_tokens"]
+
+
 def tiny_family(tmp_path_factory, family: str, **overrides) -> str:
     """TINY_FAMILIES[family] (its config updated by `overrides`), random weights (seed 0), saved as a
     Hugging Face directory."""
