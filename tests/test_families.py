@@ -39,9 +39,16 @@ FAMILIES = {  # name: (config, model, family-specific arguments), with the rot_d
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2}),
     # (GPT-J's config maps the common names onto n_embd, n_layer, n_head, n_positions)
     "gptj": ("GPTJConfig", "GPTJForCausalLM", {"num_attention_heads": 4, "rotary_dim": 16}),
+    # the MoE families: their dense family's attention beside expert MLPs
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                         "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                             "head_dim": 32, "moe_intermediate_size": 64,
+                                                             "num_experts": 4, "num_experts_per_tok": 2}),
 }
 ROTARY = {"qwen2": (32, False), "qwen3": (32, False), "mistral": (32, False), "phi3": (32, False),
-          "gpt_neox": (8, False), "phi": (16, False), "stablelm": (8, False), "gptj": (16, True)}
+          "gpt_neox": (8, False), "phi": (16, False), "stablelm": (8, False), "gptj": (16, True),
+          "mixtral": (32, False), "qwen3_moe": (32, False)}
 
 
 def family(name):

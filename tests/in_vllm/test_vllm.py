@@ -167,6 +167,26 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
                                                      "query_pre_attn_scalar": 48, "attn_logit_softcapping": 20.0,
                                                      "max_position_embeddings": 1024,
                                                      "tie_word_embeddings": True}),  # (vLLM's Gemma 2 ties them)
+    # the MoE families: their dense family's attention (Mixtral: Mistral's; Qwen2/3-MoE: Qwen2/3's, q/k norms
+    # in Qwen3's) beside vLLM's CPU MoE layers
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
+                                                       "num_local_experts": 4, "num_experts_per_tok": 2,
+                                                       "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                       "num_key_value_heads": 2, "head_dim": 64,
+                                                       "max_position_embeddings": 1024, "tie_word_embeddings": False}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
+                                                           "moe_intermediate_size": 128,
+                                                           "shared_expert_intermediate_size": 256, "num_experts": 4,
+                                                           "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                                                           "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                           "max_position_embeddings": 1024,
+                                                           "tie_word_embeddings": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
+                                                           "moe_intermediate_size": 128, "num_experts": 4,
+                                                           "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                                                           "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                           "head_dim": 64, "max_position_embeddings": 1024,
+                                                           "tie_word_embeddings": False}),
     # Gemma 3: sliding layers rotated by a local table (base 1e4), global ones by a global table (1e6)
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
                                                          "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -181,8 +201,8 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
 def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, family):
     """GPT-J's interleaved partial rotary (un-rotated with the table and pairing vLLM builds for it),
     Gemma 2's sliding windows (300-token prompts over 64-token windows: the kernel masks, vLLM frees the
-    pages before the window) and soft-capping, Gemma 3's local and global layers: rkv-8 against vLLM's
-    own float32 cache. (Which table a layer un-rotates with shows in quantization error only: its own
+    pages before the window) and soft-capping, Gemma 3's local and global layers, the MoE families
+    (Mixtral, Qwen2-MoE, Qwen3-MoE): rkv-8 against vLLM's own float32 cache. (Which table a layer un-rotates with shows in quantization error only: its own
     test checks the tables.)"""
     gen = __import__("random").Random(0)
     prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
@@ -644,6 +664,8 @@ def test_an_allocation_for_another_model_fails_at_engine_start(tiny_qwen3, tmp_p
 
 @pytest.mark.parametrize("config, kw, refused, half, interleaved", [
     ("LlamaConfig", {}, None, 32, False), ("Qwen3Config", {}, None, 32, False),
+    ("MixtralConfig", {}, None, 32, False), ("Qwen2MoeConfig", {}, None, 32, False),
+    ("Qwen3MoeConfig", {}, None, 32, False),
     ("GPTJConfig", {"rotary_dim": 16}, None, 8, True),
     ("GPTNeoXConfig", {}, "not 'gpt_neox'", 0, False),  # (vLLM 0.32 has no model code of its own for it)
     ("Gemma3TextConfig", {"head_dim": 64}, None, 32, False),  # (its global table; the local one: the family test)

@@ -420,7 +420,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 # channels, or GPT-J's interleaved pairs over its rotary_dim; Gemma 3 one table per layer type (its
 # rope_parameters keyed by "sliding_attention" / "full_attention"). Another family would have its pre-RoPE
 # keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name.
-PRE_ROPE_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "stablelm", "gemma", "gemma2", "gemma3_text", "gptj")
+PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
+                   "gemma", "gemma2", "gemma3_text", "gptj")  # (the MoE families: their dense family's attention)
 INTERLEAVED_MODELS = ("gptj",)
 
 
