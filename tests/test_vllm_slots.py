@@ -46,6 +46,36 @@ def test_two_requests_at_the_same_point_of_the_same_tokens_copy_the_slot():
     assert [(i.dst, i.src) for i in inits] == [(slots[1], a)]
 
 
+@pytest.mark.parametrize("accepted", [0, 1, 2, 3])
+@pytest.mark.parametrize("start", [2, 3, 4, 5, 7])  # (drafts within a page, across its end, from its end)
+def test_a_request_keeps_its_slot_when_its_drafts_are_rejected(start, accepted):
+    """Speculative decoding: a step appends a token and 3 drafts, the next resumes after the accepted
+    ones (the rest are rewritten): the same slot, whichever page the drafts reached; without room for
+    drafts the tracker would take the request for a new one."""
+    for drafts, same in ((3, True), (0, accepted == 3)):
+        t = SlotTracker(4, P, sinks=2, drafts=drafts)
+        (a,), _ = t.assign([0], [start], [pages_for(10, start)])
+        t.assign([start], [4], [pages_for(10, start + 4)])  # the next token and 3 drafts
+        n = start + 1 + accepted  # the verified token(s) and the bonus one
+        for m in (1, 4):  # whether or not this step drafts again (its pages reach less far)
+            t2 = __import__("copy").deepcopy(t)
+            (a2,), inits = t2.assign([n], [m], [pages_for(10, n + m)])
+            assert (a2 == a and inits == []) == same, (drafts, n, m)
+
+
+def test_a_prefix_hit_does_not_take_a_slot_whose_drafts_passed_the_shared_page():
+    """Request a filled page 10 and drafted into its page 11; b hits a's full page 10 (8 tokens: two
+    pages of 4 here, 10 and 11 are a's) while a sits out a step. b starts in a new slot with a's sinks,
+    and a, back, still finds its own slot."""
+    t = SlotTracker(4, P, sinks=2, drafts=3)
+    (a,), _ = t.assign([0], [6], [[9, 10]])
+    t.assign([6], [4], [[9, 10, 11]])  # a: a token and 3 drafts, to 10 tokens
+    (b,), inits = t.assign([8], [2], [[9, 10, 30]])  # b: a's two full pages, its own page 30
+    assert b != a and [(i.dst, i.src, i.sinks_from) for i in inits] == [(b, -1, a)]
+    (a2,), inits = t.assign([8], [1], [[9, 10, 11]])  # a: 1 of 3 drafts accepted, and the bonus token
+    assert a2 == a and inits == []
+
+
 def test_slots_of_requests_that_left_are_reused_least_recently_used_first():
     t = SlotTracker(2, P, sinks=0)
     (a,), _ = t.assign([0], [3], [[1]])

@@ -505,6 +505,58 @@ def test_capacity_follows_the_packed_bytes(model_dir, alice):
         assert abs(run["concurrency"] / bf16["concurrency"] - ratio) < 0.01 * ratio + 0.01, (scheme, run["concurrency"])
 
 
+def test_speculative_decoding_reads_what_plain_decoding_reads(model_dir, alice):
+    """ngram speculative decoding, 3 drafts a step: vLLM verifies them in the next step and takes back the
+    rejected ones, whose positions that step writes again (the slot tracker finds the request at fewer
+    tokens than its slot holds; a block a draft completed is quantized again). rkv-8, 4 prompts, 200
+    tokens each, drafts both accepted and rejected: at every step up to the first token where the two
+    runs differ (the same context until then), the chosen token's log-probability agrees with plain
+    decoding within twice the 8-bit bound (each run is within one of full precision; the greedy
+    criterion alone would stop at the first near-tie, within 3 tokens here). Measured: 8e-4 at most.
+    A rollback taken for a new request fails it (0.6 to 1.7 nats by the first differing token, over
+    the 1.0 allowed, 3.7 later); more drafts than the recent window are refused."""
+    def job(spec):
+        engine = {"dtype": "float32", "max_model_len": 1024, "max_num_batched_tokens": 256, "disable_log_stats": False}
+        if spec:
+            engine["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                                            "prompt_lookup_min": 2}
+        prompts = [[alice[0]] + alice[1 + i * 997 : 121 + i * 1034] for i in range(4)]
+        return {"model": model_dir, "engine": engine,
+                "tasks": [{"kind": "generate", "prompts": prompts, "max_tokens": 200}]}
+
+    plain, spec = run_engine("rkv-8", job(False)), run_engine("rkv-8", job(True))
+    drafted = spec["metrics"]["vllm:spec_decode_num_draft_tokens"]
+    accepted = spec["metrics"]["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, (accepted, drafted)
+    allowed = 2 * logprob_bound(8, SMOLLM2_SENSITIVITY)
+    for i, (a, b) in enumerate(zip(plain["generate"], spec["generate"])):
+        differ = next((j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(a["tokens"]))
+        gaps = [abs(x[0] - y[0]) for x, y in zip(a["top2"][: differ + 1], b["top2"][: differ + 1])]
+        assert max(gaps) <= allowed, (i, differ, max(gaps), allowed)
+
+
+def test_speculative_decoding_takes_only_drafters_it_can_follow():
+    """Drafters that add attention layers (EAGLE, a draft model) and more drafts than a scheme's recent
+    window (kvquant-4 keeps none) are refused by name at engine start."""
+    from types import SimpleNamespace
+
+    from torch_rkv.integrations.vllm_backend import speculative_tokens
+    from torch_rkv.scheme import by_name
+
+    def config(method, k):
+        return SimpleNamespace(method=method, num_speculative_tokens=k)
+
+    assert speculative_tokens(None, by_name("rkv-4")) == 0
+    assert speculative_tokens(config("ngram", 5), by_name("rkv-4")) == 5
+    assert speculative_tokens(config("ngram", 5), by_name("per-token-4")) == 5  # (no ring: quantized on write)
+    with pytest.raises(NotImplementedError, match="method 'eagle'"):
+        speculative_tokens(config("eagle", 3), by_name("rkv-4"))
+    with pytest.raises(NotImplementedError, match="num_speculative_tokens=65 is more than scheme rkv-4's recent"):
+        speculative_tokens(config("ngram", 65), by_name("rkv-4"))
+    with pytest.raises(NotImplementedError, match="recent window of 0 tokens"):
+        speculative_tokens(config("ngram", 1), by_name("kvquant-4"))
+
+
 def test_prefix_caching_gives_the_same_outputs(model_dir, alice):
     """Requests sharing a 700-token prefix, one first and the others after it (prefix-cache hits on its
     full pages): the same greedy outputs as with prefix caching off, by the portable criterion."""

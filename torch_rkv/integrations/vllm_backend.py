@@ -158,9 +158,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.scheme = scheme = _scheme()  # (every layer's recent, block and sinks: an allocation's layers share them)
-        if vllm_config.speculative_config is not None:
-            raise NotImplementedError("torch_rkv's vLLM backend: speculative decoding is not supported (rejected "
-                                      "draft tokens would have to leave quantized pages)")
+        drafts = speculative_tokens(vllm_config.speculative_config, scheme)
         self.page_size = kv_cache_spec.block_size
         for name in layer_names:  # at engine start: a codebook or allocation without some layer fails here
             codebook_rows(layer_scheme(name), name)
@@ -183,7 +181,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
                            "pages of one size; an allocation whose layers keep other key + value totals holds no "
                            "more tokens here than its largest page allows (python -m torch_rkv calibrate --split "
                            "keeps one total)", ", ".join(layer_names), real, padded)
-        self.tracker = SlotTracker(side_slot_count(vllm_config), self.page_size, scheme.sinks, INITIAL_SLOTS)
+        self.tracker = SlotTracker(side_slot_count(vllm_config), self.page_size, scheme.sinks, INITIAL_SLOTS, drafts)
         self.slot_bytes = slot_bytes(scheme, len(layer_names), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                                      kv_cache_spec.dtype)
         self.logged_slots = 0
@@ -226,6 +224,30 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
                            side_slots=torch.tensor(slots, dtype=torch.int32, device=qsl.device),
                            slot_count=len(self.tracker.slots), positions=positions,
                            inits=inits)
+
+
+# speculative decoding whose proposer adds no attention layers (a draft model's or EAGLE head's layers
+# would need their own pre-RoPE tables and pages; medusa and MLP speculators are untested here)
+DRAFTERS_WITHOUT_LAYERS = ("ngram", "ngram_gpu", "suffix")
+
+
+def speculative_tokens(config, scheme: Scheme) -> int:
+    """The draft tokens a step may append (vLLM's num_speculative_tokens; 0 without speculative
+    decoding). Rejected drafts are taken back by the next step, which writes those positions again:
+    a block a draft completed is quantized again then, from the window ring, which still holds the
+    block's older rows as long as the drafts are at most the scheme's recent window (a rejected draft
+    overwrites the ring row of the token `ring` positions before it)."""
+    if config is None:
+        return 0
+    method, k = getattr(config, "method", None), int(config.num_speculative_tokens or 0)
+    if method not in DRAFTERS_WITHOUT_LAYERS:
+        raise NotImplementedError(f"torch_rkv's vLLM backend: speculative decoding with method {method!r} is not "
+                                  f"supported; {', '.join(DRAFTERS_WITHOUT_LAYERS)} are (no draft layers)")
+    if scheme.block > 1 and k > scheme.recent:
+        raise NotImplementedError(f"torch_rkv's vLLM backend: num_speculative_tokens={k} is more than scheme "
+                                  f"{scheme.name}'s recent window of {scheme.recent} tokens, past which rejected "
+                                  "drafts would overwrite window rows still to be quantized")
+    return k
 
 
 def codebook_rows(scheme: Scheme, layer_name: str) -> tuple:

@@ -46,6 +46,7 @@ class _Slot:
     length: int = 0
     page0: int = -1
     last_step: int = -1
+    open_page: int = -1  # the page of its newest token
 
 
 class SlotTracker:
@@ -63,13 +64,29 @@ class SlotTracker:
 
     The pool starts at `initial` slots (default: all of them) and grows by doubling, so that its memory
     follows the number of requests running at once rather than the most the engine allows.
+
+    drafts: speculative tokens a step may append and the next take back (vLLM's num_speculative_tokens;
+    rejected drafts leave the request at fewer tokens than its slot holds). A slot is then also found at
+    up to `drafts` tokens past the request's, under the pages of its newest drafts + 1 tokens; past a
+    page's end only by the request whose next page is the slot's open page, since a full page may be
+    another request's prefix-cache hit (which must not take the slot). The stale rows are the next
+    tokens' rows, which the step writes again (the ring holds them as long as drafts <= recent).
     """
 
-    def __init__(self, slots: int, page_size: int, sinks: int, initial: int | None = None):
-        self.page_size, self.sinks, self.limit = page_size, sinks, slots
+    def __init__(self, slots: int, page_size: int, sinks: int, initial: int | None = None, drafts: int = 0):
+        if not 0 <= drafts < page_size:
+            raise ValueError(f"SlotTracker: drafts must be in [0, page_size = {page_size}), got {drafts}")
+        self.page_size, self.sinks, self.limit, self.drafts = page_size, sinks, slots, drafts
         self.slots = [_Slot() for _ in range(min(slots, initial or slots))]
-        self.key: dict[int, int] = {}  # open page -> slot
+        self.key: dict[int, set[int]] = {}  # page -> the slots whose requests may resume in it
+        self.keyed: dict[int, list[int]] = {}  # slot -> its pages in `key`
         self.step = 0
+
+    def _unkey(self, slot: int) -> None:
+        for page in self.keyed.pop(slot, ()):
+            self.key[page].discard(slot)
+            if not self.key[page]:
+                del self.key[page]
 
     def _free_slot(self, avoid: set[int], fallback: int = -1) -> int:
         """The least recently used slot outside `avoid`, growing the pool rather than reuse one that was
@@ -84,8 +101,7 @@ class SlotTracker:
                 raise RuntimeError(f"torch_rkv: more running requests than the {len(self.slots)} side slots "
                                    "(max_num_seqs)")
             best = fallback
-        for page in [p for p, s in self.key.items() if s == best]:
-            del self.key[page]
+        self._unkey(best)
         return best
 
     def assign(self, cached: list[int], counts: list[int], tables: list[list[int]]):
@@ -93,10 +109,17 @@ class SlotTracker:
         self.step += 1
         p = self.page_size
 
+        def holds(s, n, pages):  # whether slot s holds this request's first n tokens (and rejected drafts)
+            sl = self.slots[s]
+            if sl.page0 != pages[0] or not n <= sl.length <= n + self.drafts:
+                return False
+            return sl.length == n or n % p or (n // p < len(pages) and pages[n // p] == sl.open_page)
+
         def lookup(n, pages):  # the slot that holds this request's first n tokens, from the step's start
-            s = self.key.get(pages[(n - 1) // p]) if n > 0 else None
-            ok = s is not None and self.slots[s].length == n and self.slots[s].page0 == pages[0]
-            return s if ok else None
+            if n == 0:
+                return None
+            found = [s for s in self.key.get(pages[(n - 1) // p], ()) if holds(s, n, pages)]
+            return min(found, key=lambda s: (self.slots[s].length != n, s), default=None)
 
         found = [lookup(n, pages) for n, pages in zip(cached, tables)]
         donors = [-1] * len(found)
@@ -123,11 +146,14 @@ class SlotTracker:
             taken.add(slot)
             slots.append(slot)
             sl = self.slots[slot]
-            for page in [q for q, s in self.key.items() if s == slot]:
-                del self.key[page]
+            self._unkey(slot)
             sl.length, sl.page0, sl.last_step = n + m, pages[0], self.step
             if n + m > 0:
-                self.key[pages[(n + m - 1) // p]] = slot
+                sl.open_page = pages[(n + m - 1) // p]
+                keyed = sorted(set(pages[max(0, n + m - 1 - self.drafts) // p : (n + m - 1) // p + 1]))
+                for page in keyed:
+                    self.key.setdefault(page, set()).add(slot)
+                self.keyed[slot] = keyed
         return slots, inits
 
 
