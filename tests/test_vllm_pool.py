@@ -304,6 +304,28 @@ def test_plan_vllm_plans_sliding_models(tmp_path, capsys):
     assert out["split"] and [tuple(b) for b in out["bits"]] == list(want.bits) and out["kv_bytes"] == want_bytes
 
 
+def test_plan_vllm_follows_the_engines_options(capsys):
+    """What changes vLLM's count besides the pages: without the hybrid manager a model whose layers all
+    slide keeps its windows (only sliding layers beside full ones get full blocks); ngram speculative
+    decoding turns async scheduling off (half the tokens in flight) and adds its drafts to every side
+    slot's ring, and a scheme whose recent window does not exceed the drafts is refused; on CPU vllm
+    serve batches 2048 tokens a rank."""
+    v01, gemma3 = plan.MODELS["mistral-7b-v0.1"], plan.MODELS["gemma-3-27b"]
+    off = plan.VllmEngine(hybrid=False)
+    assert off.windows(v01) == (4096,) * 32 and off.windows(gemma3) is None
+    plain, drafting = plan.VllmEngine(), plan.VllmEngine(speculative_tokens=3)
+    assert plain.in_flight_tokens == 2 * drafting.in_flight_tokens == 2 * 8192
+    rkv3 = [S.by_name("rkv-3")] * 30
+    extra = 30 * 2 * 3 * 3 * 64 * 2  # 3 more ring rows a layer, keys and values, 3 heads of 64, bfloat16
+    assert drafting.pool(SMOLLM2, rkv3).slot_bytes == plain.pool(SMOLLM2, rkv3).slot_bytes + extra
+    rows = json.loads(run_plan(capsys, "--budget-gb", "2", "--schemes", "rkv-3", "--num-speculative-tokens", "3",
+                               "--json"))["rows"]
+    assert rows[1]["side_pool_bytes"] == drafting.pool(SMOLLM2, rkv3).side_bytes(1, 256)
+    with pytest.raises(SystemExit, match="num_speculative_tokens=3 must be less than scheme kvquant-4's recent"):
+        run_plan(capsys, "--budget-gb", "2", "--schemes", "kvquant-4", "--num-speculative-tokens", "3")
+    assert plan.serve_batched_tokens("cpu", 0, 2) == 4096 and plan.serve_batched_tokens("cuda", 80e9) == 8192
+
+
 def test_plan_vllm_shards_the_kv_heads_over_tensor_parallel_ranks(capsys):
     """--tensor-parallel-size N: one GPU holds 1/N of the weights and of the KV heads (one head where
     there are fewer heads than GPUs), and vLLM's capacity is one rank's (tests/in_vllm runs 2 ranks)."""

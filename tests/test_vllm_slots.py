@@ -76,6 +76,23 @@ def test_a_prefix_hit_does_not_take_a_slot_whose_drafts_passed_the_shared_page()
     assert a2 == a and inits == []
 
 
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_a_page_given_to_another_request_no_longer_finds_the_slot_of_the_one_that_left(drafts):
+    """r0 wrote pages 10 and 11 and left; r hits the full page 10 and vLLM gives it page 11 again. r
+    keeps the slot it starts in at every later step, and never switches to r0's (whose length r passes
+    through). With drafts it may start in r0's: r0 is gone, and the slot's rows of r's first 4 tokens
+    are r0's of the same shared page."""
+    t = SlotTracker(4, P, sinks=2, drafts=drafts)
+    (r0,), _ = t.assign([0], [5], [[10, 11]])
+    t.assign([5], [1], [[10, 11]])  # r0 at 6 tokens, then it leaves
+    (r,), inits = t.assign([4], [1], [[10, 11]])  # r: a hit on page 10, page 11 its own now
+    if drafts == 0:
+        assert r != r0 and [(i.dst, i.sinks_from) for i in inits] == [(r, r0)]
+    for n in (5, 6, 7):
+        (again,), inits = t.assign([n], [1], [[10, 11]])
+        assert again == r and inits == [], n
+
+
 def test_slots_of_requests_that_left_are_reused_least_recently_used_first():
     t = SlotTracker(2, P, sinks=0)
     (a,), _ = t.assign([0], [3], [[1]])

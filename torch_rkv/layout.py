@@ -68,11 +68,20 @@ def page_regions(scheme: Scheme, kv_heads: int, head_dim: int, rows: int):
     return out
 
 
-def side_shapes(scheme: Scheme, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype):
-    """name -> (shape, dtype) of the full-precision side rows of `slots` sequences."""
+def side_shapes(scheme: Scheme, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype, drafts: int = 0):
+    """name -> (shape, dtype) of the full-precision side rows of `slots` sequences. drafts: tokens an
+    engine may append and take back (speculative decoding's rejected drafts, which the next step writes
+    again): the ring holds that many more rows (the ops take any ring of at least window_tokens), so
+    that a draft at position t overwrites the row of token t - ring, which no later read needs."""
     w, s = window_tokens(scheme), scheme.sinks
+    w += drafts if w else 0  # (a scheme without a ring quantizes every token as it is written)
     return {f"{side}_{kind}": ((slots, kv_heads, rows, head_dim), dtype)
             for kind, rows in (("window", w), ("sink", s)) for side in ("k", "v")}
+
+
+def side_bytes(scheme: Scheme, kv_heads: int, head_dim: int, dtype: torch.dtype, drafts: int = 0) -> int:
+    """Bytes of one sequence's side slot (sinks and window ring, keys and values; side_shapes)."""
+    return _nbytes(side_shapes(scheme, kv_heads, head_dim, 1, dtype, drafts).values())
 
 
 @dataclass(frozen=True)
@@ -183,7 +192,7 @@ class PageLayout:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one sequence's side slot (sinks and window ring, keys and values)."""
-        return _nbytes(self.side_shapes(1).values())
+        return side_bytes(self.scheme, self.kv_heads, self.head_dim, self.dtype)
 
     def views(self, pool: torch.Tensor) -> dict[str, torch.Tensor]:
         """The region views (pages, kv_heads, rows, last dim) of a (pages, page_bytes) uint8 pool: each

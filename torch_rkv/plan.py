@@ -16,6 +16,7 @@ from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
 from .integrations.models import uses_sliding_window
 from .integrations.vllm_pool import VllmPool, preferred_block_size
+from .integrations.vllm_slots import check_drafts
 from .layout import CacheLayout, PageLayout, default_page_size
 from .scheme import Scheme
 
@@ -316,6 +317,7 @@ class VllmEngine:
     max_num_batched_tokens: int = 8192
     hybrid: bool = True
     tensor_parallel: int = 1
+    speculative_tokens: int = 0  # ngram speculative decoding's num_speculative_tokens
 
     def rank(self, model: ModelShape) -> ModelShape:
         """What one GPU of the engine holds of the model: tensor parallelism shards the KV heads evenly,
@@ -334,14 +336,21 @@ class VllmEngine:
         return self.block_size or preferred_block_size(scheme, self.device)
 
     @property
+    def async_scheduling(self) -> bool:
+        """vLLM's default: on CUDA, unless ngram speculative decoding turns it off; never on CPU
+        (platforms/cpu.py)."""
+        return self.device == "cuda" and not self.speculative_tokens
+
+    @property
     def in_flight_tokens(self) -> int:
-        """Tokens scheduled before a step's blocks are freed: vLLM schedules one batch ahead with async
-        scheduling, its default on CUDA; on CPU it runs without (platforms/cpu.py)."""
-        return self.max_num_batched_tokens * (2 if self.device == "cuda" else 1)
+        """Tokens scheduled before a step's blocks are freed: async scheduling runs one batch ahead."""
+        return self.max_num_batched_tokens * (2 if self.async_scheduling else 1)
 
     def windows(self, model: ModelShape) -> tuple[int, ...] | None:
-        """Each layer's sliding window as vLLM's KV-cache manager sees it (None: none slides)."""
-        if not model.sliding_layers or not self.hybrid:
+        """Each layer's sliding window as vLLM's KV-cache manager sees it (None: none slides). Without the
+        hybrid manager, vLLM gives sliding layers beside full ones a full layer's blocks
+        (_promote_local_kv_cache_specs); a model whose layers all slide keeps its windows."""
+        if not model.sliding_layers or (not self.hybrid and model.full_layers):
             return None
         return tuple(model.window_of(i) for i in range(model.layers))
 
@@ -354,13 +363,14 @@ class VllmEngine:
         block = self.block_for(schemes[0] if schemes else None)
         return VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
                         None if schemes is None else tuple(schemes), block, self.windows(model),
-                        self.in_flight_tokens)
+                        self.in_flight_tokens, self.speculative_tokens)
 
 
-def serve_batched_tokens(device: str, gpu_bytes: float) -> int:
-    """vllm serve's default max_num_batched_tokens on this device (SERVE_BATCHED_TOKENS)."""
+def serve_batched_tokens(device: str, gpu_bytes: float, world_size: int = 1) -> int:
+    """vllm serve's default max_num_batched_tokens on this device (SERVE_BATCHED_TOKENS; on CPU 2048
+    a rank)."""
     if device == "cpu":
-        return 2048
+        return 2048 * world_size
     return next(tokens for least, tokens in SERVE_BATCHED_TOKENS if gpu_bytes >= least)
 
 
@@ -381,6 +391,7 @@ def vllm_rows(model: ModelShape, engine: VllmEngine, budget: float, context: int
     for name, scheme in schemes:
         if scheme is not None:
             scheme.check_served()
+            check_drafts(scheme, engine.speculative_tokens)
         pool = engine.pool(model, None if scheme is None else [scheme] * model.layers)
         side = pool.side_bytes(batch, engine.max_num_seqs)
         kv = max(0, int(budget) - side)
@@ -454,6 +465,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="with --vllm: GPUs the engine shards the "
                    "model over; --gpu-gb, --reserve-gb and --budget-gb are then one GPU's, which holds 1/N of the "
                    "weights and of the KV heads")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, help="with --vllm: ngram speculative decoding's "
+                   "drafts a step (each side slot's ring holds that many more rows, and vLLM then schedules without "
+                   "async scheduling)")
     p.add_argument("--json", action="store_true")
 
 
@@ -473,8 +487,10 @@ def main(args) -> int:
     else:
         gpu, reserve = args.gpu_gb * GB, args.reserve_gb * GB
     engine = (VllmEngine(getattr(torch, args.dtype), args.device, args.block_size, args.max_num_seqs,
-                         args.max_num_batched_tokens or serve_batched_tokens(args.device, args.gpu_gb * GB),
-                         not args.disable_hybrid_kv_cache_manager, args.tensor_parallel_size)
+                         args.max_num_batched_tokens or serve_batched_tokens(args.device, args.gpu_gb * GB,
+                                                                             args.tensor_parallel_size),
+                         not args.disable_hybrid_kv_cache_manager, args.tensor_parallel_size,
+                         args.num_speculative_tokens)
               if args.vllm else None)
     budget = gpu - weight / (engine.tensor_parallel if engine else 1) - reserve  # (one GPU's: its share of weights)
     if engine is not None:  # from here on one GPU's share of the KV heads too
@@ -532,12 +548,12 @@ def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows:
           f"max_num_seqs {engine.max_num_seqs}; {budget / GB:.2f} GB{' a GPU' if tp > 1 else ''} for the KV pages "
           "and the plugin's side pool")
     if model.sliding_layers:
-        if engine.hybrid:
+        if engine.windows(model):
             groups = engine.pool(model, None).groups
             print(f"{model.sliding_layers} of {model.layers} layers slide over {model.sliding_window:,} tokens: a "
                   f"request holds in them only its blocks of the newest {model.sliding_window - 1:,} tokens and the "
                   f"{engine.in_flight_tokens:,} in flight (max_num_batched_tokens {engine.max_num_batched_tokens:,}"
-                  f"{' x 2, async scheduling' if engine.device == 'cuda' else ''}), and one more; vLLM's "
+                  f"{' x 2, async scheduling' if engine.async_scheduling else ''}), and one more; vLLM's "
                   f"{len(groups)} KV-cache groups of at most {max(map(len, groups))} layers (the hybrid manager)")
         else:
             print(f"{model.sliding_layers} of {model.layers} layers slide, but without the hybrid KV-cache manager "

@@ -29,7 +29,7 @@ from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE
 from .vllm import ALLOCATION_ENV, ENV, TESTED_VLLM, configured_layers, configured_scheme, overridden_backend
 from .vllm_pool import block_multiple, content_bytes, slot_bytes
-from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, growth_beyond_headroom, slot_limit
+from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, check_drafts, growth_beyond_headroom, slot_limit
 
 logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed with its log
 
@@ -160,6 +160,9 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         self.scheme = scheme = _scheme()  # (every layer's recent, block and sinks: an allocation's layers share them)
         drafts = speculative_tokens(vllm_config.speculative_config, scheme)
         self.page_size = kv_cache_spec.block_size
+        if drafts >= self.page_size:  # (SlotTracker finds a rolled-back request on its last two pages)
+            raise NotImplementedError(f"torch_rkv's vLLM backend: num_speculative_tokens={drafts} must be less than "
+                                      f"vLLM's block_size ({self.page_size})")
         for name in layer_names:  # at engine start: a codebook or allocation without some layer fails here
             codebook_rows(layer_scheme(name), name)
         layers = configured_layers()
@@ -183,7 +186,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
                            "keeps one total)", ", ".join(layer_names), real, padded)
         self.tracker = SlotTracker(side_slot_count(vllm_config), self.page_size, scheme.sinks, INITIAL_SLOTS, drafts)
         self.slot_bytes = slot_bytes(scheme, len(layer_names), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
-                                     kv_cache_spec.dtype)
+                                     kv_cache_spec.dtype, drafts)
         self.logged_slots = 0
         logger.info("torch_rkv: side pool of at most %d slots (max_num_seqs + 8), %.1f MiB, outside vLLM's KV pages",
                     self.tracker.limit, self.tracker.limit * self.slot_bytes / 2**20)
@@ -233,20 +236,17 @@ DRAFTERS_WITHOUT_LAYERS = ("ngram", "ngram_gpu", "suffix")
 
 def speculative_tokens(config, scheme: Scheme) -> int:
     """The draft tokens a step may append (vLLM's num_speculative_tokens; 0 without speculative
-    decoding). Rejected drafts are taken back by the next step, which writes those positions again:
-    a block a draft completed is quantized again then, from the window ring, which still holds the
-    block's older rows as long as the drafts are at most the scheme's recent window (a rejected draft
-    overwrites the ring row of the token `ring` positions before it)."""
+    decoding). The next step takes the rejected ones back and writes those positions again: the slot
+    tracker finds the request at fewer tokens than its slot holds, a block a draft completed is
+    quantized again, and the window ring holds `drafts` more rows (layout.side_shapes), so that the row
+    a rejected draft overwrote belongs to a token no later step reads from the ring; check_drafts."""
     if config is None:
         return 0
     method, k = getattr(config, "method", None), int(config.num_speculative_tokens or 0)
     if method not in DRAFTERS_WITHOUT_LAYERS:
         raise NotImplementedError(f"torch_rkv's vLLM backend: speculative decoding with method {method!r} is not "
                                   f"supported; {', '.join(DRAFTERS_WITHOUT_LAYERS)} are (no draft layers)")
-    if scheme.block > 1 and k > scheme.recent:
-        raise NotImplementedError(f"torch_rkv's vLLM backend: num_speculative_tokens={k} is more than scheme "
-                                  f"{scheme.name}'s recent window of {scheme.recent} tokens, past which rejected "
-                                  "drafts would overwrite window rows still to be quantized")
+    check_drafts(scheme, k)
     return k
 
 
@@ -302,6 +302,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             # (Gemma 3 keys its RoPE parameters by layer type, and its sliding layers are the local ones)
             layer_type = "sliding_attention" if self.sliding_window else "full_attention"
             self.rope_cos, self.rope_sin, self.rope_interleaved = model_rope_tables(config, head_size, layer_type)
+        self.drafts = speculative_tokens(config.speculative_config, self.scheme)  # (the side ring's extra rows)
         self._tensors = None  # per-layer side pool and signs, made on the first forward
         self._views = None  # (key, page region views) of the cache tensor (regions)
         self.levels = None  # (k_levels, v_levels) of this layer, read on the first forward (it names the layer)
@@ -339,7 +340,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             self._tensors = (grown, *self._tensors[1:])
         if self._tensors is None:
             dev = query.device
-            shapes = side_shapes(self.scheme, self.num_kv_heads, self.head_size, slots, query.dtype)
+            shapes = side_shapes(self.scheme, self.num_kv_heads, self.head_size, slots, query.dtype, self.drafts)
             side = {name: torch.zeros(shape, dtype=dt, device=dev) for name, (shape, dt) in shapes.items()}
             s = self.scheme
             signs = (hadamard_signs(self.head_size, s.hadamard_seed, dev) if s.k_hadamard else None,

@@ -28,7 +28,7 @@ from functools import cached_property
 
 import torch
 
-from ..layout import PageLayout, round_up
+from ..layout import PageLayout, round_up, side_bytes
 from ..scheme import Scheme
 from .vllm_slots import INITIAL_SLOTS, pool_slots, slot_limit
 
@@ -62,9 +62,10 @@ def preferred_block_size(scheme: Scheme | None, device: str) -> int:
     return block_multiple(scheme)
 
 
-def slot_bytes(scheme: Scheme, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """One request's side slot over `layers` layers: its sinks and window ring, keys and values."""
-    return layers * PageLayout(scheme, kv_heads, head_dim, scheme.block, dtype).slot_bytes
+def slot_bytes(scheme: Scheme, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, drafts: int = 0) -> int:
+    """One request's side slot over `layers` layers: its sinks and window ring, keys and values (drafts:
+    speculative tokens a step may append, layout.side_shapes)."""
+    return layers * side_bytes(scheme, kv_heads, head_dim, dtype, drafts)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ class VllmPool:
     has its scheme's bytes), or None: vLLM's own cache in the model dtype ("auto"). windows: each layer's
     sliding window in tokens, 0 for a layer that attends to the whole context (None: no layer slides);
     in_flight_tokens: what the engine schedules before the step that frees a sliding layer's blocks
-    settles (max_num_batched_tokens x the batches in flight; VllmEngine)."""
+    settles (max_num_batched_tokens x the batches in flight; VllmEngine); drafts: speculative tokens a
+    step may append (each side slot's ring holds that many more rows)."""
 
     layers: int
     kv_heads: int
@@ -84,6 +86,7 @@ class VllmPool:
     block_size: int = DEFAULT_BLOCK_SIZE["cpu"]
     windows: tuple[int, ...] | None = None
     in_flight_tokens: int = 0
+    drafts: int = 0
 
     def __post_init__(self):
         if self.schemes is not None and len(self.schemes) != self.layers:
@@ -166,7 +169,7 @@ class VllmPool:
         """The side pool's bytes per request slot, every layer (0 for vLLM's own cache)."""
         if self.schemes is None:
             return 0
-        return slot_bytes(self.schemes[0], self.layers, self.kv_heads, self.head_dim, self.dtype)
+        return slot_bytes(self.schemes[0], self.layers, self.kv_heads, self.head_dim, self.dtype, self.drafts)
 
     def side_bytes(self, running: int, max_num_seqs: int) -> int:
         """The side pool's bytes at most, while at most `running` requests run at once (pool_slots)."""

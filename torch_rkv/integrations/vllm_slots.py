@@ -148,6 +148,11 @@ class SlotTracker:
             sl = self.slots[slot]
             self._unkey(slot)
             sl.length, sl.page0, sl.last_step = n + m, pages[0], self.step
+            # the pages it writes are its own now: a slot keyed there by a request that has left (vLLM gave
+            # the page to this one) must not be found under them again
+            for page in pages[n // p : (n + m - 1) // p + 1]:
+                for other in self.key.pop(page, set()) - {slot}:
+                    self.keyed[other].remove(page)
             if n + m > 0:
                 sl.open_page = pages[(n + m - 1) // p]
                 keyed = sorted(set(pages[max(0, n + m - 1 - self.drafts) // p : (n + m - 1) // p + 1]))
@@ -155,6 +160,17 @@ class SlotTracker:
                     self.key.setdefault(page, set()).add(slot)
                 self.keyed[slot] = keyed
         return slots, inits
+
+
+def check_drafts(scheme, drafts: int) -> None:
+    """Speculative decoding's drafts a step (num_speculative_tokens) that a scheme's side slots follow:
+    a step's tokens must all land in the full-precision ring (an append writes there only the tokens it
+    leaves unquantized, and a rollback may read them from it), so at most recent - 1 drafts for a
+    scheme with a ring (tests/test_drafts.py)."""
+    if drafts and scheme.block > 1 and drafts >= scheme.recent:
+        raise NotImplementedError(f"torch_rkv: num_speculative_tokens={drafts} must be less than scheme "
+                                  f"{scheme.name}'s recent window of {scheme.recent} tokens, so that a step's tokens "
+                                  "stay in the full-precision ring until their drafts are verified")
 
 
 def growth_beyond_headroom(slot_bytes: int, initial: int, limit: int, device_bytes: int,
