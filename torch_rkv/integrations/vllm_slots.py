@@ -70,7 +70,7 @@ class SlotTracker:
     up to `drafts` tokens past the request's, under the pages of its newest drafts + 1 tokens; past a
     page's end only by the request whose next page is the slot's open page, since a full page may be
     another request's prefix-cache hit (which must not take the slot). The stale rows are the next
-    tokens' rows, which the step writes again (the ring holds them as long as drafts <= recent).
+    tokens' rows, which the step writes again (the ring's rows: layout.side_shapes and check_drafts).
     """
 
     def __init__(self, slots: int, page_size: int, sinks: int, initial: int | None = None, drafts: int = 0):
