@@ -234,7 +234,6 @@ def test_tensor_parallel_ranks_read_what_one_rank_reads(tmp_path_factory, monkey
     comparison feels the cache), and each engine logs the capacity `plan --vllm --tensor-parallel-size`
     plans from one rank's heads (twice the tokens: each rank holds half of every token)."""
     import torch
-    import transformers
 
     from torch_rkv import plan
     from torch_rkv.scheme import by_name
@@ -242,12 +241,7 @@ def test_tensor_parallel_ranks_read_what_one_rank_reads(tmp_path_factory, monkey
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("tensor parallelism on CPU needs 2 CPUs (one a rank)")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                                   max_position_embeddings=1024, tie_word_embeddings=False)
-    model = str(tmp_path_factory.mktemp("tiny-llama-4kv"))
-    transformers.LlamaForCausalLM(cfg).save_pretrained(model)
+    model = tiny_family(tmp_path_factory, "llama-4kv")
     gen = __import__("random").Random(0)
     prompts = [[gen.randrange(512) for _ in range(600)] for _ in range(2)]
 
@@ -277,13 +271,23 @@ def test_tensor_parallel_ranks_read_what_one_rank_reads(tmp_path_factory, monkey
     assert two["kv_tokens"] > 1.9 * one["kv_tokens"]
 
 
+# tiny models other tests build like the families (not part of the families' agreement test)
+TINY_MODELS = {**TINY_FAMILIES,
+               # Llama with 4 KV heads for 8 query heads: two ranks of tensor parallelism hold 2 each
+               "llama-4kv": ("LlamaConfig", "LlamaForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
+                                                                "num_hidden_layers": 2, "num_attention_heads": 8,
+                                                                "num_key_value_heads": 4, "head_dim": 64,
+                                                                "max_position_embeddings": 1024,
+                                                                "tie_word_embeddings": False})}
+
+
 def tiny_family(tmp_path_factory, family: str, **overrides) -> str:
-    """TINY_FAMILIES[family] (its config updated by `overrides`), random weights (seed 0), saved as a
+    """TINY_MODELS[family] (its config updated by `overrides`), random weights (seed 0), saved as a
     Hugging Face directory."""
     import torch
     import transformers
 
-    config_cls, model_cls, kw = TINY_FAMILIES[family]
+    config_cls, model_cls, kw = TINY_MODELS[family]
     torch.manual_seed(0)
     cfg = getattr(transformers, config_cls)(vocab_size=512, **{**kw, **overrides})
     path = tmp_path_factory.mktemp(f"tiny-{family}")
