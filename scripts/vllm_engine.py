@@ -1,9 +1,10 @@
 """One vLLM engine for the vLLM tests and bench: `python scripts/vllm_engine.py < job.json`.
 
 A process each, because TORCH_RKV_SCHEME (the plugin's switch) is read when vLLM's processes start. The
-job names the model directory, the engine arguments and a list of tasks; the result is printed as one
-line `RESULT <json>` (with vLLM's counters under "metrics" when the engine keeps statistics:
-"disable_log_stats": false), and vLLM's own log (its KV cache size among it) goes to the same output.
+job names the model directory, the engine arguments (enforce_eager unless they say otherwise) and a list
+of tasks; the result is printed as one line `RESULT <json>` (with vLLM's counters under "metrics" when
+the engine keeps statistics: "disable_log_stats": false), and vLLM's own log (its KV cache size among it)
+goes to the same output.
 
 in_process (the tests): vLLM's engine core and its one worker run in the engine's own process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend="uni") instead of two more processes,
@@ -134,7 +135,7 @@ def main(job: dict | None = None) -> int:
     from vllm.inputs import TokensPrompt
 
     start = time.time()
-    llm = LLM(model=job["model"], enforce_eager=True, **job.get("engine", {}))
+    llm = LLM(model=job["model"], **{"enforce_eager": True, **job.get("engine", {})})
     out = {"load_s": time.time() - start}
     for task in job["tasks"]:
         kind = task["kind"]

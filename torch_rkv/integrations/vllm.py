@@ -2,7 +2,7 @@
 paged ops (docs/serving.md).
 
     pip install torch_rkv[vllm]
-    TORCH_RKV_SCHEME=rkv-4 vllm serve <model> --enforce-eager
+    TORCH_RKV_SCHEME=rkv-4 vllm serve <model>
     TORCH_RKV_SCHEME=rkv-3 python my_script.py          # LLM(...) inside
 
 The scheme is any torch_rkv preset name (rkv-4, rkv-3, rkv-2, rkv-mixed-2, kivi-2, kvquant-3, quarot-4,
@@ -28,7 +28,7 @@ What vLLM then does differently:
   cache as stored and themselves in full precision), then ``rkv.paged_append``.
 
 The vLLM internals this relies on (checked at load time against the tested versions, TESTED_VLLM):
-``AttentionBackend`` / ``AttentionImpl`` / ``AttentionMetadataBuilder`` and ``CommonAttentionMetadata``
+``AttentionBackend`` / ``AttentionImpl`` / ``AttentionMetadataBuilder`` (its ``_cudagraph_support``) and ``CommonAttentionMetadata``
 (``query_start_loc``, ``seq_lens``, ``block_table_tensor``, ``max_query_len``, ``num_actual_tokens``) in
 ``vllm.v1.attention.backend``; ``register_backend`` and ``AttentionBackendEnum``; ``AttentionSpec``'s
 ``num_head_slots`` / ``state_content_bytes``; ``Attention.attn_backend``, ``layer_name`` and

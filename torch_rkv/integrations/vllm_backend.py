@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -155,6 +156,11 @@ class RKVMetadata:
 
 
 class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
+    # Each step does host work a captured graph would skip: the slot tracker's assignments, slot inits and
+    # the side pool's growth. So no full CUDA graphs: vLLM's CUDA default then captures piecewise graphs
+    # and runs attention (an opaque op, a splitting op) eagerly between them.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.scheme = scheme = _scheme()  # (every layer's recent, block and sinks: an allocation's layers share them)
