@@ -13,7 +13,10 @@ process per row (scripts/vllm_engine.py), all in this run. Runs in the vLLM venv
 
     .venv-vllm/bin/python bench/bench_vllm.py [--json] [--cases pressure roomy decode]
         [--requests 16 --prompt 1024 --new 64 --fit 4] [--context 16384] [--dtype bfloat16] [--in-process]
-        [--allocation FILE]
+        [--allocation FILE] [--compiled]
+
+--compiled runs every engine in vLLM's default mode instead of enforce_eager (on CPU: the model traced
+once by Dynamo and compiled by Inductor, about a minute more a start; attention stays an opaque op).
 
 --allocation FILE adds a row `allocation`: per-layer bits (TORCH_RKV_ALLOCATION, e.g. from `python -m
 torch_rkv calibrate --bits 3`), whose layers' pages differ in bytes and which vLLM runs with one metadata
@@ -100,6 +103,7 @@ def main() -> int:
     ap.add_argument("--decode-new", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--allocation", help="also a row of these per-layer bits (an allocation file)")
+    ap.add_argument("--compiled", action="store_true", help="vLLM's default compiled mode, not enforce_eager")
     args = ap.parse_args()
     if args.allocation:
         args.schemes.append(ALLOCATION)
@@ -113,7 +117,8 @@ def main() -> int:
     ids = tok("<|endoftext|>" + data.read_text()).input_ids
     print_machine()
     print(f"# vLLM {__import__('vllm').__version__}, model {Path(model_dir).name}, dtype {args.dtype}, "
-          f"{os.cpu_count()} CPUs, {'in-process engine' if args.in_process else 'multiprocess engine'}",
+          f"{os.cpu_count()} CPUs, {'in-process engine' if args.in_process else 'multiprocess engine'}, "
+          f"{'compiled' if args.compiled else 'enforce_eager'}",
           file=sys.stderr)
 
     need = args.prompt + args.new
@@ -124,6 +129,7 @@ def main() -> int:
     work = [{"kind": "timed", "prompts": prompts, "max_tokens": args.new}]
     decode = [{"kind": "timed", "name": "decode", "prompts": [long_ids], "max_tokens": args.decode_new}]
     seqs = max(16, args.requests)
+    mode = {"enforce_eager": not args.compiled}
     budget = int(args.fit * need * model_bytes_per_token(model_dir, args.dtype))
     # the 16K decode shares the roomy engines (beyond SmolLM2's 8K trained positions: timing only)
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
@@ -139,7 +145,7 @@ def main() -> int:
             t = (tasks if case in args.cases else []) + (decode if case == "roomy" and "decode" in args.cases
                                                           and s in ("auto", "rkv-4") else [])
             if t:
-                runs[case, s] = engine_run(model_dir, s, {"dtype": args.dtype, "max_num_seqs": seqs, **extra}, t,
+                runs[case, s] = engine_run(model_dir, s, {"dtype": args.dtype, "max_num_seqs": seqs, **mode, **extra}, t,
                                            args.in_process, args.allocation)
         if case not in args.cases:
             continue
@@ -148,7 +154,7 @@ def main() -> int:
         if case == "pressure" and "auto" in args.schemes and side:
             # the plugin's side pool is memory outside the KV budget: auto again with that memory added
             budgets[SAME] = budget + int(side * 2**20)
-            runs[case, SAME] = engine_run(model_dir, "auto", {"dtype": args.dtype, "max_num_seqs": seqs, **extra,
+            runs[case, SAME] = engine_run(model_dir, "auto", {"dtype": args.dtype, "max_num_seqs": seqs, **mode, **extra,
                                                               "kv_cache_memory_bytes": budgets[SAME]}, tasks,
                                          args.in_process)
         rows = {s: throughput_row(runs[case, s]) for s in budgets}

@@ -352,3 +352,55 @@ def test_plan_vllm_shards_the_kv_heads_over_tensor_parallel_ranks(capsys):
 def test_plan_vllm_refuses_what_it_does_not_model(capsys):
     with pytest.raises(SystemExit, match="simulated only"):
         run_plan(capsys, "--budget-gb", "2", "--schemes", "turboquant-4")
+
+
+def test_plan_vllm_prints_the_command_that_serves_its_plan(tmp_path, capsys):
+    """Each row's `vllm serve` environment and arguments carry every option the count depends on (the
+    scheme, max_model_len, max_num_seqs, block size, KV memory; tensor parallelism, the tokens in flight
+    of a sliding model, the hybrid manager, the drafts), and the text names the recommended preset of the
+    most bits that fits (tests/in_vllm serves a planned command and checks the capacity vLLM logs)."""
+    out = json.loads(run_plan(capsys, "--budget-gb", "2", "--context", "4096", "--batch", "8", "--schemes", "rkv-4",
+                              "--json"))["rows"]
+    auto, rkv4 = out
+    assert auto["serve"]["env"] == {} and rkv4["serve"]["env"] == {"TORCH_RKV_SCHEME": "rkv-4"}
+    assert rkv4["serve"]["unset"] == []
+    assert rkv4["serve"]["args"] == ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "256",
+                                     "--block-size", "128", "--kv-cache-memory-bytes",
+                                     str(rkv4["kv_cache_memory_bytes"])]
+    args = json.loads(run_plan(capsys, "--model", "gemma-3-27b", "--budget-gb", "20", "--schemes", "rkv-3",
+                               "--device", "cpu", "--tensor-parallel-size", "2", "--num-speculative-tokens", "3",
+                               "--disable-hybrid-kv-cache-manager", "--json"))["rows"][1]["serve"]
+    assert args["env"] == {"TORCH_RKV_SCHEME": "rkv-3"} and args["unset"] == ["VLLM_CPU_KVCACHE_SPACE"]  # (overrides)
+    flags = args["args"]
+    assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
+    assert flags[flags.index("--max-num-batched-tokens") + 1] == "4096"  # (CPU: 2048 a rank)
+    assert "--disable-hybrid-kv-cache-manager" in flags
+    assert json.loads(flags[flags.index("--speculative-config") + 1]) == {"method": "ngram", "num_speculative_tokens": 3}
+    text = run_plan(capsys, "--budget-gb", "2", "--context", "131072", "--batch", "2", "--schemes", "rkv-2", "rkv-4")
+    assert "serve rkv-4 (the recommended preset of the most bits that fits" in text  # (auto 0.66, rkv-4 2.33)
+    assert "TORCH_RKV_SCHEME=rkv-4 vllm serve MODEL --dtype bfloat16 --max-model-len 131072" in text
+    text = run_plan(capsys, "--budget-gb", "2", "--context", "32768", "--batch", "8", "--schemes", "per-token-4", "rkv-3",
+                    "kivi-2")
+    assert "serve rkv-3 (the recommended" in text  # (per-token-4 fits and keeps more bits, but it is a peer)
+    text = run_plan(capsys, "--budget-gb", "2", "--context", "32768", "--batch", "8", "--schemes", "per-token-4", "kivi-2")
+    assert "serve per-token-4 (the most bits that fit" in text
+    text = run_plan(capsys, "--budget-gb", "2", "--context", "32768", "--batch", "8", "--schemes", "rkv-3", "--device",
+                    "cpu")
+    assert "env -u VLLM_CPU_KVCACHE_SPACE TORCH_RKV_SCHEME=rkv-3 vllm serve MODEL" in text
+    assert "none of these holds" in run_plan(capsys, "--budget-gb", "0.1", "--context", "131072", "--batch", "4",
+                                             "--schemes", "rkv-2")
+    path = tmp_path / "profile.json"
+    path.write_text(split_profile(30).to_json())
+    text = run_plan(capsys, "--budget-gb", "2", "--context", "32768", "--batch", "8", "--sensitivity", str(path),
+                    "--out", str(tmp_path / "alloc.json"))
+    assert f"TORCH_RKV_ALLOCATION={tmp_path / 'alloc.json'} vllm serve MODEL" in text
+
+
+def test_plan_names_a_sensitivity_file_it_cannot_read(tmp_path, capsys):
+    bad = tmp_path / "profile.json"
+    for text in ("", '{"levels": [2, 3]}'):
+        bad.write_text(text)
+        with pytest.raises(SystemExit, match=f"--sensitivity {bad}: Sensitivity: not a sensitivity profile"):
+            run_plan(capsys, "--sensitivity", str(bad))
+    with pytest.raises(SystemExit, match="No such file"):
+        run_plan(capsys, "--sensitivity", str(tmp_path / "missing.json"))

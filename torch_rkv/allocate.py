@@ -90,12 +90,17 @@ class Sensitivity:
 
     @classmethod
     def from_json(cls, text: str) -> "Sensitivity":
-        d = json.loads(text)
-        d["levels"] = tuple(d["levels"])
-        d["base_ppl"] = {int(k): v for k, v in d["base_ppl"].items()}
-        for name in ("drops", "ppl_drops"):
-            d[name] = {int(k): [tuple(x) for x in v] for k, v in d[name].items()}
-        return cls(**d)
+        """A profile from to_json's text; ValueError naming what is wrong with any other text."""
+        try:
+            d = json.loads(text)
+            d["levels"] = tuple(d["levels"])
+            d["base_ppl"] = {int(k): v for k, v in d["base_ppl"].items()}
+            for name in ("drops", "ppl_drops"):
+                d[name] = {int(k): [tuple(x) for x in v] for k, v in d[name].items()}
+            return cls(**d)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"Sensitivity: not a sensitivity profile (python -m torch_rkv calibrate writes one): "
+                             f"{type(e).__name__}: {e}") from e
 
     def restricted(self, levels: tuple[int, ...]) -> "Sensitivity":
         """The same profile over a sub-chain of levels (consecutive ones of this profile)."""

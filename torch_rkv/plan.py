@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,6 +17,7 @@ import torch
 from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
 from .integrations.models import uses_sliding_window
+from .integrations.vllm import ALLOCATION_ENV, ENV
 from .integrations.vllm_pool import VllmPool, preferred_block_size
 from .integrations.vllm_slots import check_drafts
 from .layout import CacheLayout, PageLayout, default_page_size
@@ -383,25 +386,64 @@ def vllm_bytes(model: ModelShape, engine: VllmEngine, schemes: list[Scheme] | No
 
 def vllm_rows(model: ModelShape, engine: VllmEngine, budget: float, context: int, batch: int,
               schemes: list[tuple[str, Scheme | None]]) -> list[dict]:
-    """Per scheme (None: vLLM's own cache in the model dtype), what a vLLM engine holds in `budget`
-    bytes with `batch` requests running at once: the plugin's side pool for them comes first, and the
-    rest is the KV memory to give vLLM (kv_cache_memory_bytes), whose tokens and concurrency for requests
-    of `context` tokens are what vLLM logs."""
-    rows = []
-    for name, scheme in schemes:
-        if scheme is not None:
-            scheme.check_served()
-            check_drafts(scheme, engine.speculative_tokens)
-        pool = engine.pool(model, None if scheme is None else [scheme] * model.layers)
-        side = pool.side_bytes(batch, engine.max_num_seqs)
-        kv = max(0, int(budget) - side)
-        tokens, concurrency = pool.capacity(kv, context)
-        bits = 16.0 if scheme is None else scheme.effective_bits(model.head_dim)
-        rows.append({"scheme": name, "bits_per_element": bits, "block_size": pool.block_size,
-                     "page_bytes": pool.layer_pages[0], "side_pool_bytes": side, "kv_cache_memory_bytes": kv,
-                     "kv_tokens": tokens, "max_concurrency": concurrency,
-                     "fits": concurrency >= batch and batch <= engine.max_num_seqs})
-    return rows
+    """Per scheme (None: vLLM's own cache in the model dtype), vllm_row of every layer keeping it."""
+    return [vllm_row(model, engine, budget, context, batch, name, None if scheme is None else [scheme] * model.layers)
+            for name, scheme in schemes]
+
+
+def vllm_row(model: ModelShape, engine: VllmEngine, budget: float, context: int, batch: int, name: str,
+             schemes: list[Scheme] | None) -> dict:
+    """What a vLLM engine holds in `budget` bytes with `batch` requests running at once, each layer
+    keeping its scheme (None: vLLM's own cache in the model dtype): the plugin's side pool for them
+    comes first, and the rest is the KV memory to give vLLM (kv_cache_memory_bytes), whose tokens and
+    concurrency for requests of `context` tokens are what vLLM logs."""
+    for scheme in set(schemes or ()):
+        scheme.check_served()
+        check_drafts(scheme, engine.speculative_tokens)
+    pool = engine.pool(model, schemes)
+    side = pool.side_bytes(batch, engine.max_num_seqs)
+    kv = max(0, int(budget) - side)
+    tokens, concurrency = pool.capacity(kv, context)
+    bits = 16.0 if schemes is None else sum(s.effective_bits(model.head_dim) for s in schemes) / len(schemes)
+    return {"scheme": name, "bits_per_element": bits, "block_size": pool.block_size,
+            "page_bytes": pool.layer_pages[0], "side_pool_bytes": side, "kv_cache_memory_bytes": kv,
+            "kv_tokens": tokens, "max_concurrency": concurrency,
+            "fits": concurrency >= batch and batch <= engine.max_num_seqs}
+
+
+def serve_command(model: ModelShape, engine: VllmEngine, row: dict, context: int, dtype: str,
+                  explicit_batched_tokens: bool = False, allocation: str | None = None) -> dict:
+    """How to run `vllm serve MODEL` for the engine a vllm_row plans: {"env": variables to set (the
+    plugin's scheme or allocation file), "unset": variables to remove, "args": the arguments (every
+    engine option the plan's count depends on)}, so that vLLM logs the planned tokens and concurrency.
+    On CPU VLLM_CPU_KVCACHE_SPACE, when set, would override --kv-cache-memory-bytes
+    (vllm/platforms/cpu.py), and vLLM fails on it empty, so it is unset."""
+    env, unset = {}, []
+    if allocation is not None:
+        env[ALLOCATION_ENV] = allocation
+    elif row["scheme"] != "auto":
+        env[ENV] = row["scheme"]
+    if engine.device == "cpu":
+        unset.append("VLLM_CPU_KVCACHE_SPACE")
+    args = ["--dtype", dtype, "--max-model-len", str(context), "--max-num-seqs", str(engine.max_num_seqs),
+            "--block-size", str(row["block_size"]), "--kv-cache-memory-bytes", str(row["kv_cache_memory_bytes"])]
+    if engine.tensor_parallel > 1:
+        args += ["--tensor-parallel-size", str(engine.tensor_parallel)]
+    if model.sliding_layers or explicit_batched_tokens:  # (what a sliding layer holds beyond its window)
+        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if not engine.hybrid:
+        args.append("--disable-hybrid-kv-cache-manager")
+    if engine.speculative_tokens:
+        args += ["--speculative-config", json.dumps({"method": "ngram",
+                                                     "num_speculative_tokens": engine.speculative_tokens})]
+    return {"env": env, "unset": unset, "args": args}
+
+
+def shell_command(serve: dict, model_path: str) -> str:
+    """The one-line shell command of a serve_command."""
+    prefix = ["env", *(f"-u {name}" for name in serve["unset"])] if serve["unset"] else []
+    return " ".join([*prefix, *(f"{k}={shlex.quote(v)}" for k, v in serve["env"].items()), "vllm", "serve",
+                     shlex.quote(model_path), *map(shlex.quote, serve["args"])])
 
 
 def plan(model: ModelShape, gpu_bytes: float, weight_bytes: float, reserve_bytes: float, context: int, batch: int,
@@ -513,8 +555,11 @@ def main(args) -> int:
     if (args.split or args.out) and not args.sensitivity:
         raise SystemExit("torch_rkv plan: --split and --out choose a per-layer allocation, which needs --sensitivity")
     if args.sensitivity:
-        with open(args.sensitivity) as f:
-            profile = Sensitivity.from_json(f.read())
+        try:
+            with open(args.sensitivity) as f:
+                profile = Sensitivity.from_json(f.read())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"torch_rkv plan: --sensitivity {args.sensitivity}: {e}")
         try:
             solver = split_for_budget if split else allocation_for_budget
             allocation = solver(model, profile, budget, args.context, args.batch, engine=engine)
@@ -522,6 +567,18 @@ def main(args) -> int:
             raise SystemExit(f"torch_rkv {e}")
         if args.out:
             allocation[0].save(args.out, model=model.name, calibration=f"{profile.model} on {profile.text}")
+    serving = None  # (with --vllm) how to serve each row, and the allocation's row
+    if engine is not None:
+        def serve(row, file=None):
+            return serve_command(model, engine, row, args.context, args.dtype, args.max_num_batched_tokens is not None,
+                                 file)
+
+        for row in rows:
+            row["serve"] = serve(row)
+        if allocation:
+            serving = vllm_row(model, engine, budget, args.context, args.batch, "allocation",
+                               allocation[0].schemes())
+            serving["serve"] = serve(serving, args.out or ALLOCATION_PLACEHOLDER)
     if args.json:
         out = {"model": model.__dict__, "rows": rows}  # (with --vllm: one GPU's share of the KV heads)
         if engine is not None:
@@ -530,6 +587,8 @@ def main(args) -> int:
             out["allocation"] = {"bits": allocation[0].bits, "kv_bytes": allocation[1], "split": split,
                                  "predicted_kl": allocation[0].predicted, "profile": args.sensitivity,
                                  "file": args.out}
+            if serving is not None:
+                out["allocation"]["vllm"] = serving
         print(json.dumps(out, indent=1))
         return 0
     if engine is not None:
@@ -537,8 +596,18 @@ def main(args) -> int:
     else:
         print_contiguous(model, weight, budget, args, rows)
     if allocation:
-        print_allocation(model, budget, args, profile, allocation, engine, split)
+        print_allocation(model, budget, args, profile, allocation, engine, split, serving)
     return 0
+
+
+RECOMMENDED_NAMES = tuple(S.recommended(bits).name for bits in (8, 4, 3, 2))  # the library's presets
+MODEL_PLACEHOLDER = "MODEL"  # vllm serve's model (a Hugging Face id or directory) where plan has no --config
+ALLOCATION_PLACEHOLDER = "ALLOCATION.json"  # TORCH_RKV_ALLOCATION where plan writes no --out file
+
+
+def model_path(args) -> str:
+    """What `vllm serve` loads: the directory of --config, or MODEL_PLACEHOLDER."""
+    return os.path.dirname(os.path.abspath(args.config)) if args.config else MODEL_PLACEHOLDER
 
 
 def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows: list[dict]) -> None:
@@ -568,6 +637,20 @@ def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows:
     print(f"\nblock: tokens a vLLM block holds; page: one layer's block; side: the plugin's full-precision rows "
           f"for {args.batch} requests at once, at most (outside vLLM's KV memory); fits: the concurrency and "
           "max_num_seqs hold the requests")
+    fitting = [r for r in rows if r["fits"]]
+    if not fitting:
+        print(f"\nnone of these holds {args.batch} requests of {args.context:,} tokens at once")
+        return
+    # vLLM's own cache when it fits, else the library's preset of the most bits that fits (bits alone do not
+    # rank schemes of different layouts: per-token-4 keeps more bits than rkv-4 and loses more), else the
+    # listed scheme of the most bits
+    ours = [r for r in fitting if r["scheme"] == "auto" or r["scheme"] in RECOMMENDED_NAMES]
+    best = max(ours or fitting, key=lambda r: r["bits_per_element"])
+    why = ("vLLM's own cache holds them" if best["scheme"] == "auto" else
+           "the recommended preset of the most bits that fits" if ours else "the most bits that fit")
+    where = "" if args.config else f"; {MODEL_PLACEHOLDER}: {model.name}'s Hugging Face id or directory"
+    print(f"\nserve {best['scheme']} ({why}{where}):\n  "
+          + shell_command(best["serve"], model_path(args)))
 
 
 def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows: list[dict]) -> None:
@@ -594,7 +677,7 @@ def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows
 
 
 def print_allocation(model: ModelShape, budget: float, args, profile: Sensitivity, allocation, engine,
-                     split: bool) -> None:
+                     split: bool, serving: dict | None = None) -> None:
     alloc, nbytes, weights = allocation
     print(f"\nper-layer allocation for {args.batch} x {args.context:,} tokens in {budget / GB:.2f} GB "
           f"(profile {args.sensitivity}: {profile.model} on {profile.text}, levels {profile.levels}):")
@@ -609,3 +692,7 @@ def print_allocation(model: ModelShape, budget: float, args, profile: Sensitivit
                  "unequal totals would buy nothing there)"))
     if args.out:
         print(f"  written to {args.out}: serve it in vLLM with TORCH_RKV_ALLOCATION={args.out}")
+    if serving is not None:
+        print(f"  vLLM holds {serving['max_concurrency']:.2f} requests of {args.context:,} tokens; serve it"
+              + ("" if args.out else f" (--out writes {ALLOCATION_PLACEHOLDER})") + ":\n  "
+              + shell_command(serving["serve"], model_path(args)))

@@ -672,18 +672,27 @@ def _free_port() -> int:
 @pytest.mark.parametrize("served", ["rkv-4", "allocation"])
 def test_vllm_serve_answers_a_completion(model_dir, served, request):
     """`vllm serve` with the plugin on loopback answers an OpenAI completion request, then shuts down:
-    with rkv-4, and with per-layer bits (layer_allocation: each layer bound to its scheme in vLLM's
-    worker process, the default multiprocess layout)."""
+    with rkv-4, run by the command `plan --vllm` prints for it (whose tokens and concurrency vLLM then
+    logs), and with per-layer bits (layer_allocation: each layer bound to its scheme in vLLM's worker
+    process, the default multiprocess layout)."""
     port = _free_port()
-    setting = ({plugin.ENV: "rkv-4"} if served == "rkv-4" else
-               {plugin.ALLOCATION_ENV: request.getfixturevalue("layer_allocation")})
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_GB, **setting)
-    for name in (plugin.ENV, plugin.ALLOCATION_ENV, plugin.CODEBOOK_ENV):
+    planned = None
+    if served == "rkv-4":  # 4 requests of 2048 tokens in 1 GB: plan's row and command for rkv-4
+        planned = json.loads(subprocess.run(
+            [sys.executable, "-P", "-m", "torch_rkv", "plan", "--vllm", "--json", "--config", f"{model_dir}/config.json",
+             "--device", "cpu", "--dtype", "bfloat16", "--budget-gb", "1", "--context", "2048", "--batch", "4",
+             "--max-num-seqs", "8", "--schemes", "rkv-4"], capture_output=True, text=True, check=True).stdout)["rows"][1]
+        setting, args = planned["serve"]["env"], planned["serve"]["args"]
+        assert planned["serve"]["unset"] == ["VLLM_CPU_KVCACHE_SPACE"]  # (popped below: not in setting)
+    else:
+        setting = {plugin.ALLOCATION_ENV: request.getfixturevalue("layer_allocation"), "VLLM_CPU_KVCACHE_SPACE": KV_GB}
+        args = ["--dtype", "bfloat16", "--max-model-len", "2048"]
+    env = dict(os.environ, **setting)
+    for name in (plugin.ENV, plugin.ALLOCATION_ENV, plugin.CODEBOOK_ENV, "VLLM_CPU_KVCACHE_SPACE"):
         if name not in setting:
             env.pop(name, None)
     server = subprocess.Popen([sys.executable, str(SCRIPTS / "vllm_serve.py"), "serve", model_dir, "--host", "127.0.0.1",
-                               "--port", str(port),
-                               "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048"], env=env,
+                               "--port", str(port), "--enforce-eager", *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
@@ -712,6 +721,12 @@ def test_vllm_serve_answers_a_completion(model_dir, served, request):
             server.kill()
             out, _ = server.communicate()
     assert "TORCH_RKV" in out or "KV cache size" in out
+    if planned is not None:
+        logged = re.search(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for 2,048 tokens per request: "
+                           r"([\d.]+)x", out)
+        assert logged, out[-4000:]
+        assert (int(logged.group(1).replace(",", "")), float(logged.group(2))) == (
+            planned["kv_tokens"], round(planned["max_concurrency"], 2)), out[-4000:]
     if served == "allocation":  # every layer scheme's pages (one metadata builder each)
         kept = set(re.findall(r"torch_rkv: \d+ layers keep (\d)-bit keys and (\d)-bit values", out))
         assert kept == {(str(k), str(v)) for k, v in LAYER_BITS}, out[-4000:]
