@@ -16,7 +16,8 @@ process per row (scripts/vllm_engine.py), all in this run. Runs in the vLLM venv
         [--allocation FILE] [--compiled]
 
 --compiled runs every engine in vLLM's default mode instead of enforce_eager (on CPU: the model traced
-once by Dynamo and compiled by Inductor, about a minute more a start; attention stays an opaque op).
+once by Dynamo and compiled by Inductor, about a minute more a start; attention stays an opaque op); its
+decode case needs --context within SmolLM2's 8192 positions (e.g. --context 8000).
 
 --allocation FILE adds a row `allocation`: per-layer bits (TORCH_RKV_ALLOCATION, e.g. from `python -m
 torch_rkv calibrate --bits 3`), whose layers' pages differ in bytes and which vLLM runs with one metadata
@@ -105,6 +106,10 @@ def main() -> int:
     ap.add_argument("--allocation", help="also a row of these per-layer bits (an allocation file)")
     ap.add_argument("--compiled", action="store_true", help="vLLM's default compiled mode, not enforce_eager")
     args = ap.parse_args()
+    if args.compiled and "decode" in args.cases and args.context + args.decode_new > 8192:
+        # (vLLM's own compiled rotary checks its bounds; eager mode reads past the table, timing only)
+        ap.error(f"--compiled: the decode case needs --context + --decode-new within SmolLM2's 8192 positions "
+                 f"(got {args.context} + {args.decode_new}; e.g. --context 8000)")
     if args.allocation:
         args.schemes.append(ALLOCATION)
 

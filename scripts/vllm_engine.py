@@ -78,15 +78,18 @@ def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900, in_
         raise RuntimeError(f"vLLM engine ({ENV}={scheme}) failed (exit {exit_code}):\n{log[-6000:]}")
     out = json.loads(result[-1][len("RESULT "):])
     out["exit_code"] = exit_code
+    out["kv_tokens"], out["concurrency_len"], out["concurrency"] = kv_capacity(log)
+    out["log"] = log
+    return out
+
+
+def kv_capacity(log: str) -> tuple[int, int, float]:
+    """(tokens, tokens a request, maximum concurrency) of vLLM's "KV cache size" log line."""
     size = re.search(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: "
                      r"([\d.]+)x", log)
     if size is None:
         raise RuntimeError(f"no KV cache size in vLLM's log:\n{log[-3000:]}")
-    out["kv_tokens"] = int(size.group(1).replace(",", ""))
-    out["concurrency_len"] = int(size.group(2).replace(",", ""))
-    out["concurrency"] = float(size.group(3))
-    out["log"] = log
-    return out
+    return int(size.group(1).replace(",", "")), int(size.group(2).replace(",", "")), float(size.group(3))
 
 
 _forkserver = None  # the multiprocessing context whose server has vLLM imported

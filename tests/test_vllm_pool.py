@@ -363,30 +363,35 @@ def test_plan_vllm_prints_the_command_that_serves_its_plan(tmp_path, capsys):
                               "--json"))["rows"]
     auto, rkv4 = out
     assert auto["serve"]["env"] == {} and rkv4["serve"]["env"] == {"TORCH_RKV_SCHEME": "rkv-4"}
-    assert rkv4["serve"]["unset"] == []
+    assert rkv4["serve"]["unset"] == ["TORCH_RKV_ALLOCATION", "TORCH_RKV_CODEBOOK"]  # (a shell's from another run)
+    assert auto["serve"]["unset"] == ["TORCH_RKV_SCHEME", "TORCH_RKV_ALLOCATION", "TORCH_RKV_CODEBOOK"]
     assert rkv4["serve"]["args"] == ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "256",
                                      "--block-size", "128", "--kv-cache-memory-bytes",
                                      str(rkv4["kv_cache_memory_bytes"])]
     args = json.loads(run_plan(capsys, "--model", "gemma-3-27b", "--budget-gb", "20", "--schemes", "rkv-3",
                                "--device", "cpu", "--tensor-parallel-size", "2", "--num-speculative-tokens", "3",
                                "--disable-hybrid-kv-cache-manager", "--json"))["rows"][1]["serve"]
-    assert args["env"] == {"TORCH_RKV_SCHEME": "rkv-3"} and args["unset"] == ["VLLM_CPU_KVCACHE_SPACE"]  # (overrides)
+    assert args["env"] == {"TORCH_RKV_SCHEME": "rkv-3"} and args["unset"][-1] == "VLLM_CPU_KVCACHE_SPACE"  # (overrides)
     flags = args["args"]
     assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
     assert flags[flags.index("--max-num-batched-tokens") + 1] == "4096"  # (CPU: 2048 a rank)
     assert "--disable-hybrid-kv-cache-manager" in flags
     assert json.loads(flags[flags.index("--speculative-config") + 1]) == {"method": "ngram", "num_speculative_tokens": 3}
     text = run_plan(capsys, "--budget-gb", "2", "--context", "131072", "--batch", "2", "--schemes", "rkv-2", "rkv-4")
-    assert "serve rkv-4 (the recommended preset of the most bits that fits" in text  # (auto 0.66, rkv-4 2.33)
-    assert "TORCH_RKV_SCHEME=rkv-4 vllm serve MODEL --dtype bfloat16 --max-model-len 131072" in text
+    assert "serve rkv-4 (the rkv preset of the most bits that fits" in text  # (auto 0.66, rkv-4 2.33)
+    assert ("env -u TORCH_RKV_ALLOCATION -u TORCH_RKV_CODEBOOK TORCH_RKV_SCHEME=rkv-4 vllm serve MODEL --dtype bfloat16 "
+            "--max-model-len 131072") in text
     text = run_plan(capsys, "--budget-gb", "2", "--context", "32768", "--batch", "8", "--schemes", "per-token-4", "rkv-3",
                     "kivi-2")
-    assert "serve rkv-3 (the recommended" in text  # (per-token-4 fits and keeps more bits, but it is a peer)
+    assert "serve rkv-3 (the rkv preset" in text  # (per-token-4 fits and keeps more bits, but it is a peer)
+    text = run_plan(capsys, "--budget-gb", "2", "--context", "65536", "--batch", "7", "--schemes", "rkv-3",
+                    "rkv-mixed-2", "rkv-2", "kivi-2")
+    assert "serve rkv-mixed-2 (the rkv preset" in text  # (rkv-3 holds 6.05 requests here, rkv-mixed-2 7.02)
     text = run_plan(capsys, "--budget-gb", "2", "--context", "32768", "--batch", "8", "--schemes", "per-token-4", "kivi-2")
     assert "serve per-token-4 (the most bits that fit" in text
     text = run_plan(capsys, "--budget-gb", "2", "--context", "32768", "--batch", "8", "--schemes", "rkv-3", "--device",
                     "cpu")
-    assert "env -u VLLM_CPU_KVCACHE_SPACE TORCH_RKV_SCHEME=rkv-3 vllm serve MODEL" in text
+    assert "-u VLLM_CPU_KVCACHE_SPACE TORCH_RKV_SCHEME=rkv-3 vllm serve MODEL" in text
     assert "none of these holds" in run_plan(capsys, "--budget-gb", "0.1", "--context", "131072", "--batch", "4",
                                              "--schemes", "rkv-2")
     path = tmp_path / "profile.json"
@@ -394,6 +399,15 @@ def test_plan_vllm_prints_the_command_that_serves_its_plan(tmp_path, capsys):
     text = run_plan(capsys, "--budget-gb", "2", "--context", "32768", "--batch", "8", "--sensitivity", str(path),
                     "--out", str(tmp_path / "alloc.json"))
     assert f"TORCH_RKV_ALLOCATION={tmp_path / 'alloc.json'} vllm serve MODEL" in text
+    config = tmp_path / "model" / "config.json"  # a model folder: served by its path once it holds weights
+    config.parent.mkdir()
+    config.write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                  "hidden_size": 576, "model_type": "llama", "vocab_size": 49152,
+                                  "intermediate_size": 1536}))
+    assert "vllm serve MODEL" in run_plan(capsys, "--config", str(config), "--budget-gb", "2", "--schemes", "rkv-3")
+    (config.parent / "model.safetensors").write_bytes(b"")
+    assert f"vllm serve {config.parent} " in run_plan(capsys, "--config", str(config), "--budget-gb", "2",
+                                                      "--schemes", "rkv-3")
 
 
 def test_plan_names_a_sensitivity_file_it_cannot_read(tmp_path, capsys):

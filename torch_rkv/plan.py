@@ -17,7 +17,7 @@ import torch
 from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
 from .integrations.models import uses_sliding_window
-from .integrations.vllm import ALLOCATION_ENV, ENV
+from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV
 from .integrations.vllm_pool import VllmPool, preferred_block_size
 from .integrations.vllm_slots import check_drafts
 from .layout import CacheLayout, PageLayout, default_page_size
@@ -414,15 +414,17 @@ def vllm_row(model: ModelShape, engine: VllmEngine, budget: float, context: int,
 def serve_command(model: ModelShape, engine: VllmEngine, row: dict, context: int, dtype: str,
                   explicit_batched_tokens: bool = False, allocation: str | None = None) -> dict:
     """How to run `vllm serve MODEL` for the engine a vllm_row plans: {"env": variables to set (the
-    plugin's scheme or allocation file), "unset": variables to remove, "args": the arguments (every
-    engine option the plan's count depends on)}, so that vLLM logs the planned tokens and concurrency.
-    On CPU VLLM_CPU_KVCACHE_SPACE, when set, would override --kv-cache-memory-bytes
-    (vllm/platforms/cpu.py), and vLLM fails on it empty, so it is unset."""
-    env, unset = {}, []
+    plugin's scheme or allocation file), "unset": variables to remove (the plugin's others, which the
+    shell may hold from another run), "args": the arguments (every engine option the plan's count
+    depends on)}, so that vLLM logs the planned tokens and concurrency. On CPU VLLM_CPU_KVCACHE_SPACE,
+    when set, would override --kv-cache-memory-bytes (vllm/platforms/cpu.py), and vLLM fails on it
+    empty, so it is unset too."""
+    env = {}
     if allocation is not None:
         env[ALLOCATION_ENV] = allocation
     elif row["scheme"] != "auto":
         env[ENV] = row["scheme"]
+    unset = [name for name in (ENV, ALLOCATION_ENV, CODEBOOK_ENV) if name not in env]
     if engine.device == "cpu":
         unset.append("VLLM_CPU_KVCACHE_SPACE")
     args = ["--dtype", dtype, "--max-model-len", str(context), "--max-num-seqs", str(engine.max_num_seqs),
@@ -578,7 +580,7 @@ def main(args) -> int:
         if allocation:
             serving = vllm_row(model, engine, budget, args.context, args.batch, "allocation",
                                allocation[0].schemes())
-            serving["serve"] = serve(serving, args.out or ALLOCATION_PLACEHOLDER)
+            serving["serve"] = serve(serving, os.path.abspath(args.out) if args.out else ALLOCATION_PLACEHOLDER)
     if args.json:
         out = {"model": model.__dict__, "rows": rows}  # (with --vllm: one GPU's share of the KV heads)
         if engine is not None:
@@ -600,14 +602,18 @@ def main(args) -> int:
     return 0
 
 
-RECOMMENDED_NAMES = tuple(S.recommended(bits).name for bits in (8, 4, 3, 2))  # the library's presets
+OUR_PRESETS = ("rkv-",)  # rkv-<bits>, rkv-mixed-<bits>, rkv-sparse-<bits>: one layout, ranked by their bits
 MODEL_PLACEHOLDER = "MODEL"  # vllm serve's model (a Hugging Face id or directory) where plan has no --config
 ALLOCATION_PLACEHOLDER = "ALLOCATION.json"  # TORCH_RKV_ALLOCATION where plan writes no --out file
 
 
 def model_path(args) -> str:
-    """What `vllm serve` loads: the directory of --config, or MODEL_PLACEHOLDER."""
-    return os.path.dirname(os.path.abspath(args.config)) if args.config else MODEL_PLACEHOLDER
+    """What `vllm serve` loads: the directory of --config when it holds the weights too, or
+    MODEL_PLACEHOLDER (a config.json on its own)."""
+    folder = os.path.dirname(os.path.abspath(args.config)) if args.config else None
+    weights = folder and any(name.endswith((".safetensors", ".bin", ".safetensors.index.json"))
+                             for name in os.listdir(folder))
+    return folder if weights else MODEL_PLACEHOLDER
 
 
 def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows: list[dict]) -> None:
@@ -641,14 +647,15 @@ def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows:
     if not fitting:
         print(f"\nnone of these holds {args.batch} requests of {args.context:,} tokens at once")
         return
-    # vLLM's own cache when it fits, else the library's preset of the most bits that fits (bits alone do not
-    # rank schemes of different layouts: per-token-4 keeps more bits than rkv-4 and loses more), else the
-    # listed scheme of the most bits
-    ours = [r for r in fitting if r["scheme"] == "auto" or r["scheme"] in RECOMMENDED_NAMES]
+    # vLLM's own cache when it fits, else the rkv preset of the most bits that fits (bits alone do not rank
+    # schemes of different layouts: per-token-4 keeps more bits than rkv-4 and loses more), else the listed
+    # scheme of the most bits
+    ours = [r for r in fitting if r["scheme"] == "auto" or r["scheme"].startswith(OUR_PRESETS)]
     best = max(ours or fitting, key=lambda r: r["bits_per_element"])
     why = ("vLLM's own cache holds them" if best["scheme"] == "auto" else
-           "the recommended preset of the most bits that fits" if ours else "the most bits that fit")
-    where = "" if args.config else f"; {MODEL_PLACEHOLDER}: {model.name}'s Hugging Face id or directory"
+           "the rkv preset of the most bits that fits" if ours else "the most bits that fit")
+    where = (f"; {MODEL_PLACEHOLDER}: {model.name}'s Hugging Face id or directory"
+             if model_path(args) == MODEL_PLACEHOLDER else "")
     print(f"\nserve {best['scheme']} ({why}{where}):\n  "
           + shell_command(best["serve"], model_path(args)))
 
