@@ -134,7 +134,7 @@ def main() -> int:
     work = [{"kind": "timed", "prompts": prompts, "max_tokens": args.new}]
     decode = [{"kind": "timed", "name": "decode", "prompts": [long_ids], "max_tokens": args.decode_new}]
     seqs = max(16, args.requests)
-    mode = {"enforce_eager": not args.compiled}
+    common = {"dtype": args.dtype, "max_num_seqs": seqs, "enforce_eager": not args.compiled}  # every engine's
     budget = int(args.fit * need * model_bytes_per_token(model_dir, args.dtype))
     # the 16K decode shares the roomy engines (beyond SmolLM2's 8K trained positions: timing only)
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
@@ -150,8 +150,7 @@ def main() -> int:
             t = (tasks if case in args.cases else []) + (decode if case == "roomy" and "decode" in args.cases
                                                           and s in ("auto", "rkv-4") else [])
             if t:
-                runs[case, s] = engine_run(model_dir, s, {"dtype": args.dtype, "max_num_seqs": seqs, **mode, **extra}, t,
-                                           args.in_process, args.allocation)
+                runs[case, s] = engine_run(model_dir, s, {**common, **extra}, t, args.in_process, args.allocation)
         if case not in args.cases:
             continue
         budgets = {s: budget for s in args.schemes}
@@ -159,9 +158,8 @@ def main() -> int:
         if case == "pressure" and "auto" in args.schemes and side:
             # the plugin's side pool is memory outside the KV budget: auto again with that memory added
             budgets[SAME] = budget + int(side * 2**20)
-            runs[case, SAME] = engine_run(model_dir, "auto", {"dtype": args.dtype, "max_num_seqs": seqs, **mode, **extra,
-                                                              "kv_cache_memory_bytes": budgets[SAME]}, tasks,
-                                         args.in_process)
+            more = {**common, **extra, "kv_cache_memory_bytes": budgets[SAME]}
+            runs[case, SAME] = engine_run(model_dir, "auto", more, tasks, args.in_process)
         rows = {s: throughput_row(runs[case, s]) for s in budgets}
         for s, r in rows.items():
             tps = r["output_tokens_per_s"]

@@ -654,10 +654,9 @@ def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows:
     best = max(ours or fitting, key=lambda r: r["bits_per_element"])
     why = ("vLLM's own cache holds them" if best["scheme"] == "auto" else
            "the rkv preset of the most bits that fits" if ours else "the most bits that fit")
-    where = (f"; {MODEL_PLACEHOLDER}: {model.name}'s Hugging Face id or directory"
-             if model_path(args) == MODEL_PLACEHOLDER else "")
-    print(f"\nserve {best['scheme']} ({why}{where}):\n  "
-          + shell_command(best["serve"], model_path(args)))
+    path = model_path(args)
+    where = f"; {MODEL_PLACEHOLDER}: {model.name}'s Hugging Face id or directory" if path == MODEL_PLACEHOLDER else ""
+    print(f"\nserve {best['scheme']} ({why}{where}):\n  " + shell_command(best["serve"], path))
 
 
 def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows: list[dict]) -> None:

@@ -101,6 +101,13 @@ def assert_reads_agree(ref: list, got: list, allowed: float, what: str) -> None:
             assert margin < 2 * allowed, f"{what} {i}: token {differ} differs where the margin is {margin:.3f}"
 
 
+def forced_logprobs(run: dict) -> list[float]:
+    """The log-probability of each sequence's own next token, in order, from a "forced" task."""
+    f = run["forced"]
+    return [row[str(seq[start + j])] for seq, start, rows in zip(f["ids"], f["starts"], f["logprobs"])
+            for j, row in enumerate(rows)]
+
+
 def fp32_job(model_dir, prompts, forced=None, **engine_args):
     tasks = [{"kind": "generate", "prompts": prompts, "max_tokens": 24}]
     if forced is not None:
@@ -124,11 +131,8 @@ def assert_8_bits_agree_with_vllms_own_cache(name, model_dir, prompts, sensitivi
                                                            **engine_args))
     bound = logprob_bound(8, sensitivity)
     assert_reads_agree(ref["generate"], got["generate"], bound, "prompt")
-    for i in range(len(prompts)):
-        seq, start = seqs[i], ref["forced"]["starts"][i]
-        for j, (a, b) in enumerate(zip(ref["forced"]["logprobs"][i], got["forced"]["logprobs"][i])):
-            token = str(seq[start + j])
-            assert abs(a[token] - b[token]) <= bound, (i, j, a[token], b[token], bound)
+    for k, (a, b) in enumerate(zip(forced_logprobs(ref), forced_logprobs(got), strict=True)):
+        assert abs(a - b) <= bound, (k, a, b, bound)
     return ref, got
 
 
@@ -273,13 +277,6 @@ def tiny_llama_forced(tmp_path_factory, scheme: str | None, tp: int = 1, **engin
                            "distributed_executor_backend": "mp" if tp > 1 else "uni", **engine_args}}
 
     return engine(f"tiny-llama-{scheme}-tp{tp}-{sorted(engine_args.items())}", scheme, job)
-
-
-def forced_logprobs(run: dict) -> list[float]:
-    """The log-probability of each sequence's own next token, in order, from a "forced" task."""
-    f = run["forced"]
-    return [row[str(seq[start + j])] for seq, start, rows in zip(f["ids"], f["starts"], f["logprobs"])
-            for j, row in enumerate(rows)]
 
 
 def test_tensor_parallel_ranks_read_what_one_rank_reads(tmp_path_factory, monkeypatch):

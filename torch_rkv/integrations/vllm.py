@@ -28,10 +28,10 @@ What vLLM then does differently:
   cache as stored and themselves in full precision), then ``rkv.paged_append``.
 
 The vLLM internals this relies on (checked at load time against the tested versions, TESTED_VLLM):
-``AttentionBackend`` / ``AttentionImpl`` / ``AttentionMetadataBuilder`` (its ``_cudagraph_support``) and ``CommonAttentionMetadata``
-(``query_start_loc``, ``seq_lens``, ``block_table_tensor``, ``max_query_len``, ``num_actual_tokens``) in
-``vllm.v1.attention.backend``; ``register_backend`` and ``AttentionBackendEnum``; ``AttentionSpec``'s
-``num_head_slots`` / ``state_content_bytes``; ``Attention.attn_backend``, ``layer_name`` and
+``AttentionBackend`` / ``AttentionImpl`` / ``AttentionMetadataBuilder`` (its ``_cudagraph_support``) and
+``CommonAttentionMetadata`` (``query_start_loc``, ``seq_lens``, ``block_table_tensor``, ``max_query_len``,
+``num_actual_tokens``) in ``vllm.v1.attention.backend``; ``register_backend`` and ``AttentionBackendEnum``;
+``AttentionSpec``'s ``num_head_slots`` / ``state_content_bytes``; ``Attention.attn_backend``, ``layer_name`` and
 ``AttentionImpl.process_weights_after_loading`` (called before the specs are asked for), and
 ``compilation_config.static_forward_context``; the layer cache view ``[blocks, head slots, block tokens,
 content]`` (``KVCacheLayout.LBHNC``); ``get_rope`` for the model's own rotary table.
