@@ -8,7 +8,8 @@ import torch
 
 from torch_rkv import scheme as S
 from torch_rkv.cache import QuantizedKVCache
-from torch_rkv.codebook import gaussian_levels, gaussian_round_trip
+from torch_rkv.codebook import FP8_MAX, fp8_round_trip, gaussian_levels, gaussian_round_trip
+from torch_rkv.eval.simulate import Simulation
 from torch_rkv.paged import PagedQuantizedKVCache
 
 # Max (1960), "Quantizing for minimum distortion", table I: the positive levels and the mean squared
@@ -48,9 +49,35 @@ def test_the_turboquant_preset_and_its_bits():
         S.quarot(4).replace(levels="gaussian", v_hadamard=False)
 
 
-def test_the_caches_refuse_simulated_levels():
-    s = S.turboquant(4)
+@pytest.mark.parametrize("s", [S.turboquant(4), S.vllm_fp8()], ids=lambda s: s.name)
+def test_the_caches_refuse_simulated_levels(s):
     for make in (lambda: QuantizedKVCache(s, 1, 1, 2, 64, 32),
                  lambda: PagedQuantizedKVCache(s, 1, 2, 64, 4, 1)):
         with pytest.raises(NotImplementedError, match="simulated only"):
             make()
+
+
+def test_fp8_keeps_four_significant_bits_and_saturates():
+    """vLLM's fp8 cache (e4m3, scale 1): every value in e4m3's normal range within half a step (1/16 of
+    its power of two) of itself, the grid's own values exactly, and values past 448 saturated."""
+    x = torch.randn(4096) * torch.logspace(-1.5, 2, 4096)
+    back = fp8_round_trip(x)
+    normal = x.abs() >= 2.0 ** -6
+    step = 2.0 ** (torch.floor(torch.log2(x.abs())) - 3)
+    assert ((back - x).abs() <= step / 2 + 1e-12)[normal].all()
+    assert torch.equal(fp8_round_trip(back), back)  # the grid's values come back exactly
+    assert torch.equal(fp8_round_trip(torch.tensor([1000.0, -1e6])), torch.tensor([FP8_MAX, -FP8_MAX]))
+    assert torch.equal(fp8_round_trip(x * 4, scale=4.0), fp8_round_trip(x) * 4)
+
+
+def test_the_vllm_fp8_scheme_quantizes_post_rope_keys_and_values_alike():
+    """vllm-fp8: 8 bits an element with no metadata, nothing in full precision, and the simulation's
+    store and load round-trips every cached key and value through the fp8 grid."""
+    s = S.by_name("vllm-fp8")
+    assert s.effective_bits(64) == 8.0 and (s.sinks, s.recent, s.pre_rope) == (0, 0, False)
+    assert "fp8 e4m3" in s.describe(64) and "meta" not in s.describe(64)
+    x = torch.randn(1, 2, 40, 64) * 5
+    for side in ("k", "v"):
+        assert torch.equal(Simulation(s).fake_quantize(x, side), fp8_round_trip(x))
+    with pytest.raises(ValueError, match="levels='fp8'"):
+        s.replace(pre_rope=True)

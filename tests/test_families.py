@@ -8,9 +8,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 import transformers as T  # noqa: E402
 from test_transformers import TINY_SENSITIVITY, assert_agrees  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 import torch_rkv  # noqa: E402
 from torch_rkv import scheme as S  # noqa: E402
+from torch_rkv.eval.agreement import cached_logprobs, logprob_bound, teacher_forced  # noqa: E402
 from torch_rkv.eval.simulate import Simulation, install  # noqa: E402
 from torch_rkv.integrations import models  # noqa: E402
 from torch_rkv.integrations.transformers import RKVCache  # noqa: E402
@@ -155,9 +157,10 @@ def test_the_simulation_honours_a_sliding_window_mask():
 
 
 UNSUPPORTED = {
-    "dynamic NTK RoPE": (lambda: build("Qwen2Config", "Qwen2ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
-                                       rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-                         "rope_type 'dynamic'"),
+    "ALiBi": (lambda: build("FalconConfig", "FalconForCausalLM", num_attention_heads=4, alibi=True), "ALiBi"),
+    "encoder-decoder": (lambda: T.T5ForConditionalGeneration(T.T5Config(vocab_size=VOCAB, d_model=64, num_layers=1,
+                                                                        num_heads=2, d_kv=32, d_ff=64)).eval(),
+                        "an encoder-decoder model"),
 }
 
 
@@ -285,3 +288,101 @@ def test_gemma3s_cache_round_trips_each_layers_keys_with_its_table():
         assert torch.allclose(back, post[i], atol=1e-5, rtol=1e-5), i
     a, b = (cache.layers[i].cache for i in (0, 1))
     assert a is not b and not torch.allclose(a.rope_cos[:40], b.rope_cos[:40])  # two tables
+
+
+# RoPE whose table changes with the sequence length, prompts of 40 tokens decoded to 100: Phi-3's LongRoPE
+# (short factors up to 64 tokens, long ones past them) and dynamic NTK (a larger base every token past 32;
+# a sharper random model, so that the table's change shows)
+LENGTH_DEPENDENT = {
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "original_max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 16,
+                            "long_factor": [1.0 + i for i in range(16)], "original_max_position_embeddings": 64}}),
+    "qwen2_dynamic": ("Qwen2Config", "Qwen2ForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32, "initializer_range": 0.03,
+        "rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 1e4}}),
+}
+PROMPT = 40
+
+
+def length_dependent(name):
+    config_cls, model_cls, kw = LENGTH_DEPENDENT[name]
+    return build(config_cls, model_cls, **kw)
+
+
+def restart(model) -> None:
+    """A one-token forward: transformers' dynamic NTK only grows its table, except below its original
+    length, where it starts over (so each sequence below gets the table of its own length)."""
+    with torch.no_grad():
+        model(torch.ones(1, 1, dtype=torch.long))
+
+
+@torch.no_grad()
+def fresh_logprobs(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """(n, vocab): row t - 1 predicts token t, for t >= prompt_len, from a fresh forward over ids[:, :t]
+    (no cache: every key rotated by the table of t tokens); earlier rows zero."""
+    rows = torch.zeros(ids.shape[1], VOCAB)
+    for t in range(prompt_len, ids.shape[1] + 1):
+        restart(model)
+        rows[t - 1] = torch.log_softmax(model(ids[:, :t]).logits[0, -1].float(), dim=-1)
+    return rows
+
+
+def own_cache_logprobs(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """fresh_logprobs' rows through transformers' own cache: each key rotated by the table of its step."""
+    restart(model)
+    rows = torch.zeros(ids.shape[1], VOCAB)
+    rows[prompt_len - 1 :] = cached_logprobs(model, ids, prompt_len, DynamicCache(config=model.config))
+    return rows
+
+
+@pytest.mark.parametrize("name", list(LENGTH_DEPENDENT))
+def test_pre_rope_keys_follow_a_length_dependent_table_as_a_fresh_forward(name, monkeypatch):
+    """Pre-RoPE keys are re-rotated by the table the model's rotary chose for the current step, so every
+    decode step attends as a fresh forward over the whole sequence does: rkv-8 within the 8-bit bound of
+    it. transformers' own cache keeps keys rotated by older tables and is off by more than the bound (the
+    test can fail), and so is RKVCache without following the table."""
+    model = length_dependent(name)
+    att = models.inspect(model)
+    assert att.length_dependent
+    ids = prompt(100)
+    ref = fresh_logprobs(model, ids, PROMPT)
+    bound = logprob_bound(8, TINY_SENSITIVITY)
+    scheme = S.recommended(8).replace(k_block_tokens=16)
+    restart(model)
+    forced = teacher_forced(model, ids, PROMPT, lambda: RKVCache(model, scheme, capacity=128), bound, reference=ref)
+    assert forced, forced.detail
+    own = own_cache_logprobs(model, ids, PROMPT)
+    assert (own - ref)[PROMPT - 1 :].abs().amax() > bound
+    monkeypatch.setattr(RKVCache, "_follow_rope", lambda self: None)
+    restart(model)
+    stale = teacher_forced(model, ids, PROMPT, lambda: RKVCache(model, scheme, capacity=128), bound, reference=ref)
+    assert not stale, stale.detail
+
+
+@pytest.mark.parametrize("name", list(LENGTH_DEPENDENT))
+def test_post_rope_keys_keep_the_tables_they_were_rotated_by(name):
+    """A post-RoPE scheme stores keys as the model rotated them, each by its own step's table, as
+    transformers' own cache does: per-token-8 within the 8-bit bound of that cache."""
+    model = length_dependent(name)
+    ids = prompt(100)
+    ref = own_cache_logprobs(model, ids, PROMPT)
+    restart(model)
+    forced = teacher_forced(model, ids, PROMPT, lambda: RKVCache(model, S.per_token(8), capacity=128),
+                            logprob_bound(8, TINY_SENSITIVITY), reference=ref)
+    assert forced, forced.detail
+
+
+@pytest.mark.parametrize("name", list(LENGTH_DEPENDENT))
+def test_a_length_dependent_table_is_read_as_it_stands_and_the_simulation_refuses_it(name):
+    """Reading the table leaves the model's rotary as it was (transformers' own update would re-choose its
+    frequencies for the table's length); the report's simulations, one fixed table for a whole forward,
+    refuse such a RoPE by name."""
+    model = length_dependent(name)
+    rotary = models.inspect(model).rotary
+    before = rotary.inv_freq.clone()
+    cos, _ = models.rope_tables(model, 200)
+    assert torch.equal(rotary.inv_freq, before)
+    assert torch.allclose(cos[1], torch.cos(before) * rotary.attention_scaling)
+    with pytest.raises(models.UnsupportedModelFeature, match="changes with the sequence length"):
+        models.layer_rope_tables(model, 64)

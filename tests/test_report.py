@@ -519,6 +519,9 @@ def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     assert all((tmp_path / f"{name}.png").exists() for name in results["plots"])
     table = format_tables(results)
     assert "Schemes as served" in table and "Per-layer allocation" in table and "same ranking" in table
+    fp8, rkv8 = results["eight_bits"]  # vLLM's own fp8 cache beside rkv-8, every token quantized by fp8
+    assert (fp8["scheme"], fp8["bits_per_element"], fp8["bits_at_window"], rkv8["scheme"]) == ("vllm-fp8", 8, 8, "rkv-8")
+    assert fp8["delta"] > rkv8["delta"] and "At 8 bits: vLLM's own fp8 cache" in table
     alloc = results["allocation"][0]
     assert len(alloc["bits"]) == 30 and sum(k + v for k, v in alloc["bits"]) == 150  # 2.5 bits on average
     split = results["allocation"][1]

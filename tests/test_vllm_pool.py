@@ -194,7 +194,7 @@ def run_plan(capsys, *args):
 def test_plan_vllm_sets_the_side_pool_aside_and_reports_vllms_capacity(capsys):
     rows = json.loads(run_plan(capsys, "--budget-gb", "2", "--context", "4096", "--batch", "8", "--dtype", "float32",
                                "--device", "cpu", "--schemes", "rkv-4", "--json"))["rows"]
-    auto, rkv4 = rows
+    auto, _, rkv4 = rows
     assert auto["scheme"] == "auto" and auto["side_pool_bytes"] == 0 and auto["kv_cache_memory_bytes"] == 2e9
     pool = smollm2_pool(torch.float32, "rkv-4")
     assert rkv4["side_pool_bytes"] == pool.side_bytes(8, 256)
@@ -203,7 +203,7 @@ def test_plan_vllm_sets_the_side_pool_aside_and_reports_vllms_capacity(capsys):
     assert rkv4["fits"] and rkv4["max_concurrency"] > 3.5 * auto["max_concurrency"]
     rows = json.loads(run_plan(capsys, "--budget-gb", "2", "--context", "4096", "--batch", "8", "--max-num-seqs", "4",
                                "--schemes", "rkv-4", "--json"))["rows"]
-    assert rows[1]["max_concurrency"] >= 8 and not rows[1]["fits"]  # vLLM runs at most 4 at once
+    assert rows[2]["max_concurrency"] >= 8 and not rows[2]["fits"]  # vLLM runs at most 4 at once
     out = run_plan(capsys, "--budget-gb", "2", "--context", "4096", "--schemes", "rkv-3")
     assert "kv_cache_memory_bytes" in out and "rkv-3" in out
 
@@ -277,7 +277,7 @@ def test_plan_vllm_plans_sliding_models(tmp_path, capsys):
     def rows(model, *args):
         return json.loads(run_plan(capsys, "--model", model, "--budget-gb", "20", "--context", "131072", "--batch",
                                    "2", "--schemes", "rkv-3", "--json", *args))
-    auto, rkv3 = rows("gemma-3-27b")["rows"]
+    auto, _, rkv3 = rows("gemma-3-27b")["rows"]
     engine = plan.VllmEngine(torch.bfloat16, "cuda", max_num_batched_tokens=8192)
     assert engine.in_flight_tokens == 16384
     gemma3 = plan.MODELS["gemma-3-27b"]
@@ -285,11 +285,11 @@ def test_plan_vllm_plans_sliding_models(tmp_path, capsys):
         pool = engine.pool(gemma3, schemes)
         assert (row["kv_tokens"], row["max_concurrency"]) == pool.capacity(row["kv_cache_memory_bytes"], 131072)
     assert auto["max_concurrency"] == 20e9 // (10 * 16 * 2 * 16 * 128 * 2) / (8192 + 6 * 1089)
-    small = rows("gemma-3-27b", "--max-num-batched-tokens", "512")["rows"][1]
+    small = rows("gemma-3-27b", "--max-num-batched-tokens", "512")["rows"][2]
     assert small["max_concurrency"] > rkv3["max_concurrency"]  # fewer tokens in flight in the sliding layers
-    off = rows("gemma-3-27b", "--disable-hybrid-kv-cache-manager")["rows"][1]
+    off = rows("gemma-3-27b", "--disable-hybrid-kv-cache-manager")["rows"][2]
     assert off["max_concurrency"] < rkv3["max_concurrency"]
-    v01 = rows("mistral-7b-v0.1")["rows"][1]  # one group: 4096 - 1 + 16384 tokens over blocks of 128, and one
+    v01 = rows("mistral-7b-v0.1")["rows"][2]  # one group: 4096 - 1 + 16384 tokens over blocks of 128, and one
     pool = engine.pool(plan.MODELS["mistral-7b-v0.1"], [S.by_name("rkv-3")] * 32)
     assert pool.groups == (tuple(range(32)),) and pool.request_blocks(131072) == -(-(4095 + 16384) // 128) + 1
     assert v01["max_concurrency"] == pool.capacity(v01["kv_cache_memory_bytes"], 131072)[1]
@@ -320,7 +320,7 @@ def test_plan_vllm_follows_the_engines_options(capsys):
     assert drafting.pool(SMOLLM2, rkv3).slot_bytes == plain.pool(SMOLLM2, rkv3).slot_bytes + extra
     rows = json.loads(run_plan(capsys, "--budget-gb", "2", "--schemes", "rkv-3", "--num-speculative-tokens", "3",
                                "--json"))["rows"]
-    assert rows[1]["side_pool_bytes"] == drafting.pool(SMOLLM2, rkv3).side_bytes(1, 256)
+    assert rows[2]["side_pool_bytes"] == drafting.pool(SMOLLM2, rkv3).side_bytes(1, 256)
     with pytest.raises(SystemExit, match="num_speculative_tokens=3 must be less than scheme kvquant-4's recent"):
         run_plan(capsys, "--budget-gb", "2", "--schemes", "kvquant-4", "--num-speculative-tokens", "3")
     assert plan.serve_batched_tokens("cpu", 0, 2) == 4096 and plan.serve_batched_tokens("cuda", 80e9) == 8192
@@ -337,7 +337,7 @@ def test_plan_vllm_shards_the_kv_heads_over_tensor_parallel_ranks(capsys):
         budget = 80e9 - llama70.weight_bytes(4.0) / tp - 4e9  # one GPU: its share of the 4-bit weights
         engine = plan.VllmEngine(torch.bfloat16, "cuda")
         pool = plan.VllmPool(80, heads, 128, torch.bfloat16, (S.by_name("rkv-3"),) * 80, 128)
-        rkv3 = out["rows"][1]
+        rkv3 = out["rows"][2]
         assert rkv3["side_pool_bytes"] == pool.side_bytes(8, engine.max_num_seqs)
         assert rkv3["kv_cache_memory_bytes"] == int(budget) - rkv3["side_pool_bytes"]
         assert (rkv3["kv_tokens"], rkv3["max_concurrency"]) == pool.capacity(rkv3["kv_cache_memory_bytes"], 131072)
@@ -354,6 +354,26 @@ def test_plan_vllm_refuses_what_it_does_not_model(capsys):
         run_plan(capsys, "--budget-gb", "2", "--schemes", "turboquant-4")
 
 
+def test_plan_vllm_counts_vllms_own_fp8_cache(capsys):
+    """vLLM's own fp8 cache (--kv-cache-dtype fp8): pages of one byte an element and no side pool, so twice
+    a bfloat16 engine's tokens; its row, not the recommendation, where it fits (the report measures it:
+    on SmolLM2 it loses more than rkv-3)."""
+    rows = json.loads(run_plan(capsys, "--budget-gb", "2", "--context", "4096", "--batch", "8", "--schemes", "rkv-4",
+                               "--json"))["rows"]
+    auto, fp8, _ = rows
+    assert (fp8["scheme"], fp8["bits_per_element"], fp8["side_pool_bytes"]) == ("fp8", 8.0, 0)
+    assert fp8["page_bytes"] * 2 == auto["page_bytes"] == 16 * 2 * 3 * 64 * 2  # 16 tokens, K and V, 3 heads of 64
+    pool = VllmPool(SMOLLM2.layers, 3, 64, torch.bfloat16, block_size=16, cache_dtype=torch.float8_e4m3fn)
+    assert (fp8["kv_tokens"], fp8["max_concurrency"]) == pool.capacity(2e9, 4096)
+    assert fp8["kv_tokens"] == 2 * auto["kv_tokens"]
+    text = run_plan(capsys, "--budget-gb", "2", "--context", "131072", "--batch", "1", "--schemes", "rkv-4")
+    assert "serve rkv-4" in text and "fp8: vLLM's own cache" in text  # (auto 0.66 requests, fp8 1.32, rkv-4 4.5)
+    with pytest.raises(ValueError, match="cache_dtype is vLLM's own"):
+        VllmPool(SMOLLM2.layers, 3, 64, torch.bfloat16, (S.by_name("rkv-4"),) * 30, cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(SystemExit, match="serve it with vLLM's --kv-cache-dtype fp8"):
+        run_plan(capsys, "--budget-gb", "2", "--schemes", "vllm-fp8")
+
+
 def test_plan_vllm_prints_the_command_that_serves_its_plan(tmp_path, capsys):
     """Each row's `vllm serve` environment and arguments carry every option the count depends on (the
     scheme, max_model_len, max_num_seqs, block size, KV memory; tensor parallelism, the tokens in flight
@@ -361,8 +381,9 @@ def test_plan_vllm_prints_the_command_that_serves_its_plan(tmp_path, capsys):
     most bits that fits (tests/in_vllm serves a planned command and checks the capacity vLLM logs)."""
     out = json.loads(run_plan(capsys, "--budget-gb", "2", "--context", "4096", "--batch", "8", "--schemes", "rkv-4",
                               "--json"))["rows"]
-    auto, rkv4 = out
-    assert auto["serve"]["env"] == {} and rkv4["serve"]["env"] == {"TORCH_RKV_SCHEME": "rkv-4"}
+    auto, fp8, rkv4 = out
+    assert auto["serve"]["env"] == fp8["serve"]["env"] == {} and rkv4["serve"]["env"] == {"TORCH_RKV_SCHEME": "rkv-4"}
+    assert fp8["serve"]["args"][-2:] == ["--kv-cache-dtype", "fp8"] and "--kv-cache-dtype" not in rkv4["serve"]["args"]
     assert rkv4["serve"]["unset"] == ["TORCH_RKV_ALLOCATION", "TORCH_RKV_CODEBOOK"]  # (a shell's from another run)
     assert auto["serve"]["unset"] == ["TORCH_RKV_SCHEME", "TORCH_RKV_ALLOCATION", "TORCH_RKV_CODEBOOK"]
     assert rkv4["serve"]["args"] == ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "256",
@@ -370,7 +391,7 @@ def test_plan_vllm_prints_the_command_that_serves_its_plan(tmp_path, capsys):
                                      str(rkv4["kv_cache_memory_bytes"])]
     args = json.loads(run_plan(capsys, "--model", "gemma-3-27b", "--budget-gb", "20", "--schemes", "rkv-3",
                                "--device", "cpu", "--tensor-parallel-size", "2", "--num-speculative-tokens", "3",
-                               "--disable-hybrid-kv-cache-manager", "--json"))["rows"][1]["serve"]
+                               "--disable-hybrid-kv-cache-manager", "--json"))["rows"][2]["serve"]
     assert args["env"] == {"TORCH_RKV_SCHEME": "rkv-3"} and args["unset"][-1] == "VLLM_CPU_KVCACHE_SPACE"  # (overrides)
     flags = args["args"]
     assert flags[flags.index("--tensor-parallel-size") + 1] == "2"

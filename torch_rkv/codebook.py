@@ -9,6 +9,7 @@ Two kinds live here:
   docs/format.md.
 * The Lloyd-Max codebook of a standard Gaussian, and the TurboQuant-style round trip that uses it (the
   report's peer; vLLM's TurboQuant presets store keys and values this way). Simulated only.
+* The 8-bit float grid (e4m3) of vLLM's own fp8 cache (fp8_round_trip; the report's measure of it).
 
 After a random Hadamard rotation each coordinate of a token's head vector x (D channels) is close to
 N(0, |x|^2 / D), whatever the channel it came from. So one codebook serves every row: store |x| (the
@@ -180,3 +181,16 @@ def gaussian_round_trip(x: torch.Tensor, bits: int, meta_dtype: torch.dtype = to
     edges = (levels[1:] + levels[:-1]) / 2
     back = levels[torch.bucketize(unit, edges)]
     return back * (norm / back.norm(dim=-1, keepdim=True).clamp_min(1e-30))
+
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def fp8_round_trip(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x -> what vLLM's fp8 KV cache (--kv-cache-dtype fp8, e4m3) stores and reads back on CUDA, float32:
+    x / scale rounded to the nearest e4m3 value, saturated at +-448, times scale (vLLM's scale is 1
+    unless the checkpoint carries calibrated ones). 3 mantissa bits: steps of 2^(e - 3) in
+    [2^e, 2^(e + 1)), 2^-9 below 2^-6. (vLLM's CPU kernels truncate instead, csrc/cpu/cpu_attn_fp8.hpp,
+    and lose more: docs/serving.md.)"""
+    y = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+    return y.to(torch.float8_e4m3fn).float() * scale

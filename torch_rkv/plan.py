@@ -300,6 +300,10 @@ def split_for_budget(model: ModelShape, profile: Sensitivity, budget: float, con
 # ------------------------------------------------------------------------------------------------
 
 
+# vLLM's own caches, by the --kv-cache-dtype that serves them: the model dtype, and 8-bit floats (per-tensor
+# scales: 1.0 unless the checkpoint carries calibrated ones; on CPU vLLM needs AVX-512 or AMX for them)
+VLLM_CACHES = {"auto": None, "fp8": torch.float8_e4m3fn}
+
 # vllm serve's max_num_batched_tokens (engine/arg_utils.py get_batch_defaults, one GPU or CPU socket):
 # on GPUs by their memory (A100s aside, which keep the smallest), on CPUs 2048
 SERVE_BATCHED_TOKENS = ((160 * 2**30, 16384), (70 * 2**30, 8192), (0, 2048))
@@ -362,11 +366,14 @@ class VllmEngine:
         pages of unequal bytes to the largest: an allocation then keeps one total in every layer."""
         return len(set(self.windows(model) or ())) > 1
 
-    def pool(self, model: ModelShape, schemes: list[Scheme] | None) -> VllmPool:
+    def pool(self, model: ModelShape, schemes: list[Scheme] | None, cache_dtype: torch.dtype | None = None
+             ) -> VllmPool:
+        """The engine's pool with the plugin (`schemes`, one a layer) or vLLM's own cache (None) in
+        cache_dtype (None: the model dtype)."""
         block = self.block_for(schemes[0] if schemes else None)
         return VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
                         None if schemes is None else tuple(schemes), block, self.windows(model),
-                        self.in_flight_tokens, self.speculative_tokens)
+                        self.in_flight_tokens, self.speculative_tokens, cache_dtype)
 
 
 def serve_batched_tokens(device: str, gpu_bytes: float, world_size: int = 1) -> int:
@@ -386,7 +393,7 @@ def vllm_bytes(model: ModelShape, engine: VllmEngine, schemes: list[Scheme] | No
 
 def vllm_rows(model: ModelShape, engine: VllmEngine, budget: float, context: int, batch: int,
               schemes: list[tuple[str, Scheme | None]]) -> list[dict]:
-    """Per scheme (None: vLLM's own cache in the model dtype), vllm_row of every layer keeping it."""
+    """Per scheme (None: vLLM's own cache of that name, VLLM_CACHES), vllm_row of every layer keeping it."""
     return [vllm_row(model, engine, budget, context, batch, name, None if scheme is None else [scheme] * model.layers)
             for name, scheme in schemes]
 
@@ -394,17 +401,21 @@ def vllm_rows(model: ModelShape, engine: VllmEngine, budget: float, context: int
 def vllm_row(model: ModelShape, engine: VllmEngine, budget: float, context: int, batch: int, name: str,
              schemes: list[Scheme] | None) -> dict:
     """What a vLLM engine holds in `budget` bytes with `batch` requests running at once, each layer
-    keeping its scheme (None: vLLM's own cache in the model dtype): the plugin's side pool for them
+    keeping its scheme (None: vLLM's own cache `name`, VLLM_CACHES): the plugin's side pool for them
     comes first, and the rest is the KV memory to give vLLM (kv_cache_memory_bytes), whose tokens and
     concurrency for requests of `context` tokens are what vLLM logs."""
     for scheme in set(schemes or ()):
         scheme.check_served()
         check_drafts(scheme, engine.speculative_tokens)
-    pool = engine.pool(model, schemes)
+    own = VLLM_CACHES[name] if schemes is None else None
+    pool = engine.pool(model, schemes, own)
     side = pool.side_bytes(batch, engine.max_num_seqs)
     kv = max(0, int(budget) - side)
     tokens, concurrency = pool.capacity(kv, context)
-    bits = 16.0 if schemes is None else sum(s.effective_bits(model.head_dim) for s in schemes) / len(schemes)
+    if schemes is None:
+        bits = 8.0 * own.itemsize if own is not None else 16.0
+    else:
+        bits = sum(s.effective_bits(model.head_dim) for s in schemes) / len(schemes)
     return {"scheme": name, "bits_per_element": bits, "block_size": pool.block_size,
             "page_bytes": pool.layer_pages[0], "side_pool_bytes": side, "kv_cache_memory_bytes": kv,
             "kv_tokens": tokens, "max_concurrency": concurrency,
@@ -422,13 +433,15 @@ def serve_command(model: ModelShape, engine: VllmEngine, row: dict, context: int
     env = {}
     if allocation is not None:
         env[ALLOCATION_ENV] = allocation
-    elif row["scheme"] != "auto":
+    elif row["scheme"] not in VLLM_CACHES:
         env[ENV] = row["scheme"]
     unset = [name for name in (ENV, ALLOCATION_ENV, CODEBOOK_ENV) if name not in env]
     if engine.device == "cpu":
         unset.append("VLLM_CPU_KVCACHE_SPACE")
     args = ["--dtype", dtype, "--max-model-len", str(context), "--max-num-seqs", str(engine.max_num_seqs),
             "--block-size", str(row["block_size"]), "--kv-cache-memory-bytes", str(row["kv_cache_memory_bytes"])]
+    if row["scheme"] in VLLM_CACHES and row["scheme"] != "auto":
+        args += ["--kv-cache-dtype", row["scheme"]]
     if engine.tensor_parallel > 1:
         args += ["--tensor-parallel-size", str(engine.tensor_parallel)]
     if model.sliding_layers or explicit_batched_tokens:  # (what a sliding layer holds beyond its window)
@@ -523,7 +536,7 @@ def main(args) -> int:
     else:
         raise SystemExit(f"torch_rkv plan: unknown model {args.model!r}; use one of {', '.join(MODELS)} or --config")
     weight = args.weight_gb * GB if args.weight_gb is not None else model.weight_bytes(args.weight_bits)
-    schemes: list[tuple[str, Scheme | None]] = [("auto" if args.vllm else "fp16", None)]
+    schemes: list[tuple[str, Scheme | None]] = [(name, None) for name in VLLM_CACHES] if args.vllm else [("fp16", None)]
     for spec in args.schemes:
         schemes.append((spec, S.by_name(spec)))
     if args.budget_gb is not None:  # the KV budget itself
@@ -640,16 +653,17 @@ def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows:
         print(f"{r['scheme']:14s} {r['bits_per_element']:7.2f} {r['block_size']:5d} {r['page_bytes'] / 1024:9.1f} "
               f"{r['side_pool_bytes'] / 2**20:9.1f} {r['kv_cache_memory_bytes']:22,d} {r['kv_tokens']:12,d} "
               f"{r['max_concurrency']:10.2f}x {'yes' if r['fits'] else 'no':>5s}")
-    print(f"\nblock: tokens a vLLM block holds; page: one layer's block; side: the plugin's full-precision rows "
-          f"for {args.batch} requests at once, at most (outside vLLM's KV memory); fits: the concurrency and "
-          "max_num_seqs hold the requests")
+    print(f"\nauto, fp8: vLLM's own cache in the model dtype, in 8-bit floats (--kv-cache-dtype fp8: per-tensor "
+          f"scales{'; on CPU it needs AVX-512 or AMX' if engine.device == 'cpu' else ''}); block: tokens a vLLM block "
+          f"holds; page: one layer's block; side: the plugin's full-precision rows for {args.batch} requests at "
+          "once, at most (outside vLLM's KV memory); fits: the concurrency and max_num_seqs hold the requests")
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
         print(f"\nnone of these holds {args.batch} requests of {args.context:,} tokens at once")
         return
     # vLLM's own cache when it fits, else the rkv preset of the most bits that fits (bits alone do not rank
-    # schemes of different layouts: per-token-4 keeps more bits than rkv-4 and loses more), else the listed
-    # scheme of the most bits
+    # schemes of different layouts: per-token-4 keeps more bits than rkv-4 and loses more, and vLLM's fp8,
+    # 8 bits, more than rkv-3 on SmolLM2: the report's 8-bit rows), else the listed scheme of the most bits
     ours = [r for r in fitting if r["scheme"] == "auto" or r["scheme"].startswith(OUR_PRESETS)]
     best = max(ours or fitting, key=lambda r: r["bits_per_element"])
     why = ("vLLM's own cache holds them" if best["scheme"] == "auto" else

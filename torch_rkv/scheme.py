@@ -27,7 +27,9 @@ class Scheme:
     each group's range), "calibrated": per-layer, per-side non-uniform code values read from the
     codebook file `codebook` (torch_rkv.codebook; the kernels look codes up in them; asymmetric sides
     below 8 bits), or "gaussian": Lloyd-Max levels of a Gaussian with one norm per token row (the
-    TurboQuant-style peer; simulation only, Scheme.check_served). outliers: dense-and-sparse, this
+    TurboQuant-style peer; simulation only, Scheme.check_served), or "fp8": every value an 8-bit float
+    (e4m3) with one scale of 1 for the whole tensor, vLLM's own --kv-cache-dtype fp8 without calibrated
+    scales (the report's measure of it; simulation only). outliers: dense-and-sparse, this
     fraction of each block's values of both sides kept as fp16 residuals in a fixed-size side buffer
     (torch_rkv.outliers; the caches, the kernels and the vLLM plugin store them).
     """
@@ -74,8 +76,12 @@ class Scheme:
             raise ValueError("Scheme: sinks and recent must be >= 0")
         if self.meta_dtype not in _DTYPE_NAMES:
             raise TypeError(f"Scheme.meta_dtype must be float16, bfloat16 or float32 (got {self.meta_dtype})")
-        if self.levels not in ("uniform", "calibrated", "gaussian"):
-            raise ValueError(f"Scheme.levels must be 'uniform', 'calibrated' or 'gaussian' (got {self.levels!r})")
+        if self.levels not in ("uniform", "calibrated", "gaussian", "fp8"):
+            raise ValueError(f"Scheme.levels must be 'uniform', 'calibrated', 'gaussian' or 'fp8' (got {self.levels!r})")
+        if self.levels == "fp8" and (self.k_bits, self.v_bits, self.k_symmetric, self.v_symmetric, self.pre_rope,
+                                     self.k_hadamard, self.v_hadamard) != (8, 8, True, True, False, False, False):
+            raise ValueError("Scheme: levels='fp8' stores post-RoPE keys and values as they are, 8-bit floats with "
+                             "one scale: it needs 8 symmetric bits on both sides, no pre-RoPE keys, no Hadamard")
         if (self.levels == "calibrated") != (self.codebook is not None):
             raise ValueError("Scheme: levels='calibrated' reads its levels from a codebook file: give both, or "
                              f"neither (levels={self.levels!r}, codebook={self.codebook!r})")
@@ -116,13 +122,16 @@ class Scheme:
 
     def check_served(self) -> None:
         """Raise if the caches and kernels cannot store this scheme (the report can still simulate it)."""
+        if self.levels == "fp8":
+            raise NotImplementedError(f"Scheme {self.name}: fp8 levels are simulated only (the report's measure of "
+                                      "vLLM's own cache: serve it with vLLM's --kv-cache-dtype fp8)")
         if self.levels == "gaussian":
             raise NotImplementedError(f"Scheme {self.name}: gaussian levels are simulated only (the report's "
                                       "peer); the cache kernels store codes in each group's range")
 
     def side_levels(self, layer: int, side: str) -> Optional[torch.Tensor]:
         """The code values side ('k' or 'v') of layer `layer` decodes through, float32 (2^bits,), or None
-        (the uniform grid; also for "gaussian", which the simulation applies itself)."""
+        (the uniform grid; also for "gaussian" and "fp8", which the simulation applies itself)."""
         if self.levels != "calibrated":
             return None
         from .codebook import load  # noqa: PLC0415  (the file is read once per process)
@@ -130,6 +139,8 @@ class Scheme:
 
     def meta_bits(self, head_dim: int, side: str) -> float:
         """Metadata bits per element of keys ('k') or values ('v')."""
+        if self.levels == "fp8":
+            return 0.0  # one scale for the whole tensor
         group = (self.k_group_size if side == "k" else self.v_group_size) or head_dim
         tokens = self.k_block_tokens if side == "k" else self.v_block_tokens
         symmetric = self.k_symmetric if side == "k" else self.v_symmetric
@@ -161,6 +172,8 @@ class Scheme:
         parts = [side("k") + (" pre-RoPE" if self.pre_rope else ""), side("v")]
         if self.levels == "gaussian":
             parts.append("gaussian Lloyd-Max levels + norm")
+        elif self.levels == "fp8":  # (nothing else applies: validated above)
+            parts = ["K and V fp8 e4m3, one scale of 1 per tensor (vLLM's --kv-cache-dtype fp8)"]
         elif self.levels == "calibrated":
             parts.append("calibrated levels")
         if self.outliers:
@@ -169,7 +182,8 @@ class Scheme:
             parts.append(f"sinks {self.sinks}")
         if self.recent:
             parts.append(f"recent {self.recent}")
-        parts.append(f"meta {_DTYPE_NAMES[self.meta_dtype]}")
+        if self.levels != "fp8":
+            parts.append(f"meta {_DTYPE_NAMES[self.meta_dtype]}")
         return f"{self.name}: " + ", ".join(parts) + f" = {self.effective_bits(head_dim):.2f} bits/elem at d={head_dim}"
 
     def __str__(self) -> str:
@@ -212,6 +226,13 @@ def turboquant(bits: int = 4) -> Scheme:
     full precision. Simulated only (torch_rkv.codebook)."""
     return Scheme(name=f"turboquant-{bits}", k_bits=bits, v_bits=bits, k_symmetric=True, v_symmetric=True,
                   k_hadamard=True, v_hadamard=True, levels="gaussian")
+
+
+def vllm_fp8() -> Scheme:
+    """vLLM's own fp8 KV cache (--kv-cache-dtype fp8) as it runs without calibrated scales: post-RoPE
+    keys and values cast to float8 e4m3 with a scale of 1 (8 bits per element, nothing in full
+    precision). Simulated only (codebook.fp8_round_trip); plan --vllm counts its capacity."""
+    return Scheme(name="vllm-fp8", k_bits=8, v_bits=8, k_symmetric=True, v_symmetric=True, levels="fp8")
 
 
 def recommended(bits: int = 4) -> Scheme:
@@ -262,8 +283,14 @@ def per_layer(scheme: Scheme | Sequence[Scheme], layers: int, owner: str, layers
     return schemes
 
 
+NAMED = {"vllm-fp8": vllm_fp8}  # schemes of one width, by their whole name (simulated)
+
+
 def by_name(spec: str) -> Scheme:
-    """A preset from its name as the CLI and the report write it: "rkv-3", "kivi-2", "rkv-mixed-2"."""
+    """A preset from its name as the CLI and the report write it: "rkv-3", "kivi-2", "rkv-mixed-2"; or
+    one of NAMED ("vllm-fp8")."""
+    if spec in NAMED:
+        return NAMED[spec]()
     family, _, bits = spec.rpartition("-")
     if not family or not bits.isdigit():
         raise ValueError(f"scheme {spec!r} is not <preset>-<bits>, e.g. rkv-3; presets: {sorted(PRESETS)}")

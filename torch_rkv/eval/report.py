@@ -2,7 +2,8 @@
 
 1. reproduction of the reference fake-quant measurements (every position quantized, fp32 metadata);
 2. the schemes as served (cache view, fp16 metadata): perplexity, its change, effective bits, and
-   attention fidelity (output cosine, top-8 recall) against full precision;
+   attention fidelity (output cosine, top-8 recall) against full precision; and at 8 bits vLLM's own
+   fp8 cache beside rkv-8;
 3. localization: the penalty rate of Article k in long documents, several depths and lengths;
 4. the decode protocol: token by token through the real cache and fused kernel, against the
    simulation on the same window (the proof that the served path is the measured one);
@@ -111,6 +112,8 @@ class Options:
     # (--full: 8, 16384 tokens a text)
     second_windows: int = 1
     second_schemes: tuple = ("rkv-4", "rkv-3", "rkv-mixed-2", "rkv-2")
+    # at 8 bits: vLLM's own fp8 cache (its default, scale 1) beside rkv-8, measured like the schemes
+    eight_bits: tuple = ("vllm-fp8", "rkv-8")
     peers: bool = False
     out_dir: str = "out/report"
     timings: dict = field(default_factory=dict)
@@ -232,7 +235,7 @@ class Report:
         loc_docs = sum(fwd(length + 64) * o.loc_documents for length in o.loc_lengths)
         work = [fwd(n),
                 len(REFERENCE) * len(o.bits) * fwd(n) if n % 128 == 0 else 0,
-                rows * fwd(n),
+                (rows + len(o.eight_bits)) * fwd(n),
                 calibration + len(self.allocated_names()) * fwd(n),
                 # both texts' windows but the first text's first, each with full precision and every row
                 (2 * o.second_windows - 1) * (1 + len(o.second_schemes) + len(self.allocated_names())) * fwd(n)
@@ -260,6 +263,7 @@ class Report:
         self.log(f"full precision perplexity on {o.tokens} tokens: {r['full_precision_ppl']:.3f}")
         r["reproduction"] = self._timed("reproduction", self.reproduction)
         r["schemes"] = self._timed("schemes", self.schemes)
+        r["eight_bits"] = self._timed("8 bits", self.eight_bit_rows)
         r["long_context"] = self._timed("long context", self.long_context) if o.long_tokens else []
         r["allocation"] = self._timed("allocation", self.allocation) if self.allocated_names() else []
         r["second_text"] = self._timed("second text", self.second_text) if o.second_text else []
@@ -295,23 +299,25 @@ class Report:
         return rows
 
     def schemes(self) -> list[dict]:
-        rows = []
+        return [self.scheme_row(family, bits, scheme) for family in self.opts.families for bits in self.opts.bits
+                if (scheme := self.family_scheme(family, bits)) is not None]
+
+    def eight_bit_rows(self) -> list[dict]:
+        """The eight_bits schemes (vLLM's own fp8 cache, rkv-8), rows like the schemes table's."""
+        return [self.scheme_row("8 bits", 8, S.by_name(name)) for name in self.opts.eight_bits]
+
+    def scheme_row(self, family: str, bits: int, scheme: Scheme) -> dict:
+        """One scheme on the text: perplexity, its change, bits, and attention fidelity."""
         fp = self.results["full_precision_ppl"]
-        for family in self.opts.families:
-            for bits in self.opts.bits:
-                scheme = self.family_scheme(family, bits)
-                if scheme is None:
-                    continue
-                sim = self.simulation(scheme, fidelity_queries=64)
-                ppl = self._simulated(self.ids, sim, scheme.name)
-                rows.append({"family": family, "scheme": scheme.name, "description": scheme.describe(self.head_dim),
-                             "bits": bits, "ppl": ppl, "delta": ppl - fp,
-                             "bits_per_element": scheme.effective_bits(self.head_dim),
-                             "bits_at_window": effective_bits_at(scheme, self.head_dim, self.opts.tokens),
-                             "attention_cosine": sim.fidelity.cosine, "top8_recall": sim.fidelity.recall})
-                self.log(f"  {scheme.name:14s} ppl {ppl:8.3f} ({ppl - fp:+7.3f})  {rows[-1]['bits_per_element']:.2f} "
-                         f"bits  cos {sim.fidelity.cosine:.4f}  top8 {sim.fidelity.recall:.3f}")
-        return rows
+        sim = self.simulation(scheme, fidelity_queries=64)
+        ppl = self._simulated(self.ids, sim, scheme.name)
+        row = {"family": family, "scheme": scheme.name, "description": scheme.describe(self.head_dim),
+               "bits": bits, "ppl": ppl, "delta": ppl - fp, "bits_per_element": scheme.effective_bits(self.head_dim),
+               "bits_at_window": effective_bits_at(scheme, self.head_dim, self.opts.tokens),
+               "attention_cosine": sim.fidelity.cosine, "top8_recall": sim.fidelity.recall}
+        self.log(f"  {scheme.name:14s} ppl {ppl:8.3f} ({ppl - fp:+7.3f})  {row['bits_per_element']:.2f} "
+                 f"bits  cos {sim.fidelity.cosine:.4f}  top8 {sim.fidelity.recall:.3f}")
+        return row
 
     def profile(self) -> Sensitivity:
         """The model's sensitivity profile on the calibration text (measured on first use, then cached)."""
@@ -720,6 +726,10 @@ def format_tables(r: dict) -> str:
 
     for x in r["schemes"]:
         lines.append(measured(x, x["description"].split(": ", 1)[1].split(" = ")[0]))
+    if r.get("eight_bits"):
+        lines.append("\nAt 8 bits: vLLM's own fp8 cache as it runs without calibrated scales (--kv-cache-dtype fp8)")
+        for x in r["eight_bits"]:
+            lines.append(measured(x, x["description"].split(": ", 1)[1].split(" = ")[0]))
     if r.get("allocation"):
         lines.append(f"\nPer-layer allocation (K/V bits by layer, solved on the sensitivity measured on "
                      f"{r['allocation'][0]['calibration']}; rkv's layout at every layer; rkv-split: every layer the same "

@@ -25,7 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .. import outliers, reference
-from ..codebook import gaussian_round_trip
+from ..codebook import fp8_round_trip, gaussian_round_trip
 from ..integrations.models import attention_modules
 from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.quant import dequantize, quantize
@@ -167,6 +167,8 @@ class Simulation:
         bits = getattr(s, f"{side}_bits")
         if s.levels == "gaussian":
             return gaussian_round_trip(x, bits, s.meta_dtype)
+        if s.levels == "fp8":
+            return fp8_round_trip(x)
         group = getattr(s, f"{side}_group_size") or x.shape[-1]
         tokens = getattr(s, f"{side}_block_tokens")
         lv = None if layer is None else s.side_levels(layer, side)

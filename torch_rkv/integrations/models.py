@@ -5,11 +5,12 @@ honour yet, each refused by name (UnsupportedModelFeature) rather than served wr
 
 Supported (tested on tiny random models of each: tests/test_families.py): Llama, Qwen2 / 2.5 (qkv bias,
 use_sliding_window), Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the normed ones), Mistral
-(v0.1's sliding window too), Phi-3-style models (fused qkv; LongRoPE checkpoints are refused), Gemma 2
+(v0.1's sliding window too), Phi-3-style models (fused qkv, LongRoPE), Gemma 2
 (sliding layers interleaved with global ones, attention-logit soft-capping, query_pre_attn_scalar) and
 Gemma 3 (a local and a global RoPE table), GPT-NeoX / Pythia, Phi-2 and StableLM (partial rotary),
-GPT-J (interleaved pairs). Not supported: RoPE whose table depends on the sequence length (dynamic NTK,
-LongRoPE), ALiBi, encoder-decoder models.
+GPT-J (interleaved pairs); RoPE whose table changes with the sequence length (dynamic NTK, Phi-3's
+LongRoPE) in the cache (RKVCache re-reads the table every forward: length_dependent), not in the
+report's simulations. Not supported: ALiBi, encoder-decoder models.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class ModelAttention:
     windows: tuple[int, ...] = ()  # every layer's sliding window (0: it attends to the whole context)
     rope_types: tuple = ()  # every layer's rotary table (Gemma 3's layer type; None: the model's one table)
     softcap: float = 0.0  # attention-logit soft-capping (Gemma 2; 0: none)
+    length_dependent: bool = False  # the rotary module picks its frequencies by the sequence length
 
 
 def text_config(model):
@@ -91,14 +93,13 @@ def inspect(model) -> ModelAttention:
     base = getattr(model, "base_model", model)
     rotary = getattr(base, "rotary_emb", None)
     rope_types = [None] * len(modules)
+    length_dependent = False
     if rotary is not None:
         tables = getattr(rotary, "layer_types", None) or []
         kinds = getattr(rotary, "rope_type", None) or (getattr(cfg, "rope_parameters", None) or {}).get(
             "rope_type", "default")
-        for rope_type in (kinds.values() if isinstance(kinds, dict) else [kinds]):
-            if str(rope_type).startswith(LENGTH_DEPENDENT_ROPE):
-                _refuse(kind, f"rope_type {rope_type!r} (its table changes with the sequence length; pre-RoPE "
-                              "storage needs a fixed table)")
+        length_dependent = any(str(t).startswith(LENGTH_DEPENDENT_ROPE)
+                               for t in (kinds.values() if isinstance(kinds, dict) else [kinds]))
         if len(tables) > 1:  # Gemma 3: a table per layer type, as the model's forward picks them
             rope_types = list(layer_types)
         if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
@@ -107,14 +108,21 @@ def inspect(model) -> ModelAttention:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return ModelAttention(kind, cfg.num_hidden_layers, kv_heads, head_dim, rotary, interleaved=kind in _INTERLEAVED,
                           modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),
-                          softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0))
+                          softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
+                          length_dependent=length_dependent)
 
 
 def rope_tables(model, positions: int, device=None, rope_type=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of shape (positions, rot_dim / 2), float32, from the model's own rotary module (its
     scaling variant and attention scaling included) for the pairing inspect() reports; rope_type: the
-    table of one layer type (Gemma 3; inspect().rope_types says each layer's)."""
-    att = inspect(model)
+    table of one layer type (Gemma 3; inspect().rope_types says each layer's). A length-dependent table
+    (dynamic NTK, LongRoPE) is the one the module holds now, as its last forward chose it."""
+    return module_rope_tables(inspect(model), positions, device, rope_type)
+
+
+def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_type=None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_tables for a model already inspected (RKVCache re-reads a length-dependent table every forward)."""
     if rope_type is None and len(set(att.rope_types)) > 1:
         _refuse(att.model_type, "one RoPE table for a model with a table per layer type (pass rope_type)")
     rotary = att.rotary
@@ -130,9 +138,12 @@ def rope_tables(model, positions: int, device=None, rope_type=None) -> tuple[tor
         return table[:positions, half:].contiguous().to(device), table[:positions, :half].contiguous().to(device)
     dev = next((b.device for b in rotary.buffers()), torch.device("cpu"))
     x = torch.zeros(1, dtype=torch.float32, device=dev)
+    # the forward without transformers' dynamic_rope_update: the frequencies as they are, not re-chosen for
+    # `positions` tokens (which would also change what the model's next forward rotates by)
+    forward = getattr(type(rotary).forward, "__wrapped__", type(rotary).forward)
     with torch.no_grad():
         pos = torch.arange(positions, device=dev)[None]
-        cos, sin = rotary(x, pos) if rope_type is None else rotary(x, pos, rope_type)
+        cos, sin = forward(rotary, x, pos) if rope_type is None else forward(rotary, x, pos, rope_type)
     cos, sin = cos[0].float(), sin[0].float()
     half = cos.shape[-1] // 2
     if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
@@ -143,7 +154,12 @@ def rope_tables(model, positions: int, device=None, rope_type=None) -> tuple[tor
 
 
 def layer_rope_tables(model, positions: int, device=None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's (cos, sin) (rope_tables of its rope type; layers of one type share the tensors)."""
-    types = inspect(model).rope_types
-    tables = {t: rope_tables(model, positions, device, rope_type=t) for t in set(types)}
-    return {i: tables[t] for i, t in enumerate(types)}
+    """Every layer's (cos, sin) (rope_tables of its rope type; layers of one type share the tensors), one
+    fixed table for the report's simulations: a length-dependent RoPE is refused by name (one forward's
+    table would not be the next one's)."""
+    att = inspect(model)
+    if att.length_dependent:
+        _refuse(att.model_type, "a RoPE whose table changes with the sequence length (dynamic NTK, LongRoPE) in "
+                                "the report's simulations (RKVCache and the vLLM plugin serve it)")
+    tables = {t: module_rope_tables(att, positions, device, rope_type=t) for t in set(att.rope_types)}
+    return {i: tables[t] for i, t in enumerate(att.rope_types)}

@@ -16,7 +16,9 @@ kernel re-applies it. The model families of integrations/models.py (Llama, Qwen2
 GPT-NeoX, Phi-2, StableLM, GPT-J, Gemma 2 and 3: GQA, partial and interleaved rotary, sliding windows,
 soft-capping, per-layer RoPE tables); transformers 5.x (tested with 5.24). Not supported, each an error
 on every device (a device-side check, no host sync per step): left-padded batches and position offsets;
-also the model features models.py names (dynamic / LongRoPE scaling...) and beam-search cropping.
+also the model features models.py names and beam-search cropping. A RoPE whose table changes with the
+length (dynamic NTK, LongRoPE): pre-RoPE caches re-rotate every key by the table of the current step,
+as a fresh forward over the whole sequence would (RKVCache._follow_rope).
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ class RKVCache(Cache):
             if scheme.pre_rope:
                 key = (rope_type, max_tokens(scheme, capacity))
                 if key not in tables:
-                    tables[key] = models.rope_tables(model, key[1], device, rope_type)
+                    tables[key] = models.module_rope_tables(att, key[1], device, rope_type)
                 rope = tables[key]
             cache = QuantizedKVCache(scheme, len(ids), batch, att.kv_heads, att.head_dim, capacity, dtype=dtype,
                                      device=device, rope=rope, rope_interleaved=att.interleaved,
@@ -226,8 +228,34 @@ class RKVCache(Cache):
             for j, i in enumerate(ids):
                 layers[i] = RKVLayer(cache, j, att.windows[i])
         super().__init__(layers=layers)
+        # a length-dependent RoPE (dynamic NTK, LongRoPE): the pre-RoPE caches follow the table the model's
+        # rotary module chose for this forward (update)
+        self._attention = att
+        self._follow = [(cache, rope_type) for cache, (_, rope_type, kind) in zip(self.caches, kinds)
+                        if kind.pre_rope and att.length_dependent]
         if enable_attention:
             enable(model)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0 and self._follow:
+            self._follow_rope()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _follow_rope(self) -> None:
+        """Re-read the rotary module's table, as its forward for this step chose it (the model runs its
+        rotary before the first layer), into every pre-RoPE cache's table, in place. The cache un-rotates
+        this step's keys with it, and the kernels rotate every cached key and the queries by it: each step
+        attends as a fresh forward over the whole sequence would, where a post-RoPE cache (transformers' own)
+        keeps each key rotated by the table of its own step. Costs one table (capacity x rot_dim / 2) per
+        forward, on the cache's device; no host sync."""
+        fresh: dict = {}
+        for cache, rope_type in self._follow:
+            n = cache.rope_cos.shape[0]
+            if (rope_type, n) not in fresh:
+                fresh[rope_type, n] = models.module_rope_tables(self._attention, n, cache.rope_cos.device, rope_type)
+            cos, sin = fresh[rope_type, n]
+            cache.rope_cos.copy_(cos)
+            cache.rope_sin.copy_(sin)
 
     @property
     def scheme(self) -> Scheme:

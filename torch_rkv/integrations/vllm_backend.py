@@ -472,15 +472,22 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
     if isinstance(params.get(layer_type), dict):  # parameters per layer type (vllm/model_executor/models/gemma3.py)
         params = dict(params[layer_type])
     rope_type = str(params.get("rope_type", "default"))
-    if rope_type.startswith(LENGTH_DEPENDENT_ROPE):
-        raise NotImplementedError(f"torch_rkv's vLLM backend: rope_type {rope_type!r} changes its table with the "
-                                  "sequence length; pre-RoPE storage needs a fixed table")
     interleaved = kind in INTERLEAVED_MODELS
     if interleaved:  # (vllm/model_executor/models/gpt_j.py)
         params["partial_rotary_factor"] = hf.rotary_dim / head_size
-    max_pos = vllm_config.model_config.max_model_len
-    rotary = get_rope(head_size, max_position=max(max_pos, getattr(hf, "max_position_embeddings", max_pos)),
-                      rope_parameters=params or None, is_neox_style=not interleaved)
-    table = rotary.cos_sin_cache.float()
+    max_len = vllm_config.model_config.max_model_len
+    max_pos = max(max_len, getattr(hf, "max_position_embeddings", max_len))
+    if rope_type.startswith(LENGTH_DEPENDENT_ROPE):
+        # vLLM fixes these tables for the engine's life (dynamic NTK: scaled for max_position; LongRoPE: the
+        # long factors when max_model_len exceeds original_max_position_embeddings, for every position), and
+        # their values depend on max_position: build them with the model's own (its max_position_embeddings)
+        max_pos = getattr(hf, "max_position_embeddings", None) or max_pos
+    rotary = get_rope(head_size, max_position=max_pos, rope_parameters=params or None, is_neox_style=not interleaved)
+    if rope_type == "longrope":  # (vllm/model_executor/layers/rotary_embedding/phi3_long_rope_scaled_rope.py)
+        short = rotary.original_max_position_embeddings  # [short table | long table], the long one from here
+        table = rotary.long_short_cos_sin_cache  # (the model's own module: get_rope caches it by its arguments)
+        table = (table[short:] if rotary.use_long_rope else table[:short]).float()
+    else:
+        table = rotary.cos_sin_cache.float()
     half = table.shape[-1] // 2
     return table[:, :half].contiguous(), table[:, half:].contiguous(), interleaved

@@ -72,7 +72,8 @@ def slot_bytes(scheme: Scheme, layers: int, kv_heads: int, head_dim: int, dtype:
 class VllmPool:
     """One engine's KV pool: `layers` attention layers of `kv_heads` x `head_dim`, the model in `dtype`,
     blocks of `block_size` tokens. schemes: each layer's torch_rkv scheme (the plugin; each layer's page
-    has its scheme's bytes), or None: vLLM's own cache in the model dtype ("auto"). windows: each layer's
+    has its scheme's bytes), or None: vLLM's own cache, its elements in `cache_dtype` (None: the model
+    dtype, "auto"; torch.float8_e4m3fn: --kv-cache-dtype fp8). windows: each layer's
     sliding window in tokens, 0 for a layer that attends to the whole context (None: no layer slides);
     in_flight_tokens: what the engine schedules before the step that frees a sliding layer's blocks
     settles (max_num_batched_tokens x the batches in flight; VllmEngine); drafts: speculative tokens a
@@ -87,8 +88,11 @@ class VllmPool:
     windows: tuple[int, ...] | None = None
     in_flight_tokens: int = 0
     drafts: int = 0
+    cache_dtype: torch.dtype | None = None
 
     def __post_init__(self):
+        if self.cache_dtype is not None and self.schemes is not None:
+            raise ValueError("VllmPool: cache_dtype is vLLM's own cache's; the plugin's pages follow their schemes")
         if self.schemes is not None and len(self.schemes) != self.layers:
             raise ValueError(f"VllmPool: {len(self.schemes)} schemes for {self.layers} layers")
         if self.windows is not None and len(self.windows) != self.layers:
@@ -108,7 +112,8 @@ class VllmPool:
     def layer_pages(self) -> tuple[int, ...]:
         """Each layer's page: block_size tokens of every KV head."""
         if self.schemes is None:
-            return (self.block_size * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize,) * self.layers
+            element = (self.cache_dtype or self.dtype).itemsize
+            return (self.block_size * 2 * self.kv_heads * self.head_dim * element,) * self.layers
         per_token = {s: content_bytes(s, self.kv_heads, self.head_dim, self.dtype) for s in set(self.schemes)}
         return tuple(self.block_size * per_token[s] for s in self.schemes)
 
