@@ -8,6 +8,7 @@ import torch
 from torch_rkv import plan
 from torch_rkv import scheme as S
 from torch_rkv.cache import BUFFERS, QuantizedKVCache
+from torch_rkv.layout import binding_window
 
 SCHEMES = [S.per_token(8), S.kivi(2), S.kvquant(3), S.quarot(4), S.recommended(4), S.recommended(2),
            S.per_token(3).replace(k_symmetric=True, meta_dtype=torch.float32)]
@@ -97,11 +98,13 @@ def test_config_json_of_any_model(tmp_path):
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 def test_planned_sliding_bytes_equal_the_allocated_cache(scheme):
-    """A sliding layer's planned bytes are what a QuantizedKVCache with that window allocates, at any context."""
+    """A sliding layer's planned bytes are what a QuantizedKVCache with that window allocates, at any context
+    (as RKVCache builds it: below the window, every token and no ring; binding_window)."""
     model = plan.ModelShape("tiny", layers=3, kv_heads=2, head_dim=64, params=1e6, sliding_layers=3, sliding_window=300)
-    for context in (100, 1000):
+    for context, window in ((100, 0), (1000, 300)):
+        assert binding_window(300, context) == window
         cache = QuantizedKVCache(scheme, model.layers, 1, model.kv_heads, model.head_dim, context, dtype=torch.float16,
-                                 rope=(torch.zeros(4096, 32), torch.zeros(4096, 32)), sliding_window=300)
+                                 rope=(torch.zeros(4096, 32), torch.zeros(4096, 32)), sliding_window=window)
         allocated = sum(t.numel() * t.element_size() for name, t in cache.named_buffers() if name in BUFFERS)
         assert plan.kv_bytes(model, scheme, context, 1) == cache.nbytes() == allocated
 
@@ -165,6 +168,26 @@ def test_gemma_3_config_gives_the_preset(tmp_path, extra):
     shape, preset = plan.from_config(str(path), 27.4e9), plan.MODELS["gemma-3-27b"]
     fields = ("layers", "kv_heads", "head_dim", "params", "sliding_layers", "sliding_window")
     assert [getattr(shape, f) for f in fields] == [getattr(preset, f) for f in fields]
+
+
+def test_phi_3_5_mini_config_gives_the_preset(tmp_path):
+    """Phi-3.5-mini-instruct's config.json (LongRoPE; no GQA): the preset, its 262144-token window on every
+    layer included."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064, "tie_word_embeddings": False,
+        "sliding_window": 262144, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48}}))
+    shape, preset = plan.from_config(str(path), None), plan.MODELS["phi-3.5-mini"]
+    fields = ("layers", "kv_heads", "head_dim", "sliding_layers", "sliding_window")
+    assert [getattr(shape, f) for f in fields] == [getattr(preset, f) for f in fields]
+    assert abs(shape.params / preset.params - 1) < 0.01
+    # its window never binds below 262144 tokens: a 128K cache keeps every token, not a ring of the window
+    rkv3 = S.by_name("rkv-3")
+    full = plan.CacheLayout(rkv3, 1, 32, 96, 131072, torch.float16).nbytes()
+    assert plan.kv_bytes(preset, rkv3, 131072, 1) == 32 * full
+    assert plan.bytes_per_token(preset, None) == 32 * 2 * 32 * 96 * 2  # 384 KiB a token in fp16
 
 
 @pytest.mark.parametrize("extra,sliding", [

@@ -45,6 +45,13 @@ def max_tokens(scheme: Scheme, capacity: int) -> int:
     return packed_tokens(scheme, capacity)
 
 
+def binding_window(window: int, capacity: int) -> int:
+    """The sliding window a cache of `capacity` tokens keeps a ring for: `window`, or 0 (every token, no
+    ring) where the window is at least the capacity, which it then never binds (RKVCache and the
+    planner both size a layer by it)."""
+    return window if 0 < window < capacity else 0
+
+
 def window_tokens(scheme: Scheme) -> int:
     """Rows of the full-precision ring: recent + block - 1 tokens at most wait there."""
     return scheme.recent + scheme.block - 1

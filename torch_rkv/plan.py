@@ -20,7 +20,7 @@ from .integrations.models import uses_sliding_window
 from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV
 from .integrations.vllm_pool import VllmPool, preferred_block_size
 from .integrations.vllm_slots import check_drafts
-from .layout import CacheLayout, PageLayout, default_page_size
+from .layout import CacheLayout, PageLayout, binding_window, default_page_size
 from .scheme import Scheme
 
 GIB = 1024**3
@@ -80,6 +80,9 @@ MODELS = {
     "qwen2.5-7b": ModelShape("Qwen2.5-7B", 28, 4, 128, 7.62e9),
     "qwen2.5-72b": ModelShape("Qwen2.5-72B", 80, 8, 128, 72.7e9),
     "smollm2-135m": ModelShape("SmolLM2-135M", 30, 3, 64, 0.135e9),
+    # 32 KV heads (no GQA): 384 KiB a token in bf16; LongRoPE to 128K; its config's window, 262144, slides
+    # every layer past any context it takes (vLLM keeps one block more a request for it)
+    "phi-3.5-mini": ModelShape("Phi-3.5-mini", 32, 32, 96, 3.82e9, sliding_layers=32, sliding_window=262144),
 }
 
 DEFAULT_SCHEMES = ("per-token-8", "per-token-4", "quarot-4", "kvquant-3", "kivi-2", "rkv-4", "rkv-3", "rkv-mixed-2", "rkv-2")
@@ -130,8 +133,9 @@ def from_config(path: str, params: float | None) -> ModelShape:
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
     """Exact KV-cache bytes of every layer for `batch` sequences of `context` tokens. A sliding layer's
-    cache is its ring (CacheLayout with sliding_window: the same bytes at any context). scheme None: a
-    full-precision cache in `dtype` (the baseline), min(context, window) tokens in a sliding layer."""
+    cache is its ring (CacheLayout with sliding_window: the same bytes at any context longer than the
+    window; RKVCache's binding_window). scheme None: a full-precision cache in `dtype` (the baseline),
+    min(context, window) tokens in a sliding layer."""
     if scheme is None:
         def fp(tokens):
             return 2 * batch * model.kv_heads * tokens * model.head_dim * torch.finfo(dtype).bits // 8
@@ -140,7 +144,8 @@ def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int,
         return model.full_layers * fp(context) + model.sliding_layers * sliding
     shape = (scheme, batch, model.kv_heads, model.head_dim, context, dtype)
     full = CacheLayout(*shape).nbytes() if model.full_layers else 0
-    sliding = CacheLayout(*shape, sliding_window=model.sliding_window).nbytes() if model.sliding_layers else 0
+    window = binding_window(model.sliding_window or 0, context)
+    sliding = CacheLayout(*shape, sliding_window=window).nbytes() if model.sliding_layers else 0
     return model.full_layers * full + model.sliding_layers * sliding
 
 
@@ -216,8 +221,8 @@ def paged_sequences(model: ModelShape, scheme: Scheme | None, budget: float, con
 def layer_layouts(model: ModelShape, schemes: list[Scheme], context: int, batch: int,
                   dtype=torch.float16) -> list[CacheLayout]:
     """Each layer's CacheLayout under a per-layer allocation (a sliding layer: its ring)."""
-    return [CacheLayout(s, batch, model.kv_heads, model.head_dim, context, dtype, sliding_window=model.window_of(i))
-            for i, s in enumerate(schemes)]
+    return [CacheLayout(s, batch, model.kv_heads, model.head_dim, context, dtype,
+                        sliding_window=binding_window(model.window_of(i), context)) for i, s in enumerate(schemes)]
 
 
 def layouts_bytes(model: ModelShape, schemes: list[Scheme], context: int, batch: int, dtype=torch.float16) -> int:

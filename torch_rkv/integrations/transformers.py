@@ -48,7 +48,7 @@ if not TESTED_TRANSFORMERS[0] <= _version < TESTED_TRANSFORMERS[1]:
                       "pip install 'transformers>=5.24,<6'")
 
 from ..cache import QuantizedKVCache
-from ..layout import max_tokens
+from ..layout import binding_window, max_tokens
 from ..scheme import Scheme, per_layer
 from . import models
 
@@ -209,7 +209,7 @@ class RKVCache(Cache):
         # and layers of a per-layer allocation store their own bit widths
         kinds: dict[tuple, list[int]] = {}
         for i in range(att.layers):
-            window = att.windows[i] if 0 < att.windows[i] < capacity else 0
+            window = binding_window(att.windows[i], capacity)
             kinds.setdefault((window, att.rope_types[i], schemes[i]), []).append(i)
         layers: list[RKVLayer | None] = [None] * att.layers
         self.caches: list[QuantizedKVCache] = []
