@@ -71,13 +71,22 @@ def test_fp8_keeps_four_significant_bits_and_saturates():
 
 
 def test_the_vllm_fp8_scheme_quantizes_post_rope_keys_and_values_alike():
-    """vllm-fp8: 8 bits an element with no metadata, nothing in full precision, and the simulation's
-    store and load round-trips every cached key and value through the fp8 grid."""
+    """vllm-fp8: 8 bits an element with no metadata, nothing in full precision; the simulation's store
+    and load round-trips every cached key and value through the fp8 grid, and its attention reads the
+    queries through it too (vLLM's FlashAttention with an fp8 cache)."""
     s = S.by_name("vllm-fp8")
     assert s.effective_bits(64) == 8.0 and (s.sinks, s.recent, s.pre_rope) == (0, 0, False)
     assert "fp8 e4m3" in s.describe(64) and "meta" not in s.describe(64)
     x = torch.randn(1, 2, 40, 64) * 5
     for side in ("k", "v"):
         assert torch.equal(Simulation(s).fake_quantize(x, side), fp8_round_trip(x))
+    q, k, v = torch.randn(1, 4, 40, 64) * 3, torch.randn(1, 2, 40, 64) * 3, torch.randn(1, 2, 40, 64)
+    got = Simulation(s).attention(q, k, v, 0.125).transpose(1, 2)
+    want = torch.nn.functional.scaled_dot_product_attention(*map(fp8_round_trip, (q, k, v)), is_causal=True,
+                                                            scale=0.125, enable_gqa=True)
+    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    exact_q = torch.nn.functional.scaled_dot_product_attention(q, *map(fp8_round_trip, (k, v)), is_causal=True,
+                                                               scale=0.125, enable_gqa=True)
+    assert not torch.allclose(got, exact_q, atol=1e-4)  # (the queries' rounding shows)
     with pytest.raises(ValueError, match="levels='fp8'"):
         s.replace(pre_rope=True)

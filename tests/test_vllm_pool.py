@@ -356,8 +356,8 @@ def test_plan_vllm_refuses_what_it_does_not_model(capsys):
 
 def test_plan_vllm_counts_vllms_own_fp8_cache(capsys):
     """vLLM's own fp8 cache (--kv-cache-dtype fp8): pages of one byte an element and no side pool, so twice
-    a bfloat16 engine's tokens; its row, not the recommendation, where it fits (the report measures it:
-    on SmolLM2 it loses more than rkv-3)."""
+    a bfloat16 engine's tokens; its row, recommended only where no listed scheme fits (the report measures
+    it: on SmolLM2 it loses more than rkv-3)."""
     rows = json.loads(run_plan(capsys, "--budget-gb", "2", "--context", "4096", "--batch", "8", "--schemes", "rkv-4",
                                "--json"))["rows"]
     auto, fp8, _ = rows
@@ -368,6 +368,11 @@ def test_plan_vllm_counts_vllms_own_fp8_cache(capsys):
     assert fp8["kv_tokens"] == 2 * auto["kv_tokens"]
     text = run_plan(capsys, "--budget-gb", "2", "--context", "131072", "--batch", "1", "--schemes", "rkv-4")
     assert "serve rkv-4" in text and "fp8: vLLM's own cache" in text  # (auto 0.66 requests, fp8 1.32, rkv-4 4.5)
+    text = run_plan(capsys, "--budget-gb", "2", "--context", "131072", "--batch", "2", "--schemes", "kivi-2")
+    assert "serve kivi-2 (the most bits that fit" in text  # (fp8 1.32 requests: it does not fit anyway)
+    text = run_plan(capsys, "--budget-gb", "2", "--context", "170000", "--batch", "1", "--schemes", "per-token-8")
+    assert "serve fp8 (vLLM's own fp8 cache: nothing listed fits" in text  # (per-token-8 0.96 requests, fp8 1.02)
+    assert "--kv-cache-dtype fp8" in text.splitlines()[-1]
     with pytest.raises(ValueError, match="cache_dtype is vLLM's own"):
         VllmPool(SMOLLM2.layers, 3, 64, torch.bfloat16, (S.by_name("rkv-4"),) * 30, cache_dtype=torch.float8_e4m3fn)
     with pytest.raises(SystemExit, match="serve it with vLLM's --kv-cache-dtype fp8"):

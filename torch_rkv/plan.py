@@ -471,6 +471,8 @@ def plan(model: ModelShape, gpu_bytes: float, weight_bytes: float, reserve_bytes
     budget = gpu_bytes - weight_bytes - reserve_bytes
     rows = []
     for name, scheme in schemes:
+        if scheme is not None:
+            scheme.check_served()  # (the report's simulated peers have no cache to count)
         need = kv_bytes(model, scheme, context, batch)
         rows.append({
             "scheme": name,
@@ -666,13 +668,16 @@ def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows:
     if not fitting:
         print(f"\nnone of these holds {args.batch} requests of {args.context:,} tokens at once")
         return
-    # vLLM's own cache when it fits, else the rkv preset of the most bits that fits (bits alone do not rank
-    # schemes of different layouts: per-token-4 keeps more bits than rkv-4 and loses more, and vLLM's fp8,
-    # 8 bits, more than rkv-3 on SmolLM2: the report's 8-bit rows), else the listed scheme of the most bits
+    # vLLM's own cache when it fits, else the rkv preset of the most bits that fits, else the listed scheme
+    # of the most bits, else vLLM's fp8 (bits alone do not rank schemes of different layouts: per-token-4
+    # keeps more bits than rkv-4 and loses more, and vLLM's fp8, 8 bits, more than rkv-3 on SmolLM2: the
+    # report's 8-bit rows)
     ours = [r for r in fitting if r["scheme"] == "auto" or r["scheme"].startswith(OUR_PRESETS)]
-    best = max(ours or fitting, key=lambda r: r["bits_per_element"])
+    listed = [r for r in fitting if r["scheme"] not in VLLM_CACHES]
+    best = max(ours or listed or fitting, key=lambda r: r["bits_per_element"])
     why = ("vLLM's own cache holds them" if best["scheme"] == "auto" else
-           "the rkv preset of the most bits that fits" if ours else "the most bits that fit")
+           "the rkv preset of the most bits that fits" if ours else "the most bits that fit" if listed else
+           "vLLM's own fp8 cache: nothing listed fits")
     path = model_path(args)
     where = f"; {MODEL_PLACEHOLDER}: {model.name}'s Hugging Face id or directory" if path == MODEL_PLACEHOLDER else ""
     print(f"\nserve {best['scheme']} ({why}{where}):\n  " + shell_command(best["serve"], path))

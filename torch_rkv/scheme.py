@@ -28,8 +28,8 @@ class Scheme:
     codebook file `codebook` (torch_rkv.codebook; the kernels look codes up in them; asymmetric sides
     below 8 bits), or "gaussian": Lloyd-Max levels of a Gaussian with one norm per token row (the
     TurboQuant-style peer; simulation only, Scheme.check_served), or "fp8": every value an 8-bit float
-    (e4m3) with one scale of 1 for the whole tensor, vLLM's own --kv-cache-dtype fp8 without calibrated
-    scales (the report's measure of it; simulation only). outliers: dense-and-sparse, this
+    (e4m3) with one scale of 1 for the whole tensor, the queries too, as vLLM's own --kv-cache-dtype fp8
+    runs without calibrated scales (the report's measure of it; simulation only). outliers: dense-and-sparse, this
     fraction of each block's values of both sides kept as fp16 residuals in a fixed-size side buffer
     (torch_rkv.outliers; the caches, the kernels and the vLLM plugin store them).
     """
@@ -78,10 +78,14 @@ class Scheme:
             raise TypeError(f"Scheme.meta_dtype must be float16, bfloat16 or float32 (got {self.meta_dtype})")
         if self.levels not in ("uniform", "calibrated", "gaussian", "fp8"):
             raise ValueError(f"Scheme.levels must be 'uniform', 'calibrated', 'gaussian' or 'fp8' (got {self.levels!r})")
-        if self.levels == "fp8" and (self.k_bits, self.v_bits, self.k_symmetric, self.v_symmetric, self.pre_rope,
-                                     self.k_hadamard, self.v_hadamard) != (8, 8, True, True, False, False, False):
-            raise ValueError("Scheme: levels='fp8' stores post-RoPE keys and values as they are, 8-bit floats with "
-                             "one scale: it needs 8 symmetric bits on both sides, no pre-RoPE keys, no Hadamard")
+        if self.levels == "fp8":
+            fixed = {"k_bits": 8, "v_bits": 8, "k_symmetric": True, "v_symmetric": True}
+            other = [f.name for f in dataclasses.fields(self) if f.name not in ("name", "levels", "hadamard_seed")
+                     and getattr(self, f.name) != fixed.get(f.name, f.default)]
+            if other:
+                raise ValueError("Scheme: levels='fp8' stores every post-RoPE key and value as an 8-bit float with "
+                                 "one scale: 8 symmetric bits on both sides, per token, nothing in full precision "
+                                 f"and no metadata options (got {', '.join(other)})")
         if (self.levels == "calibrated") != (self.codebook is not None):
             raise ValueError("Scheme: levels='calibrated' reads its levels from a codebook file: give both, or "
                              f"neither (levels={self.levels!r}, codebook={self.codebook!r})")
@@ -173,7 +177,7 @@ class Scheme:
         if self.levels == "gaussian":
             parts.append("gaussian Lloyd-Max levels + norm")
         elif self.levels == "fp8":  # (nothing else applies: validated above)
-            parts = ["K and V fp8 e4m3, one scale of 1 per tensor (vLLM's --kv-cache-dtype fp8)"]
+            parts = ["Q, K and V fp8 e4m3, one scale of 1 per tensor (vLLM's --kv-cache-dtype fp8)"]
         elif self.levels == "calibrated":
             parts.append("calibrated levels")
         if self.outliers:
@@ -229,9 +233,11 @@ def turboquant(bits: int = 4) -> Scheme:
 
 
 def vllm_fp8() -> Scheme:
-    """vLLM's own fp8 KV cache (--kv-cache-dtype fp8) as it runs without calibrated scales: post-RoPE
-    keys and values cast to float8 e4m3 with a scale of 1 (8 bits per element, nothing in full
-    precision). Simulated only (codebook.fp8_round_trip); plan --vllm counts its capacity."""
+    """vLLM's own fp8 KV cache (--kv-cache-dtype fp8) as it runs on CUDA without calibrated scales:
+    post-RoPE keys and values rounded to float8 e4m3 with a scale of 1 (8 bits per element, nothing in
+    full precision), and the queries too (FlashAttention reads fp8 queries beside an fp8 cache:
+    vLLM's Attention.query_quant). Simulated only (codebook.fp8_round_trip); plan --vllm counts its
+    capacity."""
     return Scheme(name="vllm-fp8", k_bits=8, v_bits=8, k_symmetric=True, v_symmetric=True, levels="fp8")
 
 
@@ -293,7 +299,8 @@ def by_name(spec: str) -> Scheme:
         return NAMED[spec]()
     family, _, bits = spec.rpartition("-")
     if not family or not bits.isdigit():
-        raise ValueError(f"scheme {spec!r} is not <preset>-<bits>, e.g. rkv-3; presets: {sorted(PRESETS)}")
+        raise ValueError(f"scheme {spec!r} is not <preset>-<bits>, e.g. rkv-3, nor one of {sorted(NAMED)}; presets: "
+                         f"{sorted(PRESETS)}")
     return preset(family, int(bits))
 
 

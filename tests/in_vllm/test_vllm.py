@@ -568,8 +568,8 @@ def test_vllms_own_fp8_cache_holds_what_plan_counts_and_loses_more_than_rkv_4(mo
     """vLLM's own fp8 cache (--kv-cache-dtype fp8) on alice29's 2048 tokens in chunks of 256, float32
     engines: vLLM logs the tokens `plan --vllm` counts for it (one byte an element), and it loses over
     four times what rkv-4 loses at half its bytes (measured +0.82 and +0.08 against vLLM's own float32
-    cache: vLLM's CPU kernels truncate to e4m3, csrc/cpu/cpu_attn_fp8.hpp; on CUDA it rounds, the
-    report's vllm-fp8 row, +0.33). vLLM runs fp8 on CPU only with AVX-512 or AMX."""
+    cache: vLLM's CPU kernels truncate to e4m3, csrc/cpu/cpu_attn_fp8.hpp; on CUDA it rounds, queries
+    included, the report's vllm-fp8 row, +0.48). vLLM runs fp8 on CPU only with AVX-512 or AMX."""
     import torch
 
     from torch_rkv.integrations.vllm_pool import VllmPool
@@ -755,6 +755,15 @@ def test_outside_the_tested_versions_the_plugin_refuses(monkeypatch):
         plugin.register()
 
 
+@pytest.mark.parametrize("name", ["vllm-fp8", "turboquant-4"])
+def test_a_simulated_scheme_is_refused_before_vllm_starts(monkeypatch, name):
+    """The report's simulated peers have no cache kernels: the plugin names them when it registers, in the
+    process that starts vLLM (vLLM's own fp8 is its --kv-cache-dtype fp8)."""
+    monkeypatch.setenv(plugin.ENV, name)
+    with pytest.raises(NotImplementedError, match="simulated only"):
+        plugin.register()
+
+
 def test_without_a_scheme_the_plugin_is_inert(monkeypatch):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -862,6 +871,9 @@ def test_a_longrope_table_is_the_one_vllm_rotates_by(monkeypatch, max_len, long)
     with set_current_vllm_config(config):
         cos, sin, _ = model_rope_tables(SimpleNamespace(model_config=model_config), 64)
         rotary = rotary_embedding.get_rope(64, max_position=1024, rope_parameters=hf.rope_parameters)
+        past = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, max_model_len=2048))
+        with pytest.raises(ValueError, match="positions, fewer than max_model_len 2048"):
+            model_rope_tables(past, 64)  # (past max_position_embeddings the kernels would read past the table)
     assert rotary.use_long_rope == long
     ones = torch.zeros(max_len, 64)
     ones[:, :32] = 1  # rotate-half pairs (j, j + 32): the rotated key is [cos | sin]

@@ -210,8 +210,13 @@ class Simulation:
             causal = causal & model_mask(attention_mask, nq, n)
         pairs = self.quantized_pairs(pos, n, self.scheme_at(layer))
         q = query.float()
+        if self.scheme_at(layer).levels == "fp8":  # vLLM's fp8 attention reads the queries in fp8 too
+            # (FlashAttention on CUDA: Attention.query_quant, scale 1); fidelity measures against q itself
+            qa = fp8_round_trip(q)
+        else:
+            qa = q
         if bool(pairs[causal].all()):  # every visible key is quantized (view "all", per-token caches)
-            out = self._attend(q, kq, vq, causal, scaling, softcap)
+            out = self._attend(qa, kq, vq, causal, scaling, softcap)
         else:
             # queries that see the same quantized range form groups (one per block of queries): one
             # SDPA call per group over keys spliced from both copies; too many groups: keys laid out
@@ -226,15 +231,15 @@ class Simulation:
                     keys = torch.where(row[:, None], kq, key.float())
                     values = torch.where(row[:, None], vq, value.float())
                     rows = slice(start, start + count)
-                    out[:, :, rows] = self._attend(q[:, :, rows], keys, values, causal[rows], scaling, softcap)
+                    out[:, :, rows] = self._attend(qa[:, :, rows], keys, values, causal[rows], scaling, softcap)
                     start += count
             else:
                 keys = torch.cat([kq, key.float()], dim=2)
                 values = torch.cat([vq, value.float()], dim=2)
-                out = self._attend(q, keys, values, torch.cat([causal & pairs, causal & ~pairs], dim=1), scaling,
+                out = self._attend(qa, keys, values, torch.cat([causal & pairs, causal & ~pairs], dim=1), scaling,
                                    softcap)
         if self.fidelity_queries:
-            self._measure(q, key.float(), value.float(), kq, vq, causal, pairs, scaling, out)
+            self._measure(q, key.float(), value.float(), kq, vq, causal, pairs, scaling, out, qa)
         return out.transpose(1, 2).to(query.dtype)
 
     def _attend(self, q, k, v, mask, scaling, softcap=0.0):
@@ -248,15 +253,18 @@ class Simulation:
         scores = scores.masked_fill(~mask, -math.inf)
         return torch.softmax(scores, dim=-1) @ v
 
-    def _measure(self, q, kf, vf, kq, vq, causal, pairs, scaling, out) -> None:
-        """Fidelity of the last queries of this call against full precision on the same inputs."""
+    def _measure(self, q, kf, vf, kq, vq, causal, pairs, scaling, out, q_read) -> None:
+        """Fidelity of the last queries of this call against full precision on the same inputs (q_read:
+        the queries as the quantized attention read them)."""
         m = min(self.fidelity_queries, q.shape[2])
         b, hq, _, d = q.shape
         hkv = kf.shape[1]
         qm = q[:, :, -m:].reshape(b, hkv, hq // hkv, m, d)
+        qr = q_read[:, :, -m:].reshape(b, hkv, hq // hkv, m, d)
         mask = causal[-m:]
         s_fp = torch.einsum("bhgqd,bhkd->bhgqk", qm, kf) * scaling
-        s_q = torch.where(pairs[-m:], torch.einsum("bhgqd,bhkd->bhgqk", qm, kq) * scaling, s_fp)
+        s_q = torch.where(pairs[-m:], torch.einsum("bhgqd,bhkd->bhgqk", qr, kq) * scaling,
+                          torch.einsum("bhgqd,bhkd->bhgqk", qr, kf) * scaling)
         p_fp = torch.softmax(s_fp.masked_fill(~mask, -math.inf), dim=-1)
         p_q = torch.softmax(s_q.masked_fill(~mask, -math.inf), dim=-1)
         o_fp = torch.einsum("bhgqk,bhkd->bhgqd", p_fp, vf).reshape(b, hq, m, d)

@@ -15,6 +15,7 @@ report's simulations. Not supported: ALiBi, encoder-decoder models.
 
 from __future__ import annotations
 
+import inspect as inspect_module
 from dataclasses import dataclass
 
 import torch
@@ -120,9 +121,10 @@ def rope_tables(model, positions: int, device=None, rope_type=None) -> tuple[tor
     return module_rope_tables(inspect(model), positions, device, rope_type)
 
 
-def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_type=None
+def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_type=None, check: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """rope_tables for a model already inspected (RKVCache re-reads a length-dependent table every forward)."""
+    """rope_tables for a model already inspected. check=False skips the pairing checks, which read the
+    table on the host (RKVCache re-reads a length-dependent table every forward, checked when built)."""
     if rope_type is None and len(set(att.rope_types)) > 1:
         _refuse(att.model_type, "one RoPE table for a model with a table per layer type (pass rope_type)")
     rotary = att.rotary
@@ -140,13 +142,13 @@ def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_ty
     x = torch.zeros(1, dtype=torch.float32, device=dev)
     # the forward without transformers' dynamic_rope_update: the frequencies as they are, not re-chosen for
     # `positions` tokens (which would also change what the model's next forward rotates by)
-    forward = getattr(type(rotary).forward, "__wrapped__", type(rotary).forward)
+    forward = inspect_module.unwrap(type(rotary).forward)
     with torch.no_grad():
         pos = torch.arange(positions, device=dev)[None]
         cos, sin = forward(rotary, x, pos) if rope_type is None else forward(rotary, x, pos, rope_type)
     cos, sin = cos[0].float(), sin[0].float()
     half = cos.shape[-1] // 2
-    if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+    if check and not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
         _refuse(att.model_type, "a rotary table whose halves differ (not rotate-half pairs)")
     if 2 * half > att.head_dim:
         _refuse(att.model_type, f"a rotary table of {2 * half} channels for head_dim {att.head_dim}")

@@ -252,7 +252,8 @@ class RKVCache(Cache):
         for cache, rope_type in self._follow:
             n = cache.rope_cos.shape[0]
             if (rope_type, n) not in fresh:
-                fresh[rope_type, n] = models.module_rope_tables(self._attention, n, cache.rope_cos.device, rope_type)
+                fresh[rope_type, n] = models.module_rope_tables(self._attention, n, cache.rope_cos.device, rope_type,
+                                                                check=False)
             cos, sin = fresh[rope_type, n]
             cache.rope_cos.copy_(cos)
             cache.rope_sin.copy_(sin)

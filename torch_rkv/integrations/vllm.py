@@ -89,6 +89,7 @@ def configured_scheme() -> Scheme | None:
             raise ValueError(f"{CODEBOOK_ENV} is set but {ENV} is not: name the scheme whose levels it holds")
         return None
     scheme = presets.by_name(name)
+    scheme.check_served()  # (the report's simulated peers: named here, before vLLM starts)
     if codebook:
         from ..codebook import load  # noqa: PLC0415
 

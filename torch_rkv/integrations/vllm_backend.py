@@ -489,5 +489,8 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
         table = (table[short:] if rotary.use_long_rope else table[:short]).float()
     else:
         table = rotary.cos_sin_cache.float()
+    if table.shape[0] < max_len:  # (the kernels would read past it)
+        raise ValueError(f"torch_rkv's vLLM backend: the model's {rope_type} rotary table covers {table.shape[0]} "
+                         f"positions, fewer than max_model_len {max_len}")
     half = table.shape[-1] // 2
     return table[:, :half].contiguous(), table[:, half:].contiguous(), interleaved
