@@ -858,8 +858,8 @@ def test_a_longrope_table_is_the_one_vllm_rotates_by(monkeypatch, max_len, long)
 
     import torch
     import transformers
-    from vllm.model_executor.layers import rotary_embedding
     from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
 
     from torch_rkv.integrations.vllm_backend import model_rope_tables
 
