@@ -720,16 +720,16 @@ def format_tables(r: dict) -> str:
     lines.append("\nSchemes as served (cache view, fp16 metadata)")
     lines.append(f"{'scheme':14s} {'bits/el':>7s} {'@window':>7s} {'ppl':>9s} {'delta':>8s} {'cos':>7s} {'top8':>6s}  layout")
 
-    def measured(x, layout):  # a row of the schemes table (and of the allocations below it)
+    def measured(x, layout=None):  # a row of the schemes table (and of the allocations below it)
+        if layout is None:  # the scheme's, as its description names it
+            layout = x["description"].split(": ", 1)[1].split(" = ")[0]
         return (f"{x['scheme']:14s} {x['bits_per_element']:7.2f} {x['bits_at_window']:7.2f} {x['ppl']:9.3f} "
                 f"{x['delta']:+8.3f} {x['attention_cosine']:7.4f} {x['top8_recall']:6.3f}  {layout}")
 
-    for x in r["schemes"]:
-        lines.append(measured(x, x["description"].split(": ", 1)[1].split(" = ")[0]))
+    lines += [measured(x) for x in r["schemes"]]
     if r.get("eight_bits"):
         lines.append("\nAt 8 bits: vLLM's own fp8 cache as it runs without calibrated scales (--kv-cache-dtype fp8)")
-        for x in r["eight_bits"]:
-            lines.append(measured(x, x["description"].split(": ", 1)[1].split(" = ")[0]))
+        lines += [measured(x) for x in r["eight_bits"]]
     if r.get("allocation"):
         lines.append(f"\nPer-layer allocation (K/V bits by layer, solved on the sensitivity measured on "
                      f"{r['allocation'][0]['calibration']}; rkv's layout at every layer; rkv-split: every layer the same "

@@ -208,13 +208,12 @@ class Simulation:
         causal = torch.arange(n, device=query.device)[None, :] <= pos[:, None]
         if attention_mask is not None:
             causal = causal & model_mask(attention_mask, nq, n)
-        pairs = self.quantized_pairs(pos, n, self.scheme_at(layer))
+        s = self.scheme_at(layer)
+        pairs = self.quantized_pairs(pos, n, s)
         q = query.float()
-        if self.scheme_at(layer).levels == "fp8":  # vLLM's fp8 attention reads the queries in fp8 too
-            # (FlashAttention on CUDA: Attention.query_quant, scale 1); fidelity measures against q itself
-            qa = fp8_round_trip(q)
-        else:
-            qa = q
+        # vLLM's fp8 attention reads the queries in fp8 too (FlashAttention on CUDA: Attention.query_quant,
+        # scale 1); fidelity measures against q itself
+        qa = fp8_round_trip(q) if s.levels == "fp8" else q
         if bool(pairs[causal].all()):  # every visible key is quantized (view "all", per-token caches)
             out = self._attend(qa, kq, vq, causal, scaling, softcap)
         else:
@@ -263,8 +262,8 @@ class Simulation:
         qr = q_read[:, :, -m:].reshape(b, hkv, hq // hkv, m, d)
         mask = causal[-m:]
         s_fp = torch.einsum("bhgqd,bhkd->bhgqk", qm, kf) * scaling
-        s_q = torch.where(pairs[-m:], torch.einsum("bhgqd,bhkd->bhgqk", qr, kq) * scaling,
-                          torch.einsum("bhgqd,bhkd->bhgqk", qr, kf) * scaling)
+        s_read = s_fp if q_read is q else torch.einsum("bhgqd,bhkd->bhgqk", qr, kf) * scaling  # (fp8 queries)
+        s_q = torch.where(pairs[-m:], torch.einsum("bhgqd,bhkd->bhgqk", qr, kq) * scaling, s_read)
         p_fp = torch.softmax(s_fp.masked_fill(~mask, -math.inf), dim=-1)
         p_q = torch.softmax(s_q.masked_fill(~mask, -math.inf), dim=-1)
         o_fp = torch.einsum("bhgqk,bhkd->bhgqd", p_fp, vf).reshape(b, hq, m, d)
