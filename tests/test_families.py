@@ -47,10 +47,21 @@ FAMILIES = {  # name: (config, model, family-specific arguments), with the rot_d
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
                                                              "head_dim": 32, "moe_intermediate_size": 64,
                                                              "num_experts": 4, "num_experts_per_tok": 2}),
+    # Command R: interleaved pairs from a cos/sin table (each frequency repeated), q/k LayerNorms
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                     "use_qk_norm": True}),
+    # Granite: attention_multiplier in place of 1/sqrt(head_dim)
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                        "attention_multiplier": 0.05}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2}),  # q/k norms
+    # SmolLM3: its second layer applies no RoPE (no_rope_layers)
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                        "no_rope_layers": [1, 0]}),
 }
 ROTARY = {"qwen2": (32, False), "qwen3": (32, False), "mistral": (32, False), "phi3": (32, False),
           "gpt_neox": (8, False), "phi": (16, False), "stablelm": (8, False), "gptj": (16, True),
-          "mixtral": (32, False), "qwen3_moe": (32, False)}
+          "mixtral": (32, False), "qwen3_moe": (32, False), "cohere": (32, True), "granite": (32, False),
+          "olmo2": (32, False), "smollm3": (32, False)}
 
 
 def family(name):
@@ -120,7 +131,7 @@ def assert_simulation_is_stock(model, ids, sim):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("name", ["gpt_neox", "gptj", "qwen3"])
+@pytest.mark.parametrize("name", ["gpt_neox", "gptj", "qwen3", "cohere"])
 def test_the_simulation_quantizes_the_models_pre_rope_keys(name, monkeypatch):
     """What the simulation hands its quantizer for layer 0's keys is the model's pre-RoPE keys (partial or
     interleaved rotary undone with the model's pairing; Qwen3's normed keys): the keys at position 0."""
@@ -158,6 +169,10 @@ def test_the_simulation_honours_a_sliding_window_mask():
 
 UNSUPPORTED = {
     "ALiBi": (lambda: build("FalconConfig", "FalconForCausalLM", num_attention_heads=4, alibi=True), "ALiBi"),
+    "chunked attention": (lambda: build("Llama4TextConfig", "Llama4ForCausalLM", num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=32, attention_chunk_size=16,
+                                        num_local_experts=2, intermediate_size_mlp=192),
+                          "chunked local attention"),
     "encoder-decoder": (lambda: T.T5ForConditionalGeneration(T.T5Config(vocab_size=VOCAB, d_model=64, num_layers=1,
                                                                         num_heads=2, d_kv=32, d_ff=64)).eval(),
                         "an encoder-decoder model"),
@@ -187,8 +202,18 @@ WINDOWED = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
                                                          "head_dim": 32, "sliding_window": 16,
                                                          "layer_types": ["sliding_attention", "full_attention"]}),
+    # Command R7B / A and EXAONE 4: sliding layers with RoPE beside global layers without it
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                        "sliding_window": 16,
+                                                        "layer_types": ["sliding_attention", "full_attention"]}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                        "sliding_window": 16,
+                                                        "layer_types": ["sliding_attention", "full_attention"]}),
 }
-WINDOWS = {"mistral_v0.1": (16, 16), "qwen2_swa": (0, 16), "gemma2": (16, 0), "gemma3": (16, 0)}
+WINDOWS = {"mistral_v0.1": (16, 16), "qwen2_swa": (0, 16), "gemma2": (16, 0), "gemma3": (16, 0), "cohere2": (16, 0),
+           "exaone4": (16, 0)}
+ROPE_TYPES = {"gemma3": ("sliding_attention", "full_attention"), "cohere2": (None, models.NO_ROPE),
+              "exaone4": (None, models.NO_ROPE)}  # (the others: one table, (None, None))
 
 
 def windowed(name):
@@ -205,7 +230,7 @@ def test_windowed_families_are_inspected_layer_by_layer(name):
     att = models.inspect(model)
     assert att.windows == WINDOWS[name]
     assert att.softcap == (5.0 if name == "gemma2" else 0.0)
-    assert (len(set(att.rope_types)) > 1) == (name == "gemma3")
+    assert att.rope_types == ROPE_TYPES.get(name, (None, None))
     if name == "gemma3":  # two tables that differ (local base 1e4, global 1e6): one table is refused by name
         local, glob = (models.rope_tables(model, 64, rope_type=t) for t in ("sliding_attention", "full_attention"))
         assert not torch.allclose(local[0], glob[0])
@@ -288,6 +313,38 @@ def test_gemma3s_cache_round_trips_each_layers_keys_with_its_table():
         assert torch.allclose(back, post[i], atol=1e-5, rtol=1e-5), i
     a, b = (cache.layers[i].cache for i in (0, 1))
     assert a is not b and not torch.allclose(a.rope_cos[:40], b.rope_cos[:40])  # two tables
+
+
+NOPE = {"smollm3": lambda: family("smollm3"), "cohere2": lambda: windowed("cohere2"),
+        "exaone4": lambda: windowed("exaone4")}  # layer 1 of each applies no RoPE
+
+
+@pytest.mark.parametrize("name", list(NOPE))
+def test_layers_without_rope_store_and_simulate_their_keys_as_they_are(name, monkeypatch):
+    """A NoPE layer's keys reach the cache as the attention reads them: a pre-RoPE cache must not
+    un-rotate them (its identity table), or they would quantize per channel in a basis that turns with
+    the position. RKVCache stores them as they are, and the report's simulation quantizes them as they
+    are; the rotated layer's keys are un-rotated, as ever."""
+    from torch_rkv.eval.sensitivity import simulations_for
+
+    model = NOPE[name]()
+    assert models.inspect(model).rope_types[1] == models.NO_ROPE
+    ids = prompt(48)  # (whole blocks of 16: the simulation's view "all")
+    with torch.no_grad():
+        post = [layer.keys.float() for layer in model(ids, cache=T.DynamicCache(), use_cache=True).past_key_values.layers]
+    cache = RKVCache(model, S.recommended(8).replace(k_block_tokens=16), capacity=64)
+    stored = [cache.layers[i].cache.to_storage(cache.layers[i].index, post[i], post[i])[0].float() for i in (0, 1)]
+    assert not torch.allclose(stored[0], post[0], atol=1e-3)  # layer 0 rotates: its keys are un-rotated
+    assert torch.allclose(stored[1], post[1], atol=1e-6, rtol=1e-6), (stored[1] - post[1]).abs().max()
+    seen = []  # what the simulation quantizes, each layer's keys (returned as they are: layer 1's input is exact)
+    monkeypatch.setattr(Simulation, "round_trip", lambda self, x, side, s, layer=None, **kw: (
+        seen.append(x.clone()) if side == "k" else None) or x)
+    with torch.no_grad():
+        install(model, simulations_for(model, 64)(S.recommended(8).replace(k_block_tokens=16, sinks=0), view="all"))
+        model(ids)
+        install(model, None)
+    assert torch.allclose(seen[1], post[1], atol=1e-5, rtol=1e-5), (seen[1] - post[1]).abs().max()
+    assert not torch.allclose(seen[0], post[0], atol=1e-3)
 
 
 # RoPE whose table changes with the sequence length, prompts of 40 tokens decoded to 100: Phi-3's LongRoPE

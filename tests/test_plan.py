@@ -190,6 +190,20 @@ def test_phi_3_5_mini_config_gives_the_preset(tmp_path):
     assert plan.bytes_per_token(preset, None) == 32 * 2 * 32 * 96 * 2  # 384 KiB a token in fp16
 
 
+def test_smollm3_config_gives_the_preset(tmp_path):
+    """SmolLM3-3B's config.json (NoPE every 4th layer, which changes no byte; tied embeddings)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 128256, "tie_word_embeddings": True,
+        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(36)], "use_sliding_window": False,
+        "sliding_window": None, "max_position_embeddings": 65536}))
+    shape, preset = plan.from_config(str(path), None), plan.MODELS["smollm3-3b"]
+    fields = ("layers", "kv_heads", "head_dim", "sliding_layers")
+    assert [getattr(shape, f) for f in fields] == [getattr(preset, f) for f in fields]
+    assert abs(shape.params / preset.params - 1) < 0.01
+
+
 @pytest.mark.parametrize("extra,sliding", [
     ({"sliding_window": 4096}, 32),  # Mistral-7B v0.1: every layer
     ({"sliding_window": None}, 0),  # v0.3
@@ -197,6 +211,8 @@ def test_phi_3_5_mini_config_gives_the_preset(tmp_path):
     ({"sliding_window": 131072, "use_sliding_window": False, "layer_types": ["full_attention"] * 32}, 0),
     ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 28}, 4),  # Qwen2: i >= 28
     ({"sliding_window": 4096, "model_type": "gemma2"}, 16),  # Gemma 2: every other layer
+    ({"sliding_window": 4096, "model_type": "cohere2"}, 24),  # Command R7B / A: every 4th layer global
+    ({"sliding_window": 4096, "model_type": "exaone4", "sliding_window_pattern": "LLLG"}, 24),  # EXAONE 4
 ])
 def test_config_sliding_layers(tmp_path, extra, sliding):
     cfg = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, **extra}
@@ -208,6 +224,20 @@ def test_config_sliding_layers(tmp_path, extra, sliding):
     if sliding == 32:
         v01 = plan.MODELS["mistral-7b-v0.1"]
         assert plan.kv_bytes(shape, S.recommended(3), 131072, 1) == plan.kv_bytes(v01, S.recommended(3), 131072, 1)
+
+
+@pytest.mark.parametrize("config, pattern", [("Cohere2Config", None), ("Exaone4Config", "LLLG"),
+                                             ("Exaone4Config", 4)])
+def test_sliding_patterns_are_the_layers_transformers_builds(config, pattern):
+    """A config.json that gives its pattern, not its layer_types: the layers transformers makes slide."""
+    transformers = pytest.importorskip("transformers")
+    cfg = {"model_type": config[:-6].lower(), "num_hidden_layers": 12, "sliding_window": 4096}
+    want = getattr(transformers, config)(**{**cfg, "sliding_window_pattern": 4}).layer_types
+    if pattern is not None:
+        cfg["sliding_window_pattern"] = pattern
+    assert plan.sliding_layers_of(cfg) == [t == "sliding_attention" for t in want]
+    with pytest.raises(ValueError, match="sliding_window_pattern 'LLXG'"):
+        plan.sliding_layers_of({**cfg, "sliding_window_pattern": "LLXG"})
 
 
 def test_the_table_names_the_sliding_layers(capsys):

@@ -80,6 +80,8 @@ MODELS = {
     "qwen2.5-7b": ModelShape("Qwen2.5-7B", 28, 4, 128, 7.62e9),
     "qwen2.5-72b": ModelShape("Qwen2.5-72B", 80, 8, 128, 72.7e9),
     "smollm2-135m": ModelShape("SmolLM2-135M", 30, 3, 64, 0.135e9),
+    # SmolLM2's successor, to 128K tokens with YaRN; every 4th layer without RoPE (the same bytes a token)
+    "smollm3-3b": ModelShape("SmolLM3-3B", 36, 4, 128, 3.08e9),
     # 32 KV heads (no GQA): 384 KiB a token in bf16; LongRoPE to 128K; its config's window, 262144, slides
     # every layer past any context it takes (vLLM keeps one block more a request for it)
     "phi-3.5-mini": ModelShape("Phi-3.5-mini", 32, 32, 96, 3.82e9, sliding_layers=32, sliding_window=262144),
@@ -92,7 +94,8 @@ def sliding_layers_of(cfg: dict) -> list[bool]:
     """Which layers of a transformers config (its text part) attend to a sliding window, as transformers
     builds them: layer_types when given; else Qwen2/3 (use_sliding_window present) layers i >=
     max_window_layers when switched on; else an alternating pattern (Gemma 2: every 2nd layer full,
-    Gemma 3: sliding_window_pattern, 6); else a set sliding_window masks every layer (Mistral v0.1, Phi-3)."""
+    Gemma 3: sliding_window_pattern, 6; Cohere 2 and EXAONE 4: 4, or EXAONE's "LLLG": a letter a layer,
+    L local, G global, repeated); else a set sliding_window masks every layer (Mistral v0.1, Phi-3)."""
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if not uses_sliding_window(types, cfg.get("sliding_window"), cfg.get("use_sliding_window", True)):
@@ -101,8 +104,12 @@ def sliding_layers_of(cfg: dict) -> list[bool]:
         return [t == "sliding_attention" for t in types]
     if "use_sliding_window" in cfg:  # Qwen2Config / Qwen3Config: max_window_layers defaults to 28
         return [i >= cfg.get("max_window_layers", 28) for i in range(n)]
-    patterns = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}  # their configs' defaults
+    patterns = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4, "exaone4": 4}  # their configs' defaults
     pattern = cfg.get("sliding_window_pattern") or patterns.get(cfg.get("model_type"))
+    if isinstance(pattern, str):
+        if not pattern or set(pattern) - {"L", "G"}:
+            raise ValueError(f"sliding_window_pattern {pattern!r}: expected letters L (local) and G (global)")
+        return [pattern[i % len(pattern)] == "L" for i in range(n)]
     if pattern:
         return [bool((i + 1) % pattern) for i in range(n)]
     return [True] * n

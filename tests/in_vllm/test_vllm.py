@@ -204,6 +204,13 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
                                                          "sliding_window": 64, "max_position_embeddings": 1024,
                                                          "layer_types": ["sliding_attention", "full_attention"],
                                                          "tie_word_embeddings": True}),
+    # Command R7B / A: interleaved pairs in its sliding layers, no RoPE in its global ones
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
+                                                        "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                        "num_key_value_heads": 2, "sliding_window": 64,
+                                                        "max_position_embeddings": 1024,
+                                                        "layer_types": ["sliding_attention", "full_attention"],
+                                                        "tie_word_embeddings": True}),
 }
 
 
@@ -211,7 +218,8 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
 def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, family):
     """GPT-J's interleaved partial rotary (un-rotated with the table and pairing vLLM builds for it),
     Gemma 2's sliding windows (300-token prompts over 64-token windows: the kernel masks, vLLM frees the
-    pages before the window) and soft-capping, Gemma 3's local and global layers, Qwen3-MoE: rkv-8
+    pages before the window) and soft-capping, Gemma 3's local and global layers, Cohere 2's interleaved
+    sliding layers beside its NoPE global ones, Qwen3-MoE: rkv-8
     against vLLM's own float32 cache. (Which table a layer un-rotates with shows in quantization error only: its own
     test checks the tables.)"""
     gen = __import__("random").Random(0)
@@ -822,6 +830,7 @@ def test_an_allocation_for_another_model_fails_at_engine_start(tiny_qwen3, tmp_p
     ("GPTJConfig", {"rotary_dim": 16}, None, 8, True),
     ("GPTNeoXConfig", {}, "not 'gpt_neox'", 0, False),  # (vLLM 0.32 has no model code of its own for it)
     ("Gemma3TextConfig", {"head_dim": 64}, None, 32, False),  # (its global table; the local one: the family test)
+    ("CohereConfig", {}, None, 32, True),
     ("BloomConfig", {}, "not 'bloom'", 0, False)])  # ALiBi, no rotary
 def test_pre_rope_schemes_take_only_the_rotary_layout_they_invert(monkeypatch, config, kw, refused, half,
                                                                    interleaved):
@@ -879,6 +888,51 @@ def test_a_longrope_table_is_the_one_vllm_rotates_by(monkeypatch, max_len, long)
     ones[:, :32] = 1  # rotate-half pairs (j, j + 32): the rotated key is [cos | sin]
     _, key = rotary.forward(torch.arange(max_len), ones.clone(), ones.clone())
     assert torch.allclose(key[:, :32], cos[:max_len], atol=1e-6) and torch.allclose(key[:, 32:], sin[:max_len], atol=1e-6)
+
+
+@pytest.mark.parametrize("config, model_type", [("CohereConfig", "cohere"), ("Cohere2Config", "cohere2"),
+                                                 ("Exaone4Config", "exaone4")])
+def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch, config, model_type):
+    """Cohere's interleaved pairs: unit keys rotated by vLLM's own rotary module for the model read the
+    table back, pair by pair. Cohere 2's and EXAONE 4's global layers apply no RoPE (vLLM's commandr.py,
+    exaone4.py): the identity, so their keys quantize as the attention reads them; their sliding layers
+    rotate; and an EXAONE 4 without sliding layers rotates every layer."""
+    from types import SimpleNamespace
+
+    import torch
+    import transformers
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+
+    from torch_rkv.integrations.vllm_backend import model_rope_tables
+
+    monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})
+    types = ["sliding_attention", "full_attention"]
+    hf = getattr(transformers, config)(**({} if model_type == "cohere" else {
+        "num_hidden_layers": 2, "sliding_window": 64, "layer_types": types}))
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, max_model_len=256))
+    n = 256
+    with set_current_vllm_config(VllmConfig()):
+        cos, sin, interleaved = model_rope_tables(vllm_config, 64, "sliding_attention")
+        rotary = rotary_embedding.get_rope(64, max_position=hf.max_position_embeddings,
+                                           rope_parameters=hf.rope_parameters, is_neox_style=not interleaved)
+        if model_type != "cohere":
+            nope = model_rope_tables(vllm_config, 64, "full_attention")
+            assert (nope[0] == 1).all() and (nope[1] == 0).all() and nope[0].shape == (n, 32), model_type
+        if model_type == "exaone4":  # no sliding layer: every layer rotates
+            every = SimpleNamespace(model_config=SimpleNamespace(
+                hf_config=transformers.Exaone4Config(num_hidden_layers=2, sliding_window=None,
+                                                     layer_types=["full_attention"] * 2),
+                max_model_len=n))
+            assert not (model_rope_tables(every, 64, "full_attention")[1] == 0).all()
+    assert interleaved == (model_type != "exaone4")
+    ones = torch.zeros(n, 64)
+    first = slice(0, None, 2) if interleaved else slice(0, 32)  # each pair's first channel
+    second = slice(1, None, 2) if interleaved else slice(32, None)
+    ones[:, first] = 1  # the rotated key: cos at each pair's first channel, sin at its second
+    _, key = rotary.forward(torch.arange(n), ones.clone(), ones.clone())
+    assert torch.allclose(key[:, first], cos[:n], atol=1e-6) and torch.allclose(key[:, second], sin[:n], atol=1e-6)
+    assert not torch.allclose(sin[1:], torch.zeros_like(sin[1:]))
 
 
 def test_gemma3s_local_and_global_layers_take_their_own_tables():

@@ -50,8 +50,9 @@ class _Recorder(Simulation):
                   layer: Optional[int] = None) -> torch.Tensor:
         out = super().attention(query, key, value, scaling, attention_mask, softcap, layer)
         if self.weighted:
-            cos = (self.layer_rope or {}).get(layer, (self.rope_cos, None))[0]
-            k, v = attention_weights(query.float(), key.float(), scaling, softcap, cos.shape[-1], self.rope_interleaved)
+            cos, sin = (self.layer_rope or {}).get(layer, (self.rope_cos, self.rope_sin))
+            half = cos.shape[-1] if sin.any() else 0  # (a NoPE layer's identity table pairs no channels)
+            k, v = attention_weights(query.float(), key.float(), scaling, softcap, half, self.rope_interleaved)
             self.weights[(layer, "k")], self.weights[(layer, "v")] = k, v
         return out
 

@@ -8,9 +8,12 @@ use_sliding_window), Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the n
 (v0.1's sliding window too), Phi-3-style models (fused qkv, LongRoPE), Gemma 2
 (sliding layers interleaved with global ones, attention-logit soft-capping, query_pre_attn_scalar) and
 Gemma 3 (a local and a global RoPE table), GPT-NeoX / Pythia, Phi-2 and StableLM (partial rotary),
-GPT-J (interleaved pairs); RoPE whose table changes with the sequence length (dynamic NTK, Phi-3's
-LongRoPE) in the cache (RKVCache re-reads the table every forward: length_dependent), not in the
-report's simulations. Not supported: ALiBi, encoder-decoder models.
+GPT-J (interleaved pairs), Cohere / Command R (interleaved pairs from a cos/sin table), layers without
+RoPE beside rotated ones (SmolLM3's no_rope_layers, Cohere 2's and EXAONE 4's global layers: NO_ROPE);
+RoPE whose table changes with the sequence length (dynamic NTK, Phi-3's LongRoPE) in the cache
+(RKVCache re-reads the table every forward: length_dependent), not in the report's simulations. Also
+run and tested: Granite, OLMo 2. Not supported: ALiBi, encoder-decoder models, chunked attention
+(Llama 4).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from torch import nn
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rope_type prefixes whose table changes with the length
 _INTERLEAVED = ("gptj",)  # pairs (2j, 2j + 1) from a fixed [sin | cos] table (embed_positions)
+_INTERLEAVED_TABLES = ("cohere", "cohere2")  # pairs (2j, 2j + 1) from cos/sin with each frequency repeated
+NO_ROPE = "no_rope"  # the rope type of a layer that rotates nothing (NoPE): its table is the identity
 
 
 class UnsupportedModelFeature(NotImplementedError):
@@ -39,7 +44,9 @@ class ModelAttention:
     interleaved: bool  # GPT-J's pairs (2j, 2j + 1); else rotate-half pairs (j, j + rot_dim / 2)
     modules: tuple[nn.Module, ...]  # the attention module of every layer, in order
     windows: tuple[int, ...] = ()  # every layer's sliding window (0: it attends to the whole context)
-    rope_types: tuple = ()  # every layer's rotary table (Gemma 3's layer type; None: the model's one table)
+    # every layer's rotary table: None (the model's one table), Gemma 3's layer type, or NO_ROPE (a layer
+    # that applies none: pre-RoPE schemes store its keys as they are, rotated by the identity)
+    rope_types: tuple = ()
     softcap: float = 0.0  # attention-logit soft-capping (Gemma 2; 0: none)
     length_dependent: bool = False  # the rotary module picks its frequencies by the sequence length
 
@@ -63,6 +70,19 @@ def attention_modules(model) -> tuple[nn.Module, ...]:
     return tuple(sorted(found, key=lambda m: -1 if m.layer_idx is None else m.layer_idx))
 
 
+def applies_rope(model_type: str, sliding: bool, layer_types) -> bool:
+    """Whether a layer of a family rotates its queries and keys, by its family's rule, from whether the
+    layer slides and the config's layer_types (transformers and vLLM apply the same rules; SmolLM3 names
+    its NoPE layers itself: no_rope_layers, inspect reads it). A family that skips RoPE in layers not
+    listed here would still be served right (a pre-RoPE cache un-rotates and re-rotates by one table),
+    but its keys would quantize in a basis that turns with the position, as post-RoPE keys do."""
+    if model_type == "cohere2":  # Command R7B / A: the sliding layers rotate, the global ones are NoPE
+        return sliding
+    if model_type == "exaone4":  # EXAONE 4: likewise, where any layer slides
+        return sliding or "sliding_attention" not in (layer_types or [])
+    return True
+
+
 def _refuse(model_type: str, feature: str) -> None:
     raise UnsupportedModelFeature(f"torch_rkv: {feature} is not supported yet ({model_type} model); "
                                   "see torch_rkv/integrations/models.py for the supported families")
@@ -76,6 +96,8 @@ def inspect(model) -> ModelAttention:
         _refuse(kind, "an encoder-decoder model (cross attention)")
     if getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", None) == "alibi":
         _refuse(kind, "ALiBi position bias")
+    if getattr(cfg, "attention_chunk_size", None) or "chunked_attention" in (getattr(cfg, "layer_types", None) or []):
+        _refuse(kind, "chunked local attention (attention_chunk_size)")
     modules = attention_modules(model)
     if [getattr(m, "layer_idx", None) for m in modules] != list(range(cfg.num_hidden_layers)):
         _refuse(kind, "a model whose attention modules are not one self-attention per layer (none found, "
@@ -89,7 +111,8 @@ def inspect(model) -> ModelAttention:
     else:  # Mistral v0.1, Phi-3: every layer masks by the config's window
         windows = [window] * len(modules)
     for m, w in zip(modules, windows):  # where a module names its window, it must be the one the mask uses
-        if getattr(m, "sliding_window", None) not in (None, w):
+        # (EXAONE 4's global layers name the config's window, and mask without it: is_sliding)
+        if getattr(m, "is_sliding", True) and getattr(m, "sliding_window", None) not in (None, w):
             _refuse(kind, f"layer {m.layer_idx}'s sliding window {m.sliding_window} that differs from its mask's {w}")
     base = getattr(model, "base_model", model)
     rotary = getattr(base, "rotary_emb", None)
@@ -105,9 +128,12 @@ def inspect(model) -> ModelAttention:
             rope_types = list(layer_types)
         if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
             _refuse(kind, f"the rotary table of {type(rotary).__name__}")
+        rope_types = [t if getattr(m, "use_rope", True) and applies_rope(kind, w > 0, layer_types) else NO_ROPE
+                      for m, w, t in zip(modules, windows, rope_types)]  # (use_rope: SmolLM3's no_rope_layers)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelAttention(kind, cfg.num_hidden_layers, kv_heads, head_dim, rotary, interleaved=kind in _INTERLEAVED,
+    return ModelAttention(kind, cfg.num_hidden_layers, kv_heads, head_dim, rotary,
+                          interleaved=kind in _INTERLEAVED + _INTERLEAVED_TABLES,
                           modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),
                           softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
                           length_dependent=length_dependent)
@@ -125,12 +151,15 @@ def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_ty
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """rope_tables for a model already inspected. check=False skips the pairing checks, which read the
     table on the host (RKVCache re-reads a length-dependent table every forward, checked when built)."""
-    if rope_type is None and len(set(att.rope_types)) > 1:
+    if rope_type is None and len(set(att.rope_types) - {NO_ROPE}) > 1:
         _refuse(att.model_type, "one RoPE table for a model with a table per layer type (pass rope_type)")
+    if rope_type == NO_ROPE:
+        half = att.head_dim // 2
+        return (torch.ones(positions, half, device=device), torch.zeros(positions, half, device=device))
     rotary = att.rotary
     if rotary is None:
         _refuse(att.model_type, "a pre-RoPE scheme on a model without rotary embeddings")
-    if att.interleaved:  # GPT-J: a fixed [sin | cos] table of rot_dim / 2 frequencies each
+    if hasattr(rotary, "embed_positions"):  # GPT-J: a fixed [sin | cos] table of rot_dim / 2 frequencies each
         table = rotary.embed_positions.float()
         if positions > table.shape[0]:
             raise ValueError(f"torch_rkv: {positions} positions exceed the model's table of {table.shape[0]}")
@@ -145,14 +174,20 @@ def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_ty
     forward = inspect_module.unwrap(type(rotary).forward)
     with torch.no_grad():
         pos = torch.arange(positions, device=dev)[None]
-        cos, sin = forward(rotary, x, pos) if rope_type is None else forward(rotary, x, pos, rope_type)
-    cos, sin = cos[0].float(), sin[0].float()
+        out = forward(rotary, x, pos) if rope_type is None else forward(rotary, x, pos, rope_type)
+    if not (isinstance(out, tuple) and len(out) == 2):  # (Llama 4's complex freqs_cis, ...)
+        _refuse(att.model_type, f"a rotary module that does not return (cos, sin) ({type(rotary).__name__})")
+    cos, sin = out[0][0].float(), out[1][0].float()
     half = cos.shape[-1] // 2
-    if check and not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
-        _refuse(att.model_type, "a rotary table whose halves differ (not rotate-half pairs)")
+    if att.interleaved:  # Cohere: pair j's frequency at channels 2j and 2j + 1
+        first, second, what = slice(0, None, 2), slice(1, None, 2), "a rotary table whose pairs differ"
+    else:  # rotate-half: pair j's frequency at channels j and j + half
+        first, second, what = slice(0, half), slice(half, None), "a rotary table whose halves differ"
+    if check and not (torch.equal(cos[:, first], cos[:, second]) and torch.equal(sin[:, first], sin[:, second])):
+        _refuse(att.model_type, f"{what} (not {'interleaved' if att.interleaved else 'rotate-half'} pairs)")
     if 2 * half > att.head_dim:
         _refuse(att.model_type, f"a rotary table of {2 * half} channels for head_dim {att.head_dim}")
-    return cos[:, :half].contiguous().to(device), sin[:, :half].contiguous().to(device)
+    return cos[:, first].contiguous().to(device), sin[:, first].contiguous().to(device)
 
 
 def layer_rope_tables(model, positions: int, device=None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -13,8 +13,9 @@ ring of their window (QuantizedKVCache(sliding_window=)). Pre-RoPE storage needs
 arrive post-RoPE, the cache undoes the rotation
 with a table built from the model's own rotary module (so its RoPE scaling variant matches) and the
 kernel re-applies it. The model families of integrations/models.py (Llama, Qwen2/3, Mistral, Phi-3,
-GPT-NeoX, Phi-2, StableLM, GPT-J, Gemma 2 and 3: GQA, partial and interleaved rotary, sliding windows,
-soft-capping, per-layer RoPE tables); transformers 5.x (tested with 5.24). Not supported, each an error
+GPT-NeoX, Phi-2, StableLM, GPT-J, Gemma 2 and 3, Cohere 1 and 2, SmolLM3, EXAONE 4, Granite, OLMo 2: GQA,
+partial and interleaved rotary, sliding windows, soft-capping, per-layer RoPE tables, layers without RoPE);
+transformers 5.x (tested with 5.25). Not supported, each an error
 on every device (a device-side check, no host sync per step): left-padded batches and position offsets;
 also the model features models.py names and beam-search cropping. A RoPE whose table changes with the
 length (dynamic NTK, LongRoPE): pre-RoPE caches re-rotate every key by the table of the current step,
@@ -232,7 +233,7 @@ class RKVCache(Cache):
         # rotary module chose for this forward (update)
         self._attention = att
         self._follow = [(cache, rope_type) for cache, (_, rope_type, kind) in zip(self.caches, kinds)
-                        if kind.pre_rope and att.length_dependent]
+                        if kind.pre_rope and att.length_dependent and rope_type != models.NO_ROPE]
         if enable_attention:
             enable(model)
 

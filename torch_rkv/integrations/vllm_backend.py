@@ -27,7 +27,7 @@ from ..ops.paged import paged_append, paged_copy, paged_decode_attention, paged_
 from ..ops.rope import rope
 from ..reference import append_keeps_reads, quantized_count, read_rows
 from ..scheme import Scheme
-from .models import LENGTH_DEPENDENT_ROPE
+from .models import LENGTH_DEPENDENT_ROPE, applies_rope
 from .vllm import ALLOCATION_ENV, ENV, TESTED_VLLM, configured_layers, configured_scheme, overridden_backend
 from .vllm_pool import block_multiple, content_bytes, slot_bytes
 from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, check_drafts, growth_beyond_headroom, slot_limit
@@ -446,12 +446,15 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 
 # vLLM models whose rotary embedding is a get_rope(...) table built from the config the way each model
 # builds it: rotate-half pairs (is_neox_style) over rotary_dim = head_size x partial_rotary_factor
-# channels, or GPT-J's interleaved pairs over its rotary_dim; Gemma 3 one table per layer type (its
-# rope_parameters keyed by "sliding_attention" / "full_attention"). Another family would have its pre-RoPE
-# keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name.
+# channels, or interleaved pairs (GPT-J's over its rotary_dim, Cohere's over head_size); Gemma 3 one table
+# per layer type (its rope_parameters keyed by "sliding_attention" / "full_attention"); Cohere 2's and
+# EXAONE 4's global layers none (models.applies_rope, vllm/model_executor/models/commandr.py and
+# exaone4.py). Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme
+# refuses it by name.
 PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
-                   "gemma", "gemma2", "gemma3_text", "gptj")  # (the MoE families: their dense family's attention)
-INTERLEAVED_MODELS = ("gptj",)
+                   "gemma", "gemma2", "gemma3_text", "gptj", "cohere", "cohere2", "exaone4")  # (the MoE
+# families: their dense family's attention)
+INTERLEAVED_MODELS = ("gptj", "cohere", "cohere2")
 
 
 def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_attention"
@@ -468,14 +471,17 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
         raise NotImplementedError(f"torch_rkv's vLLM backend: pre-RoPE schemes are supported for "
                                   f"{', '.join(PRE_ROPE_MODELS)} models (one rotary table for every layer), not "
                                   f"{kind!r}; a post-RoPE scheme (kivi-2, per-token-4, quarot-4, ...) serves any decoder")
+    interleaved = kind in INTERLEAVED_MODELS
+    max_len = vllm_config.model_config.max_model_len
+    if not applies_rope(kind, layer_type == "sliding_attention", getattr(hf, "layer_types", None)):
+        half = head_size // 2  # a NoPE layer: the identity, which the kernels apply exactly
+        return torch.ones(max_len, half), torch.zeros(max_len, half), interleaved
     params = dict(getattr(hf, "rope_parameters", None) or {})
     if isinstance(params.get(layer_type), dict):  # parameters per layer type (vllm/model_executor/models/gemma3.py)
         params = dict(params[layer_type])
     rope_type = str(params.get("rope_type", "default"))
-    interleaved = kind in INTERLEAVED_MODELS
-    if interleaved:  # (vllm/model_executor/models/gpt_j.py)
+    if kind == "gptj":  # (vllm/model_executor/models/gpt_j.py)
         params["partial_rotary_factor"] = hf.rotary_dim / head_size
-    max_len = vllm_config.model_config.max_model_len
     max_pos = max(max_len, getattr(hf, "max_position_embeddings", max_len))
     if rope_type.startswith(LENGTH_DEPENDENT_ROPE):
         # vLLM fixes these tables for the engine's life (dynamic NTK: scaled for max_position; LongRoPE: the
