@@ -319,6 +319,19 @@ NOPE = {"smollm3": lambda: family("smollm3"), "cohere2": lambda: windowed("coher
         "exaone4": lambda: windowed("exaone4")}  # layer 1 of each applies no RoPE
 
 
+@pytest.mark.parametrize("name", ["cohere2", "exaone4"])
+def test_a_window_without_sliding_layers_masks_and_rotates_as_transformers_does(name):
+    """Cohere 2 and EXAONE 4 with a window in the config but no sliding layer type: transformers masks no
+    layer to the window (its masks follow the types), and rotates none (their global layers are NoPE
+    wherever the config has a window). So every layer attends to the whole cache, keys as they are."""
+    config_cls, model_cls, kw = WINDOWED[name]
+    model = build(config_cls, model_cls, **{**kw, "layer_types": ["full_attention"] * 2})
+    att = models.inspect(model)
+    assert att.windows == (0, 0) and att.rope_types == (models.NO_ROPE, models.NO_ROPE)
+    cache = assert_generates_as_transformers_cache(model, S.recommended(8).replace(k_block_tokens=16))
+    assert not any(c.sliding_window for c in cache.caches)
+
+
 @pytest.mark.parametrize("name", list(NOPE))
 def test_layers_without_rope_store_and_simulate_their_keys_as_they_are(name, monkeypatch):
     """A NoPE layer's keys reach the cache as the attention reads them: a pre-RoPE cache must not

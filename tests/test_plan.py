@@ -226,16 +226,18 @@ def test_config_sliding_layers(tmp_path, extra, sliding):
         assert plan.kv_bytes(shape, S.recommended(3), 131072, 1) == plan.kv_bytes(v01, S.recommended(3), 131072, 1)
 
 
-@pytest.mark.parametrize("config, pattern", [("Cohere2Config", None), ("Exaone4Config", "LLLG"),
-                                             ("Exaone4Config", 4)])
-def test_sliding_patterns_are_the_layers_transformers_builds(config, pattern):
-    """A config.json that gives its pattern, not its layer_types: the layers transformers makes slide."""
+@pytest.mark.parametrize("config, pattern, period", [("Cohere2Config", None, 4), ("Exaone4Config", "LLLG", 4),
+                                                     ("Exaone4Config", 3, 3), ("Exaone4Config", None, 4)])
+def test_sliding_patterns_are_the_layers_transformers_builds(config, pattern, period):
+    """A config.json that gives its pattern (or its family's default), not its layer_types: the layers
+    transformers makes slide. With layer_types that list no sliding layer, none slides."""
     transformers = pytest.importorskip("transformers")
     cfg = {"model_type": config[:-6].lower(), "num_hidden_layers": 12, "sliding_window": 4096}
-    want = getattr(transformers, config)(**{**cfg, "sliding_window_pattern": 4}).layer_types
+    want = getattr(transformers, config)(**{**cfg, "sliding_window_pattern": period}).layer_types
     if pattern is not None:
         cfg["sliding_window_pattern"] = pattern
     assert plan.sliding_layers_of(cfg) == [t == "sliding_attention" for t in want]
+    assert plan.sliding_layers_of({**cfg, "layer_types": ["full_attention"] * 12}) == [False] * 12
     with pytest.raises(ValueError, match="sliding_window_pattern 'LLXG'"):
         plan.sliding_layers_of({**cfg, "sliding_window_pattern": "LLXG"})
 

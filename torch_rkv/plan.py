@@ -16,7 +16,7 @@ import torch
 
 from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
-from .integrations.models import uses_sliding_window
+from .integrations.models import sliding_by_layer_type, uses_sliding_window
 from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV
 from .integrations.vllm_pool import VllmPool, preferred_block_size
 from .integrations.vllm_slots import check_drafts
@@ -100,7 +100,7 @@ def sliding_layers_of(cfg: dict) -> list[bool]:
     types = cfg.get("layer_types")
     if not uses_sliding_window(types, cfg.get("sliding_window"), cfg.get("use_sliding_window", True)):
         return [False] * n
-    if types and "sliding_attention" in types:
+    if sliding_by_layer_type(cfg.get("model_type", ""), types):
         return [t == "sliding_attention" for t in types]
     if "use_sliding_window" in cfg:  # Qwen2Config / Qwen3Config: max_window_layers defaults to 28
         return [i >= cfg.get("max_window_layers", 28) for i in range(n)]

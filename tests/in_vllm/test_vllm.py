@@ -896,7 +896,8 @@ def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch,
     """Cohere's interleaved pairs: unit keys rotated by vLLM's own rotary module for the model read the
     table back, pair by pair. Cohere 2's and EXAONE 4's global layers apply no RoPE (vLLM's commandr.py,
     exaone4.py): the identity, so their keys quantize as the attention reads them; their sliding layers
-    rotate; and an EXAONE 4 without sliding layers rotates every layer."""
+    rotate; and an EXAONE 4 without sliding layers rotates every layer in vLLM, even with a window in its
+    config (exaone4.py's apply_rope_all_layers; transformers rotates none there: test_families)."""
     from types import SimpleNamespace
 
     import torch
@@ -921,7 +922,7 @@ def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch,
             assert (nope[0] == 1).all() and (nope[1] == 0).all() and nope[0].shape == (n, 32), model_type
         if model_type == "exaone4":  # no sliding layer: every layer rotates
             every = SimpleNamespace(model_config=SimpleNamespace(
-                hf_config=transformers.Exaone4Config(num_hidden_layers=2, sliding_window=None,
+                hf_config=transformers.Exaone4Config(num_hidden_layers=2, sliding_window=64,
                                                      layer_types=["full_attention"] * 2),
                 max_model_len=n))
             assert not (model_rope_tables(every, 64, "full_attention")[1] == 0).all()

@@ -63,7 +63,7 @@ class Simulation:
     scheme: Scheme
     rope_cos: Optional[torch.Tensor] = None  # the model's table (positions, rot/2), for pre-RoPE keys
     rope_sin: Optional[torch.Tensor] = None
-    rope_interleaved: bool = False  # the model's pairing (GPT-J's interleaved pairs; else rotate-half)
+    rope_interleaved: bool = False  # the model's pairing (interleaved pairs: GPT-J, Cohere; else rotate-half)
     # per layer index, its own (cos, sin) where layers differ (Gemma 3's local and global tables); the
     # others use rope_cos / rope_sin
     layer_rope: Optional[dict] = None

@@ -41,7 +41,7 @@ class ModelAttention:
     kv_heads: int
     head_dim: int
     rotary: nn.Module | None  # the model's rotary embedding module (None: no RoPE)
-    interleaved: bool  # GPT-J's pairs (2j, 2j + 1); else rotate-half pairs (j, j + rot_dim / 2)
+    interleaved: bool  # pairs (2j, 2j + 1) (GPT-J, Cohere); else rotate-half pairs (j, j + rot_dim / 2)
     modules: tuple[nn.Module, ...]  # the attention module of every layer, in order
     windows: tuple[int, ...] = ()  # every layer's sliding window (0: it attends to the whole context)
     # every layer's rotary table: None (the model's one table), Gemma 3's layer type, or NO_ROPE (a layer
@@ -63,6 +63,18 @@ def uses_sliding_window(layer_types, sliding_window, use_sliding_window=True) ->
     return "sliding_attention" in (layer_types or []) or (sliding_window is not None and bool(use_sliding_window))
 
 
+# families whose masks follow their config's layer_types alone (each module names its window by its layer's
+# type): there a config window with no "sliding_attention" type masks nothing. (Mistral v0.1 and Phi-3
+# mask every layer by the config's window.)
+WINDOWS_BY_LAYER_TYPE = ("gemma2", "gemma3", "gemma3_text", "qwen2", "qwen3", "smollm3", "cohere2", "exaone4")
+
+
+def sliding_by_layer_type(model_type: str, layer_types) -> bool:
+    """Whether a config's layer_types (None: not given) alone say which of its layers slide, for a config
+    that uses_sliding_window (the cache, the report and the planner all ask this)."""
+    return "sliding_attention" in (layer_types or []) or (bool(layer_types) and model_type in WINDOWS_BY_LAYER_TYPE)
+
+
 def attention_modules(model) -> tuple[nn.Module, ...]:
     """Every layer's attention module (the one that calls the attention function), in layer order
     (inspect() checks there is exactly one per layer)."""
@@ -70,16 +82,17 @@ def attention_modules(model) -> tuple[nn.Module, ...]:
     return tuple(sorted(found, key=lambda m: -1 if m.layer_idx is None else m.layer_idx))
 
 
-def applies_rope(model_type: str, sliding: bool, layer_types) -> bool:
-    """Whether a layer of a family rotates its queries and keys, by its family's rule, from whether the
-    layer slides and the config's layer_types (transformers and vLLM apply the same rules; SmolLM3 names
-    its NoPE layers itself: no_rope_layers, inspect reads it). A family that skips RoPE in layers not
+def applies_rope(model_type: str, module: nn.Module) -> bool:
+    """Whether a layer rotates its queries and keys, as its transformers module decides it (vLLM decides
+    some edge cases otherwise: vllm_backend.vllm_applies_rope). A family that skips RoPE in layers not
     listed here would still be served right (a pre-RoPE cache un-rotates and re-rotates by one table),
     but its keys would quantize in a basis that turns with the position, as post-RoPE keys do."""
+    if hasattr(module, "use_rope"):  # SmolLM3 (config.no_rope_layers)
+        return bool(module.use_rope)
     if model_type == "cohere2":  # Command R7B / A: the sliding layers rotate, the global ones are NoPE
-        return sliding
-    if model_type == "exaone4":  # EXAONE 4: likewise, where any layer slides
-        return sliding or "sliding_attention" not in (layer_types or [])
+        return module.sliding_window is not None
+    if model_type == "exaone4":  # EXAONE 4: likewise, in a config with a sliding window
+        return module.sliding_window is None or module.is_sliding
     return True
 
 
@@ -102,18 +115,21 @@ def inspect(model) -> ModelAttention:
     if [getattr(m, "layer_idx", None) for m in modules] != list(range(cfg.num_hidden_layers)):
         _refuse(kind, "a model whose attention modules are not one self-attention per layer (none found, "
                       "cross-attention layers, or no layer_idx)")
-    layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    given = getattr(cfg, "layer_types", None)
+    layer_types = list(given or ["full_attention"] * cfg.num_hidden_layers)
     window = getattr(cfg, "sliding_window", None)
     if not uses_sliding_window(layer_types, window, getattr(cfg, "use_sliding_window", True)):
         windows = [0] * len(modules)
-    elif "sliding_attention" in layer_types:  # Gemma 2 / 3, Qwen2 with use_sliding_window: the types say which
+    elif sliding_by_layer_type(kind, given):  # Gemma 2 / 3, Qwen2 with use_sliding_window: the types say which
         windows = [window if t == "sliding_attention" else 0 for t in layer_types]
     else:  # Mistral v0.1, Phi-3: every layer masks by the config's window
         windows = [window] * len(modules)
     for m, w in zip(modules, windows):  # where a module names its window, it must be the one the mask uses
-        # (EXAONE 4's global layers name the config's window, and mask without it: is_sliding)
-        if getattr(m, "is_sliding", True) and getattr(m, "sliding_window", None) not in (None, w):
-            _refuse(kind, f"layer {m.layer_idx}'s sliding window {m.sliding_window} that differs from its mask's {w}")
+        if hasattr(m, "sliding_window"):  # (EXAONE 4's global layers name the config's window, unused: is_sliding)
+            named = (m.sliding_window or 0) if getattr(m, "is_sliding", True) else 0
+            if named != w:
+                _refuse(kind, f"layer {m.layer_idx}'s sliding window {m.sliding_window} that differs from its "
+                              f"mask's {w}")
     base = getattr(model, "base_model", model)
     rotary = getattr(base, "rotary_emb", None)
     rope_types = [None] * len(modules)
@@ -128,8 +144,7 @@ def inspect(model) -> ModelAttention:
             rope_types = list(layer_types)
         if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
             _refuse(kind, f"the rotary table of {type(rotary).__name__}")
-        rope_types = [t if getattr(m, "use_rope", True) and applies_rope(kind, w > 0, layer_types) else NO_ROPE
-                      for m, w, t in zip(modules, windows, rope_types)]  # (use_rope: SmolLM3's no_rope_layers)
+        rope_types = [t if applies_rope(kind, m) else NO_ROPE for m, t in zip(modules, rope_types)]
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return ModelAttention(kind, cfg.num_hidden_layers, kv_heads, head_dim, rotary,

@@ -27,7 +27,7 @@ from ..ops.paged import paged_append, paged_copy, paged_decode_attention, paged_
 from ..ops.rope import rope
 from ..reference import append_keeps_reads, quantized_count, read_rows
 from ..scheme import Scheme
-from .models import LENGTH_DEPENDENT_ROPE, applies_rope
+from .models import LENGTH_DEPENDENT_ROPE
 from .vllm import ALLOCATION_ENV, ENV, TESTED_VLLM, configured_layers, configured_scheme, overridden_backend
 from .vllm_pool import block_multiple, content_bytes, slot_bytes
 from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, check_drafts, growth_beyond_headroom, slot_limit
@@ -448,8 +448,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 # builds it: rotate-half pairs (is_neox_style) over rotary_dim = head_size x partial_rotary_factor
 # channels, or interleaved pairs (GPT-J's over its rotary_dim, Cohere's over head_size); Gemma 3 one table
 # per layer type (its rope_parameters keyed by "sliding_attention" / "full_attention"); Cohere 2's and
-# EXAONE 4's global layers none (models.applies_rope, vllm/model_executor/models/commandr.py and
-# exaone4.py). Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme
+# EXAONE 4's global layers none (vllm_applies_rope). Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme
 # refuses it by name.
 PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
                    "gemma", "gemma2", "gemma3_text", "gptj", "cohere", "cohere2", "exaone4")  # (the MoE
@@ -457,11 +456,22 @@ PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
 INTERLEAVED_MODELS = ("gptj", "cohere", "cohere2")
 
 
+def vllm_applies_rope(model_type: str, sliding: bool, layer_types) -> bool:
+    """Whether vLLM 0.32's model rotates a layer's queries and keys (commandr.py: Cohere 2 only its sliding
+    layers; exaone4.py: its sliding layers, or every layer where none slides). transformers decides two
+    edge cases of EXAONE 4 otherwise (models.applies_rope); each engine's plugin follows its own."""
+    if model_type == "cohere2":
+        return sliding
+    if model_type == "exaone4":
+        return sliding or "sliding_attention" not in (layer_types or [])
+    return True
+
+
 def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_attention"
                       ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(cos, sin, interleaved): tables of shape (positions, rotary_dim / 2), float32, from the rotary
     embedding vLLM builds for the model's layers of `layer_type` (get_rope with the model's own
-    parameters), and its pairing."""
+    parameters), and its pairing; the identity for a layer vLLM does not rotate (vllm_applies_rope)."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     hf = vllm_config.model_config.hf_config
@@ -473,7 +483,7 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
                                   f"{kind!r}; a post-RoPE scheme (kivi-2, per-token-4, quarot-4, ...) serves any decoder")
     interleaved = kind in INTERLEAVED_MODELS
     max_len = vllm_config.model_config.max_model_len
-    if not applies_rope(kind, layer_type == "sliding_attention", getattr(hf, "layer_types", None)):
+    if not vllm_applies_rope(kind, layer_type == "sliding_attention", getattr(hf, "layer_types", None)):
         half = head_size // 2  # a NoPE layer: the identity, which the kernels apply exactly
         return torch.ones(max_len, half), torch.zeros(max_len, half), interleaved
     params = dict(getattr(hf, "rope_parameters", None) or {})
