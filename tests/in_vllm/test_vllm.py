@@ -936,6 +936,69 @@ def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch,
     assert not torch.allclose(sin[1:], torch.zeros_like(sin[1:]))
 
 
+SMOLLM3 = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 1024, "no_rope_layers": [1, 0],
+           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+
+
+def test_smollm3s_layers_without_rope_keep_their_keys_as_they_are(tmp_path_factory):
+    """SmolLM3 (vLLM's transformers backend; its second layer without RoPE): rkv-8 against vLLM's own
+    cache by the portable criterion, and the NoPE layer, found by vLLM's layer index, un-rotates by the
+    identity (the engine logs it for layer 1 alone; an 8-bit agreement cannot see which table)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-smollm3")
+    transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(vocab_size=512, **SMOLLM3)).save_pretrained(path)
+    gen = __import__("random").Random(0)
+    prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
+    _, got = assert_8_bits_agree_with_vllms_own_cache("smollm3", str(path), prompts, TINY_SENSITIVITY,
+                                                      skip_tokenizer_init=True, max_model_len=512)
+    nope = [line for line in got["log"].splitlines() if "applies no RoPE" in line]
+    assert len(nope) == 1 and "model.layers.1." in nope[0], nope
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 5e6},
+                                  {"rope_type": "yarn", "rope_theta": 5e6, "factor": 2.0,
+                                   "original_max_position_embeddings": 512}], ids=["default", "yarn"])
+def test_smollm3s_table_is_the_one_transformers_rotates_by(rope):
+    """vLLM runs SmolLM3 through its transformers backend, so transformers' rotary rotates its keys: the
+    table the backend builds with vLLM's get_rope is that one (YaRN's attention scaling included)."""
+    from types import SimpleNamespace
+
+    import torch
+    import transformers
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from torch_rkv.integrations import models
+    from torch_rkv.integrations.vllm_backend import model_rope_tables
+
+    cfg = transformers.SmolLM3Config(vocab_size=512, **{**SMOLLM3, "head_dim": 64, "rope_parameters": rope})
+    model = transformers.SmolLM3ForCausalLM(cfg)
+    want = models.rope_tables(model, 1024)
+    with set_current_vllm_config(VllmConfig()):
+        got = model_rope_tables(SimpleNamespace(model_config=SimpleNamespace(hf_config=cfg, max_model_len=1024)), 64)
+    assert not got[2]
+    for a, b in zip(got[:2], want):
+        assert torch.allclose(a[:1024], b, atol=2e-6), (a[:1024] - b).abs().max()
+
+
+def test_chunked_local_attention_is_refused_by_name():
+    """Llama 4's local layers (vLLM's ChunkedLocalAttention) wrap the backend's metadata builder and hand it
+    each chunk as a virtual request, which the side slots cannot follow: refused when the builder is made,
+    before any step."""
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    from torch_rkv.integrations.vllm_backend import RKVMetadataBuilder
+
+    spec = ChunkedLocalAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                                     attention_chunk_size=8192)
+    with pytest.raises(NotImplementedError, match="chunked local attention"):
+        RKVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], None, torch.device("cpu"))
+
+
 def test_gemma3s_local_and_global_layers_take_their_own_tables():
     """A layer's table only changes how well its pre-RoPE keys quantize (the kernel re-applies the same
     table it un-rotated with), so the agreement test cannot see it: check the tables themselves, the

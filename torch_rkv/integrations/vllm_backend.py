@@ -162,6 +162,9 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        if getattr(kv_cache_spec, "attention_chunk_size", None):  # (ChunkedLocalAttention subclasses this builder)
+            raise NotImplementedError("torch_rkv's vLLM backend: chunked local attention (attention_chunk_size, Llama "
+                                      "4's local layers) is not supported: its virtual batches are not requests")
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.scheme = scheme = _scheme()  # (every layer's recent, block and sinks: an allocation's layers share them)
         drafts = speculative_tokens(vllm_config.speculative_config, scheme)
@@ -315,17 +318,25 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         # (self.scheme is the shared one until then: side rows, signs and RoPE are the same in every layer)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        """vLLM calls this once the model is loaded, before it asks the layers for their KV cache specs:
-        with an allocation, the layer gets the backend class of its scheme (layer_backend), whose pages
-        have that scheme's bytes."""
-        if configured_layers() is None:
+        """vLLM calls this once the model is loaded, before its memory profile and before it asks the
+        layers for their KV cache specs: a layer the model names as one without RoPE (SmolLM3's
+        no_rope_layers, by vLLM's layer index) takes the identity table; with an allocation, the layer
+        gets the backend class of its scheme (layer_backend), whose pages have that scheme's bytes."""
+        nope = getattr(text_config(self.vllm_config), "no_rope_layers", None)
+        nope = nope if self.rope_cos is not None else None  # (1: the layer rotates, 0: NoPE)
+        if nope is None and configured_layers() is None:
             return
         layers = self.vllm_config.compilation_config.static_forward_context.values()
         layer = next((x for x in layers if getattr(x, "impl", None) is self), None)
         if layer is None:
             raise RuntimeError("torch_rkv's vLLM backend: this attention impl's layer is not in vLLM's "
-                               "static_forward_context, so its scheme of the allocation cannot be found")
-        layer.attn_backend = layer_backend(layer_scheme(layer.layer_name))
+                               "static_forward_context, so its scheme or RoPE cannot be found")
+        if nope is not None and not nope[extract_layer_index(layer.layer_name)]:
+            self.rope_cos, self.rope_sin = torch.ones_like(self.rope_cos), torch.zeros_like(self.rope_sin)
+            logger.info("torch_rkv: %s applies no RoPE (no_rope_layers): its keys are stored as they are",
+                        layer.layer_name)
+        if configured_layers() is not None:
+            layer.attn_backend = layer_backend(layer_scheme(layer.layer_name))
 
     def _bind(self, layer, device) -> tuple:
         """This layer's scheme (its row of an allocation) and codebook_rows, on the device: read once, on
@@ -448,18 +459,26 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 # builds it: rotate-half pairs (is_neox_style) over rotary_dim = head_size x partial_rotary_factor
 # channels, or interleaved pairs (GPT-J's over its rotary_dim, Cohere's over head_size); Gemma 3 one table
 # per layer type (its rope_parameters keyed by "sliding_attention" / "full_attention"); Cohere 2's and
-# EXAONE 4's global layers none (vllm_applies_rope). Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme
-# refuses it by name.
+# EXAONE 4's global layers none (vllm_applies_rope), nor SmolLM3's no_rope_layers (vLLM runs SmolLM3 through
+# its transformers backend: transformers' rotary, the same table). The MoE families have their dense
+# family's attention.
+# Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name.
 PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
-                   "gemma", "gemma2", "gemma3_text", "gptj", "cohere", "cohere2", "exaone4")  # (the MoE
-# families: their dense family's attention)
+                   "gemma", "gemma2", "gemma3_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3")
 INTERLEAVED_MODELS = ("gptj", "cohere", "cohere2")
+
+
+def text_config(vllm_config):
+    """The model's (text) transformers config."""
+    hf = vllm_config.model_config.hf_config
+    return getattr(hf, "text_config", None) or hf
 
 
 def vllm_applies_rope(model_type: str, sliding: bool, layer_types) -> bool:
     """Whether vLLM 0.32's model rotates a layer's queries and keys (commandr.py: Cohere 2 only its sliding
     layers; exaone4.py: its sliding layers, or every layer where none slides). transformers decides two
-    edge cases of EXAONE 4 otherwise (models.applies_rope); each engine's plugin follows its own."""
+    edge cases of EXAONE 4 otherwise (models.applies_rope); each engine's plugin follows its own. (SmolLM3
+    names its NoPE layers by index: RKVAttentionImpl.process_weights_after_loading.)"""
     if model_type == "cohere2":
         return sliding
     if model_type == "exaone4":
@@ -474,12 +493,11 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
     parameters), and its pairing; the identity for a layer vLLM does not rotate (vllm_applies_rope)."""
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    hf = vllm_config.model_config.hf_config
-    hf = getattr(hf, "text_config", None) or hf
+    hf = text_config(vllm_config)
     kind = getattr(hf, "model_type", "?")
     if kind not in PRE_ROPE_MODELS:
         raise NotImplementedError(f"torch_rkv's vLLM backend: pre-RoPE schemes are supported for "
-                                  f"{', '.join(PRE_ROPE_MODELS)} models (one rotary table for every layer), not "
+                                  f"{', '.join(PRE_ROPE_MODELS)} models (rotary tables the backend rebuilds), not "
                                   f"{kind!r}; a post-RoPE scheme (kivi-2, per-token-4, quarot-4, ...) serves any decoder")
     interleaved = kind in INTERLEAVED_MODELS
     max_len = vllm_config.model_config.max_model_len
