@@ -204,6 +204,14 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
                                                          "sliding_window": 64, "max_position_embeddings": 1024,
                                                          "layer_types": ["sliding_attention", "full_attention"],
                                                          "tie_word_embeddings": True}),
+    # Granite: attention_multiplier as the softmax scale (vLLM passes it to the backend), scaled
+    # embeddings, residuals and logits
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
+                                                        "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                        "num_key_value_heads": 2, "max_position_embeddings": 1024,
+                                                        "attention_multiplier": 0.05, "embedding_multiplier": 2.0,
+                                                        "residual_multiplier": 0.5, "logits_scaling": 4.0,
+                                                        "tie_word_embeddings": False}),
     # Command R7B / A: interleaved pairs in its sliding layers, no RoPE in its global ones
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
                                                         "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -219,7 +227,7 @@ def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, f
     """GPT-J's interleaved partial rotary (un-rotated with the table and pairing vLLM builds for it),
     Gemma 2's sliding windows (300-token prompts over 64-token windows: the kernel masks, vLLM frees the
     pages before the window) and soft-capping, Gemma 3's local and global layers, Cohere 2's interleaved
-    sliding layers beside its NoPE global ones, Qwen3-MoE: rkv-8
+    sliding layers beside its NoPE global ones, Granite's attention_multiplier, Qwen3-MoE: rkv-8
     against vLLM's own float32 cache. (Which table a layer un-rotates with shows in quantization error only: its own
     test checks the tables.)"""
     gen = __import__("random").Random(0)
@@ -830,7 +838,8 @@ def test_an_allocation_for_another_model_fails_at_engine_start(tiny_qwen3, tmp_p
     ("GPTJConfig", {"rotary_dim": 16}, None, 8, True),
     ("GPTNeoXConfig", {}, "not 'gpt_neox'", 0, False),  # (vLLM 0.32 has no model code of its own for it)
     ("Gemma3TextConfig", {"head_dim": 64}, None, 32, False),  # (its global table; the local one: the family test)
-    ("CohereConfig", {}, None, 32, True),
+    ("CohereConfig", {}, None, 32, True), ("GraniteConfig", {}, None, 32, False),
+    ("GraniteConfig", {"layer_rope_theta": [1e4] * 32}, "a RoPE base per layer", 0, False),
     ("BloomConfig", {}, "not 'bloom'", 0, False)])  # ALiBi, no rotary
 def test_pre_rope_schemes_take_only_the_rotary_layout_they_invert(monkeypatch, config, kw, refused, half,
                                                                    interleaved):

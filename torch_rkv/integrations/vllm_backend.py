@@ -460,11 +460,12 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 # channels, or interleaved pairs (GPT-J's over its rotary_dim, Cohere's over head_size); Gemma 3 one table
 # per layer type (its rope_parameters keyed by "sliding_attention" / "full_attention"); Cohere 2's and
 # EXAONE 4's global layers none (vllm_applies_rope), nor SmolLM3's no_rope_layers (vLLM runs SmolLM3 through
-# its transformers backend: transformers' rotary, the same table). The MoE families have their dense
-# family's attention.
+# its transformers backend: transformers' rotary, the same table); Granite with one RoPE base (granite.py
+# takes a base per layer from layer_rope_theta, refused). The MoE families have their dense family's
+# attention.
 # Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name.
 PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
-                   "gemma", "gemma2", "gemma3_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3")
+                   "gemma", "gemma2", "gemma3_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3", "granite")
 INTERLEAVED_MODELS = ("gptj", "cohere", "cohere2")
 
 
@@ -499,6 +500,9 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
         raise NotImplementedError(f"torch_rkv's vLLM backend: pre-RoPE schemes are supported for "
                                   f"{', '.join(PRE_ROPE_MODELS)} models (rotary tables the backend rebuilds), not "
                                   f"{kind!r}; a post-RoPE scheme (kivi-2, per-token-4, quarot-4, ...) serves any decoder")
+    if getattr(hf, "layer_rope_theta", None) is not None:  # (vllm/model_executor/models/granite.py)
+        raise NotImplementedError("torch_rkv's vLLM backend: pre-RoPE schemes on a model with a RoPE base per "
+                                  "layer (layer_rope_theta) are not supported; a post-RoPE scheme serves it")
     interleaved = kind in INTERLEAVED_MODELS
     max_len = vllm_config.model_config.max_model_len
     if not vllm_applies_rope(kind, layer_type == "sliding_attention", getattr(hf, "layer_types", None)):
