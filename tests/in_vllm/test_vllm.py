@@ -900,13 +900,15 @@ def test_a_longrope_table_is_the_one_vllm_rotates_by(monkeypatch, max_len, long)
 
 
 @pytest.mark.parametrize("config, model_type", [("CohereConfig", "cohere"), ("Cohere2Config", "cohere2"),
-                                                 ("Exaone4Config", "exaone4")])
+                                                 ("Exaone4Config", "exaone4"), ("GraniteConfig", "granite")])
 def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch, config, model_type):
     """Cohere's interleaved pairs: unit keys rotated by vLLM's own rotary module for the model read the
     table back, pair by pair. Cohere 2's and EXAONE 4's global layers apply no RoPE (vLLM's commandr.py,
     exaone4.py): the identity, so their keys quantize as the attention reads them; their sliding layers
     rotate; and an EXAONE 4 without sliding layers rotates every layer in vLLM, even with a window in its
-    config (exaone4.py's apply_rope_all_layers; transformers rotates none there: test_families)."""
+    config (exaone4.py's apply_rope_all_layers; transformers rotates none there: test_families).
+    Granite: rotate-half pairs with its one base (1e6 here), as granite.py builds them."""
+    import math
     from types import SimpleNamespace
 
     import torch
@@ -918,7 +920,8 @@ def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch,
 
     monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})
     types = ["sliding_attention", "full_attention"]
-    hf = getattr(transformers, config)(**({} if model_type == "cohere" else {
+    hf = getattr(transformers, config)(**({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+                                          if model_type == "granite" else {} if model_type == "cohere" else {
         "num_hidden_layers": 2, "sliding_window": 64, "layer_types": types}))
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, max_model_len=256))
     n = 256
@@ -926,7 +929,7 @@ def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch,
         cos, sin, interleaved = model_rope_tables(vllm_config, 64, "sliding_attention")
         rotary = rotary_embedding.get_rope(64, max_position=hf.max_position_embeddings,
                                            rope_parameters=hf.rope_parameters, is_neox_style=not interleaved)
-        if model_type != "cohere":
+        if model_type in ("cohere2", "exaone4"):
             nope = model_rope_tables(vllm_config, 64, "full_attention")
             assert (nope[0] == 1).all() and (nope[1] == 0).all() and nope[0].shape == (n, 32), model_type
         if model_type == "exaone4":  # no sliding layer: every layer rotates
@@ -935,7 +938,9 @@ def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch,
                                                      layer_types=["full_attention"] * 2),
                 max_model_len=n))
             assert not (model_rope_tables(every, 64, "full_attention")[1] == 0).all()
-    assert interleaved == (model_type != "exaone4")
+    assert interleaved == model_type.startswith("cohere")
+    if model_type == "granite":
+        assert math.isclose(cos[1, 1].item(), math.cos(1e6 ** (-2 / 64)), rel_tol=1e-6)
     ones = torch.zeros(n, 64)
     first = slice(0, None, 2) if interleaved else slice(0, 32)  # each pair's first channel
     second = slice(1, None, 2) if interleaved else slice(32, None)
@@ -964,6 +969,7 @@ def test_smollm3s_layers_without_rope_keep_their_keys_as_they_are(tmp_path_facto
     prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
     _, got = assert_8_bits_agree_with_vllms_own_cache("smollm3", str(path), prompts, TINY_SENSITIVITY,
                                                       skip_tokenizer_init=True, max_model_len=512)
+    assert "Using Transformers modeling backend" in got["log"]
     nope = [line for line in got["log"].splitlines() if "applies no RoPE" in line]
     assert len(nope) == 1 and "model.layers.1." in nope[0], nope
 
@@ -991,6 +997,10 @@ def test_smollm3s_table_is_the_one_transformers_rotates_by(rope):
     assert not got[2]
     for a, b in zip(got[:2], want):
         assert torch.allclose(a[:1024], b, atol=2e-6), (a[:1024] - b).abs().max()
+    dynamic = {**SMOLLM3, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e6, "factor": 2.0}}
+    with pytest.raises(NotImplementedError, match="SmolLM3 with a dynamic RoPE"):
+        model_rope_tables(SimpleNamespace(model_config=SimpleNamespace(
+            hf_config=transformers.SmolLM3Config(vocab_size=512, **dynamic), max_model_len=1024)), 64)
 
 
 def test_chunked_local_attention_is_refused_by_name():
@@ -1002,10 +1012,16 @@ def test_chunked_local_attention_is_refused_by_name():
 
     from torch_rkv.integrations.vllm_backend import RKVMetadataBuilder
 
+    from vllm.model_executor.layers.attention.chunked_local_attention import create_chunked_local_attention_backend
+
+    from torch_rkv.integrations.vllm_backend import RKVAttentionBackend
+
     spec = ChunkedLocalAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32,
                                      attention_chunk_size=8192)
-    with pytest.raises(NotImplementedError, match="chunked local attention"):
-        RKVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], None, torch.device("cpu"))
+    wrapped = create_chunked_local_attention_backend(RKVAttentionBackend, 8192).get_builder_cls()  # (vLLM's wrapper)
+    for builder in (wrapped, RKVMetadataBuilder):
+        with pytest.raises(NotImplementedError, match="chunked local attention"):
+            builder(spec, ["model.layers.0.self_attn.attn"], None, torch.device("cpu"))
 
 
 def test_gemma3s_local_and_global_layers_take_their_own_tables():

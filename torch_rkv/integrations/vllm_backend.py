@@ -322,8 +322,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         layers for their KV cache specs: a layer the model names as one without RoPE (SmolLM3's
         no_rope_layers, by vLLM's layer index) takes the identity table; with an allocation, the layer
         gets the backend class of its scheme (layer_backend), whose pages have that scheme's bytes."""
-        nope = getattr(text_config(self.vllm_config), "no_rope_layers", None)
-        nope = nope if self.rope_cos is not None else None  # (1: the layer rotates, 0: NoPE)
+        hf = text_config(self.vllm_config)  # (vLLM's own model code for other families ignores no_rope_layers)
+        nope = hf.no_rope_layers if self.rope_cos is not None and hf.model_type == "smollm3" else None  # (0: NoPE)
         if nope is None and configured_layers() is None:
             return
         layers = self.vllm_config.compilation_config.static_forward_context.values()
@@ -512,6 +512,10 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
     if isinstance(params.get(layer_type), dict):  # parameters per layer type (vllm/model_executor/models/gemma3.py)
         params = dict(params[layer_type])
     rope_type = str(params.get("rope_type", "default"))
+    if kind == "smollm3" and rope_type.startswith(LENGTH_DEPENDENT_ROPE):  # (transformers' rotary re-picks it)
+        raise NotImplementedError(f"torch_rkv's vLLM backend: pre-RoPE schemes on SmolLM3 with a {rope_type} RoPE "
+                                  "are not supported: vLLM runs it through transformers, whose rotary changes the "
+                                  "table with the length; a post-RoPE scheme serves it")
     if kind == "gptj":  # (vllm/model_executor/models/gpt_j.py)
         params["partial_rotary_factor"] = hf.rotary_dim / head_size
     max_pos = max(max_len, getattr(hf, "max_position_embeddings", max_len))
