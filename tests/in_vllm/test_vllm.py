@@ -1008,13 +1008,10 @@ def test_chunked_local_attention_is_refused_by_name():
     each chunk as a virtual request, which the side slots cannot follow: refused when the builder is made,
     before any step."""
     import torch
+    from vllm.model_executor.layers.attention.chunked_local_attention import create_chunked_local_attention_backend
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
-    from torch_rkv.integrations.vllm_backend import RKVMetadataBuilder
-
-    from vllm.model_executor.layers.attention.chunked_local_attention import create_chunked_local_attention_backend
-
-    from torch_rkv.integrations.vllm_backend import RKVAttentionBackend
+    from torch_rkv.integrations.vllm_backend import RKVAttentionBackend, RKVMetadataBuilder
 
     spec = ChunkedLocalAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32,
                                      attention_chunk_size=8192)
