@@ -167,9 +167,12 @@ def test_a_qwen3_model_agrees_at_8_bits_with_vllms_own_cache(tiny_qwen3):
                                              skip_tokenizer_init=True, max_model_len=512)
 
 
+# the tiny models' common shape: 2 layers, 4 query heads of 64 over 2 KV heads, 1024 positions
+TINY_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 1024}
+
 # Phi-3 with LongRoPE: short factors up to 64 positions, long ones (1 to 32) past them
-PHI3_LONGROPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "max_position_embeddings": 1024, "original_max_position_embeddings": 64,
+PHI3_LONGROPE = {**TINY_SHAPE, "original_max_position_embeddings": 64,
                  "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 32,
                                      "long_factor": [1.0 + i for i in range(32)],
                                      "original_max_position_embeddings": 64},
@@ -181,42 +184,28 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
                                                "n_positions": 1024, "tie_word_embeddings": False}),
     # Gemma 2: sliding-window layers (64 tokens) interleaved with global ones (vLLM's hybrid allocator),
     # attention-logit soft-capping, query_pre_attn_scalar
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
-                                                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                                                     "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 64,
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**TINY_SHAPE, "head_dim": 64, "sliding_window": 64,
                                                      "query_pre_attn_scalar": 48, "attn_logit_softcapping": 20.0,
-                                                     "max_position_embeddings": 1024,
                                                      "tie_word_embeddings": True}),  # (vLLM's Gemma 2 ties them)
     # a MoE family: Qwen3's attention (q/k norms) beside vLLM's CPU MoE layers (Mixtral's and Qwen2-MoE's
     # attention is Mistral's and Qwen2's: their rotary tables are checked below)
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
-                                                           "moe_intermediate_size": 128, "num_experts": 4,
-                                                           "num_experts_per_tok": 2, "num_hidden_layers": 2,
-                                                           "num_attention_heads": 4, "num_key_value_heads": 2,
-                                                           "head_dim": 64, "max_position_embeddings": 1024,
-                                                           "tie_word_embeddings": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**TINY_SHAPE, "moe_intermediate_size": 128,
+                                                           "num_experts": 4, "num_experts_per_tok": 2,
+                                                           "head_dim": 64, "tie_word_embeddings": False}),
     # Phi-3's LongRoPE past its 64 original positions: vLLM rotates every position by the long factors
     "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", PHI3_LONGROPE),
     # Gemma 3: sliding layers rotated by a local table (base 1e4), global ones by a global table (1e6)
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
-                                                         "num_hidden_layers": 2, "num_attention_heads": 4,
-                                                         "num_key_value_heads": 2, "head_dim": 64,
-                                                         "sliding_window": 64, "max_position_embeddings": 1024,
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**TINY_SHAPE, "head_dim": 64, "sliding_window": 64,
                                                          "layer_types": ["sliding_attention", "full_attention"],
                                                          "tie_word_embeddings": True}),
     # Granite: attention_multiplier as the softmax scale (vLLM passes it to the backend), scaled
     # embeddings, residuals and logits
-    "granite": ("GraniteConfig", "GraniteForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
-                                                        "num_hidden_layers": 2, "num_attention_heads": 4,
-                                                        "num_key_value_heads": 2, "max_position_embeddings": 1024,
-                                                        "attention_multiplier": 0.05, "embedding_multiplier": 2.0,
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {**TINY_SHAPE, "attention_multiplier": 0.05,
+                                                        "embedding_multiplier": 2.0,
                                                         "residual_multiplier": 0.5, "logits_scaling": 4.0,
                                                         "tie_word_embeddings": False}),
     # Command R7B / A: interleaved pairs in its sliding layers, no RoPE in its global ones
-    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
-                                                        "num_hidden_layers": 2, "num_attention_heads": 4,
-                                                        "num_key_value_heads": 2, "sliding_window": 64,
-                                                        "max_position_embeddings": 1024,
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {**TINY_SHAPE, "sliding_window": 64,
                                                         "layer_types": ["sliding_attention", "full_attention"],
                                                         "tie_word_embeddings": True}),
 }
@@ -352,10 +341,8 @@ def test_vllms_compiled_mode_reads_what_eager_mode_reads(tmp_path_factory):
 # tiny models other tests build like the families (not part of the families' agreement test)
 TINY_MODELS = {**TINY_FAMILIES,
                # Llama with 4 KV heads for 8 query heads: two ranks of tensor parallelism hold 2 each
-               "llama-4kv": ("LlamaConfig", "LlamaForCausalLM", {"hidden_size": 256, "intermediate_size": 512,
-                                                                "num_hidden_layers": 2, "num_attention_heads": 8,
+               "llama-4kv": ("LlamaConfig", "LlamaForCausalLM", {**TINY_SHAPE, "num_attention_heads": 8,
                                                                 "num_key_value_heads": 4, "head_dim": 64,
-                                                                "max_position_embeddings": 1024,
                                                                 "tie_word_embeddings": False})}
 
 
@@ -874,7 +861,6 @@ def test_a_longrope_table_is_the_one_vllm_rotates_by(monkeypatch, max_len, long)
     by the same table: unit keys rotated by vLLM's own rotary module read it back."""
     from types import SimpleNamespace
 
-    import torch
     import transformers
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers import rotary_embedding
@@ -893,10 +879,21 @@ def test_a_longrope_table_is_the_one_vllm_rotates_by(monkeypatch, max_len, long)
         with pytest.raises(ValueError, match="positions, fewer than max_model_len 2048"):
             model_rope_tables(past, 64)  # (past max_position_embeddings the kernels would read past the table)
     assert rotary.use_long_rope == long
-    ones = torch.zeros(max_len, 64)
-    ones[:, :32] = 1  # rotate-half pairs (j, j + 32): the rotated key is [cos | sin]
-    _, key = rotary.forward(torch.arange(max_len), ones.clone(), ones.clone())
-    assert torch.allclose(key[:, :32], cos[:max_len], atol=1e-6) and torch.allclose(key[:, 32:], sin[:max_len], atol=1e-6)
+    assert_rotary_reads_back(rotary, cos, sin, max_len, interleaved=False)
+
+
+def assert_rotary_reads_back(rotary, cos, sin, n: int, interleaved: bool) -> None:
+    """Unit keys (1 at each pair's first channel) rotated by vLLM's rotary module over n positions give
+    cos at each pair's first channel and sin at its second: the (cos, sin) tables, pair by pair."""
+    import torch
+
+    half = cos.shape[1]
+    first = slice(0, None, 2) if interleaved else slice(0, half)
+    second = slice(1, None, 2) if interleaved else slice(half, None)
+    ones = torch.zeros(n, 2 * half)
+    ones[:, first] = 1
+    _, key = rotary.forward(torch.arange(n), ones.clone(), ones.clone())
+    assert torch.allclose(key[:, first], cos[:n], atol=1e-6) and torch.allclose(key[:, second], sin[:n], atol=1e-6)
 
 
 @pytest.mark.parametrize("config, model_type", [("CohereConfig", "cohere"), ("Cohere2Config", "cohere2"),
@@ -941,18 +938,11 @@ def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch,
     assert interleaved == model_type.startswith("cohere")
     if model_type == "granite":
         assert math.isclose(cos[1, 1].item(), math.cos(1e6 ** (-2 / 64)), rel_tol=1e-6)
-    ones = torch.zeros(n, 64)
-    first = slice(0, None, 2) if interleaved else slice(0, 32)  # each pair's first channel
-    second = slice(1, None, 2) if interleaved else slice(32, None)
-    ones[:, first] = 1  # the rotated key: cos at each pair's first channel, sin at its second
-    _, key = rotary.forward(torch.arange(n), ones.clone(), ones.clone())
-    assert torch.allclose(key[:, first], cos[:n], atol=1e-6) and torch.allclose(key[:, second], sin[:n], atol=1e-6)
+    assert_rotary_reads_back(rotary, cos, sin, n, interleaved)
     assert not torch.allclose(sin[1:], torch.zeros_like(sin[1:]))
 
 
-SMOLLM3 = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "max_position_embeddings": 1024, "no_rope_layers": [1, 0],
-           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+SMOLLM3 = {**TINY_SHAPE, "no_rope_layers": [1, 0], "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 
 
 def test_smollm3s_layers_without_rope_keep_their_keys_as_they_are(tmp_path_factory):

@@ -56,6 +56,11 @@ def text_config(model):
     return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
 
 
+def identity_rope(positions: int, half: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of a layer without RoPE (NO_ROPE): cos 1, sin 0, which the kernels apply exactly."""
+    return torch.ones(positions, half, device=device), torch.zeros(positions, half, device=device)
+
+
 def uses_sliding_window(layer_types, sliding_window, use_sliding_window=True) -> bool:
     """Whether a config masks some layer to a window: a "sliding_attention" layer type, or a
     sliding_window that is switched on (Mistral and Phi-3 mask by it whatever layer_types says; Qwen2/3
@@ -169,8 +174,7 @@ def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_ty
     if rope_type is None and len(set(att.rope_types) - {NO_ROPE}) > 1:
         _refuse(att.model_type, "one RoPE table for a model with a table per layer type (pass rope_type)")
     if rope_type == NO_ROPE:
-        half = att.head_dim // 2
-        return (torch.ones(positions, half, device=device), torch.zeros(positions, half, device=device))
+        return identity_rope(positions, att.head_dim // 2, device)
     rotary = att.rotary
     if rotary is None:
         _refuse(att.model_type, "a pre-RoPE scheme on a model without rotary embeddings")

@@ -27,7 +27,7 @@ from ..ops.paged import paged_append, paged_copy, paged_decode_attention, paged_
 from ..ops.rope import rope
 from ..reference import append_keeps_reads, quantized_count, read_rows
 from ..scheme import Scheme
-from .models import LENGTH_DEPENDENT_ROPE
+from .models import LENGTH_DEPENDENT_ROPE, identity_rope
 from .vllm import ALLOCATION_ENV, ENV, TESTED_VLLM, configured_layers, configured_scheme, overridden_backend
 from .vllm_pool import block_multiple, content_bytes, slot_bytes
 from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, check_drafts, growth_beyond_headroom, slot_limit
@@ -332,7 +332,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             raise RuntimeError("torch_rkv's vLLM backend: this attention impl's layer is not in vLLM's "
                                "static_forward_context, so its scheme or RoPE cannot be found")
         if nope is not None and not nope[extract_layer_index(layer.layer_name)]:
-            self.rope_cos, self.rope_sin = torch.ones_like(self.rope_cos), torch.zeros_like(self.rope_sin)
+            self.rope_cos, self.rope_sin = identity_rope(*self.rope_cos.shape)
             logger.info("torch_rkv: %s applies no RoPE (no_rope_layers): its keys are stored as they are",
                         layer.layer_name)
         if configured_layers() is not None:
@@ -506,8 +506,7 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
     interleaved = kind in INTERLEAVED_MODELS
     max_len = vllm_config.model_config.max_model_len
     if not vllm_applies_rope(kind, layer_type == "sliding_attention", getattr(hf, "layer_types", None)):
-        half = head_size // 2  # a NoPE layer: the identity, which the kernels apply exactly
-        return torch.ones(max_len, half), torch.zeros(max_len, half), interleaved
+        return *identity_rope(max_len, head_size // 2), interleaved  # a NoPE layer
     params = dict(getattr(hf, "rope_parameters", None) or {})
     if isinstance(params.get(layer_type), dict):  # parameters per layer type (vllm/model_executor/models/gemma3.py)
         params = dict(params[layer_type])
