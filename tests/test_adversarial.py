@@ -199,6 +199,10 @@ def test_mixed_devices_are_named():
     with pytest.raises(ValueError, match="v_sink is on meta but the input is on cpu"):
         torch.ops.rkv.decode_attention(torch.randn(3, 4, 32), *buffers_args(meta_bufs), torch.tensor([1, 1, 1]),
                                        4, 4, scheme.block, scheme.recent, None, None, False, None, None, 0.1, 0)
+    with pytest.raises(ValueError, match="sink_logits is on meta but the input is on cpu"):
+        torch.ops.rkv.decode_attention(torch.randn(3, 4, 32), *buffers_args(bufs), torch.tensor([1, 1, 1]), 4, 4,
+                                       scheme.block, scheme.recent, None, None, False, None, None, 0.1, 0,
+                                       sink_logits=torch.zeros(4, device="meta"))
     with pytest.raises(ValueError, match="signs is on meta but the input is on cpu"):
         torch.ops.rkv.hadamard(torch.randn(2, 32), torch.ones(32, device="meta"), False)
 

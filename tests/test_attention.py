@@ -60,7 +60,17 @@ def attention_cases(draw):
         # Gemma 2's soft-capping
         window=draw(st.sampled_from([0, 0, 1, 5, 17, 33])), softcap=draw(st.sampled_from([0.0, 0.0, 0.5, 4.0])),
         levels=draw(st.booleans()),  # non-uniform codebooks on the asymmetric sides below 8 bits
+        # learned attention sinks (GPT-OSS): one logit per query head, of this spread (None: none)
+        sink_spread=draw(st.sampled_from([None, None, 0.0, 3.0])),
     )
+
+
+def case_sink_logits(case, device="cpu"):
+    """The case's learned attention sinks (q_heads,) or None: normal logits of spread sink_spread."""
+    spread = case.get("sink_spread")
+    if spread is None:
+        return None
+    return (torch.randn(case["q_heads"], generator=torch.Generator().manual_seed(case["seed"] + 1)) * spread).to(device)
 
 
 def run_kernel(case, device, bufs, q, rope, k_signs, v_signs, split=None):
@@ -70,7 +80,8 @@ def run_kernel(case, device, bufs, q, rope, k_signs, v_signs, split=None):
         q, *buffers_args(bufs), lengths, s.k_bits, s.v_bits, s.block, s.recent, rope[0], rope[1],
         case["interleaved"], k_signs, v_signs, split_tokens=case["split"] if split is None else split,
         sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0),
-        k_levels=case_levels(case, device)[0], v_levels=case_levels(case, device)[1], **outliers_args(bufs))
+        k_levels=case_levels(case, device)[0], v_levels=case_levels(case, device)[1], **outliers_args(bufs),
+        sink_logits=case_sink_logits(case, device))
 
 
 def run_reference(case, bufs, q, rope, k_signs, v_signs):
@@ -80,7 +91,8 @@ def run_reference(case, bufs, q, rope, k_signs, v_signs):
         q.cpu(), *[cpu(t) for t in buffers_args(bufs)], torch.tensor(case["lengths"]), s.k_bits, s.v_bits, s.block,
         s.recent, cpu(rope[0]), cpu(rope[1]), case["interleaved"], cpu(k_signs), cpu(v_signs),
         sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0), k_levels=case_levels(case)[0],
-        v_levels=case_levels(case)[1], **{k: cpu(t) for k, t in outliers_args(bufs).items()})
+        v_levels=case_levels(case)[1], **{k: cpu(t) for k, t in outliers_args(bufs).items()},
+        sink_logits=case_sink_logits(case))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -231,9 +243,9 @@ def bad_cases(device):
     n = torch.tensor([40], device=device)
 
     def call(q=q, args=a, lengths=n, cos=rope[0], sin=rope[1], k_signs=None, heads_ok=True, k_levels=None,
-             v_levels=None):
+             v_levels=None, sink_logits=None):
         return torch_rkv.decode_attention(q, *args, lengths, 4, 4, s.block, s.recent, cos, sin, False, k_signs,
-                                          k_levels=k_levels, v_levels=v_levels)
+                                          k_levels=k_levels, v_levels=v_levels, sink_logits=sink_logits)
 
     lv = torch.arange(16, dtype=torch.float32, device=device)
 
@@ -248,6 +260,10 @@ def bad_cases(device):
         (lambda: call(args=[a[0][..., :-1]] + a[1:]), ValueError, "k_packed must have shape"),
         (lambda: call(k_levels=lv[:8]), ValueError, "k_levels must have shape (16,)"),
         (lambda: call(v_levels=lv.double()), TypeError, "v_levels must be float32"),
+        (lambda: call(sink_logits=lv[:3]), ValueError, "sink_logits must have shape (q_heads=4,), got [3]"),
+        (lambda: call(sink_logits=lv[:4].reshape(1, 4)), ValueError,
+         "sink_logits must have shape (q_heads=4,), got [1, 4]"),
+        (lambda: call(sink_logits=lv[:4].int()), TypeError, "sink_logits must be float32, float16 or bfloat16"),
     ], [
         (lambda: call(lengths=too_long), ValueError,
          f"lengths[0] = {layout.max_tokens + 1} is outside [0, {layout.max_tokens}]"),

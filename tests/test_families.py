@@ -2,6 +2,8 @@
 here from its transformers config with the family's structure (GQA, qkv bias, q/k norms, fused qkv,
 partial rotary, GPT-J's interleaved pairs); no download."""
 
+import re
+
 import pytest
 import torch
 
@@ -75,17 +77,22 @@ def prompt(n, batch=1, seed=1):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_rotary_table_and_pairing_are_the_models_own(name):
-    """Layer 0's keys with every position at 0 are its pre-RoPE keys (the rotation at position 0 is the
-    identity; nothing else in layer 0 depends on positions). Rotating them with the table and pairing
-    models.inspect reports gives the model's own post-RoPE keys, and the inverse gives them back."""
-    model = family(name)
+    """Layer 0's keys with every position at 0, un-rotated at position 0, are its pre-RoPE keys (the
+    rotation at position 0 is the identity, up to a scaled table's attention scaling; nothing else in
+    layer 0 depends on positions). Rotating them with the table and pairing models.inspect reports gives
+    the model's own post-RoPE keys, and the inverse gives them back."""
+    assert_rotary_round_trip(family(name), ROTARY[name])
+
+
+def assert_rotary_round_trip(model, rotary):
     att = models.inspect(model)
     cos, sin = models.rope_tables(model, 64)
-    assert (2 * cos.shape[-1], att.interleaved) == ROTARY[name]
+    assert (2 * cos.shape[-1], att.interleaved) == rotary
     ids = prompt(40)
     with torch.no_grad():
         post = model(ids, use_cache=True).past_key_values.layers[0].keys.float()
-        pre = model(ids, position_ids=torch.zeros_like(ids), use_cache=True).past_key_values.layers[0].keys.float()
+        at_zero = model(ids, position_ids=torch.zeros_like(ids), use_cache=True).past_key_values.layers[0].keys.float()
+    pre = torch_rkv.rope(at_zero, cos, sin, torch.zeros(40, dtype=torch.long), att.interleaved, inverse=True)
     pos = torch.arange(40)
     rotated = torch_rkv.rope(pre, cos, sin, pos, att.interleaved)
     assert torch.allclose(rotated, post, atol=1e-5, rtol=1e-5), (rotated - post).abs().max()
@@ -176,6 +183,29 @@ UNSUPPORTED = {
     "encoder-decoder": (lambda: T.T5ForConditionalGeneration(T.T5Config(vocab_size=VOCAB, d_model=64, num_layers=1,
                                                                         num_heads=2, d_kv=32, d_ff=64)).eval(),
                         "an encoder-decoder model"),
+    "MLA": (lambda: build("DeepseekV3Config", "DeepseekV3ForCausalLM", num_attention_heads=4, num_key_value_heads=4,
+                          kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                          v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                          moe_intermediate_size=64, n_group=1, topk_group=1),
+            "multi-head latent attention"),
+    "parallel hybrid": (lambda: build("FalconH1Config", "FalconH1ForCausalLM", num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32, mamba_d_ssm=64, mamba_n_heads=4,
+                                      mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
+                        re.escape("layers of type ['hybrid']")),
+    "linear attention": (lambda: build("Qwen3NextConfig", "Qwen3NextForCausalLM", num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                                       linear_key_head_dim=16, linear_value_head_dim=16,
+                                       layer_types=["linear_attention", "full_attention"]),
+                         re.escape("layers of type ['linear_attention']")),
+    "dynamic mask": (lambda: build("DogeConfig", "DogeForCausalLM", num_attention_heads=4, num_key_value_heads=2),
+                     "dynamic mask attention"),
+    "KV sharing": (lambda: build("Gemma3nTextConfig", "Gemma3nForCausalLM", num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=32, sliding_window=16, num_hidden_layers=4,
+                                 num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2,
+                                 hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+                                 activation_sparsity_pattern=[0.0] * 4),
+                   "KV cache sharing between layers"),
 }
 
 
@@ -209,11 +239,29 @@ WINDOWED = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
                                                         "sliding_window": 16,
                                                         "layer_types": ["sliding_attention", "full_attention"]}),
+    # EXAONE 4's MoE sibling: NoPE global layers too; dots.llm1: windows by layer type (max_window_layers).
+    # (Every expert chosen: their sigmoid routers' near-ties in a random tiny model flip an expert at
+    # any perturbation, 8-bit keys included, a jump no bound on attention error covers.)
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                              "head_dim": 32, "sliding_window": 16, "num_experts": 4,
+                                                              "num_experts_per_tok": 4,
+                                                              "moe_intermediate_size": 64,
+                                                              "layer_types": ["sliding_attention", "full_attention"]}),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                  "sliding_window": 16, "max_window_layers": 1, "n_routed_experts": 4,
+                                                  "num_experts_per_tok": 4, "moe_intermediate_size": 64,
+                                                  "first_k_dense_replace": 1, "n_shared_experts": 1}),
+    # GPT-OSS: learned attention sinks, a YaRN table holding each frequency once, MoE, sliding layers
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                      "head_dim": 32, "sliding_window": 16, "num_local_experts": 4,
+                                                      "num_experts_per_tok": 2}),
 }
 WINDOWS = {"mistral_v0.1": (16, 16), "qwen2_swa": (0, 16), "gemma2": (16, 0), "gemma3": (16, 0), "cohere2": (16, 0),
-           "exaone4": (16, 0)}
+           "exaone4": (16, 0), "exaone_moe": (16, 0), "dots1": (0, 16), "gpt_oss": (16, 0)}
+SIMULATED = [n for n in WINDOWED if n != "gpt_oss"]  # (the report's simulations refuse learned sinks)
 ROPE_TYPES = {"gemma3": ("sliding_attention", "full_attention"), "cohere2": (None, models.NO_ROPE),
-              "exaone4": (None, models.NO_ROPE)}  # (the others: one table, (None, None))
+              "exaone4": (None, models.NO_ROPE),
+              "exaone_moe": (None, models.NO_ROPE)}  # (the others: one table, (None, None))
 
 
 def windowed(name):
@@ -230,6 +278,7 @@ def test_windowed_families_are_inspected_layer_by_layer(name):
     att = models.inspect(model)
     assert att.windows == WINDOWS[name]
     assert att.softcap == (5.0 if name == "gemma2" else 0.0)
+    assert att.learned_sinks == (name == "gpt_oss")
     assert att.rope_types == ROPE_TYPES.get(name, (None, None))
     if name == "gemma3":  # two tables that differ (local base 1e4, global 1e6): one table is refused by name
         local, glob = (models.rope_tables(model, 64, rope_type=t) for t in ("sliding_attention", "full_attention"))
@@ -258,11 +307,47 @@ def test_sliding_layers_hold_their_window_whatever_the_capacity():
     assert len(ring) == 2 and ring[0] == ring[1] and glob[1] > glob[0]
 
 
-@pytest.mark.parametrize("name", list(WINDOWED))
+@pytest.mark.parametrize("name", SIMULATED)
 def test_windowed_simulation_without_quantization_equals_the_stock_forward(name):
     """The report's simulation with nothing quantized: the stock logits, windows and soft-capping included."""
     assert_simulation_is_stock(windowed(name), prompt(40),
                                Simulation(S.per_token(8), quantize_keys=False, quantize_values=False))
+
+
+def test_gpt_oss_rotary_table_holds_each_frequency_once():
+    """GPT-OSS's rotary module returns (cos, sin) of head_dim / 2 channels, one per rotate-half pair: read
+    as the pairs' table, it rotates layer 0's pre-RoPE keys to the model's own (a window longer than the
+    prompt: layer 0 slides, and its cache would keep the newest keys only)."""
+    config_cls, model_cls, kw = WINDOWED["gpt_oss"]
+    assert_rotary_round_trip(build(config_cls, model_cls, **{**kw, "sliding_window": 64}), (32, False))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_the_rkv_attention_without_a_cache_is_the_models_own(name):
+    """A forward without RKVCache on a model whose attention is "rkv": soft-capped scores and learned
+    sinks, which SDPA cannot apply, computed as the family's eager attention; dropping the sinks (the
+    error the check can catch) changes the logits."""
+    from torch_rkv.integrations import transformers as integration
+
+    model = windowed(name)
+    ids = prompt(40)
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        want = model(ids).logits
+        integration.enable(model)
+        got = model(ids).logits
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+        if name == "gpt_oss":
+            for m in models.inspect(model).modules:
+                m.sinks.data.fill_(-float("inf"))  # a softmax without them
+            assert not torch.allclose(model(ids).logits, want, atol=1e-3)
+
+
+def test_the_simulation_refuses_learned_sinks_by_name():
+    """SDPA, under the report's simulations, cannot add learned sinks: an error that names them, not
+    GPT-OSS computed without its sinks."""
+    with pytest.raises(models.UnsupportedModelFeature, match="learned attention sinks"):
+        install(windowed("gpt_oss"), Simulation(S.per_token(8), quantize_keys=False, quantize_values=False))
 
 
 def test_the_simulation_quantizes_each_gemma3_layers_pre_rope_keys(monkeypatch):

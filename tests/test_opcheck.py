@@ -87,6 +87,10 @@ def cache_samples(device):
     out.append((torch.ops.rkv.decode_attention.default,
                 (q, *buffers_args(bufs), lengths, 4, 4, s.block, s.recent, rope[0], rope[1], False, None, None, 0.125,
                  0, 12, 5.0)))
+    sink_logits = torch.linspace(-2.0, 3.0, 6, device=device)  # learned attention sinks, one per query head
+    out.append((torch.ops.rkv.decode_attention.default,
+                (q, *buffers_args(bufs), lengths, 4, 4, s.block, s.recent, rope[0], rope[1], False, None, None, 0.125,
+                 16, 12, 0.0, None, None, None, None, sink_logits)))
     out.append((torch.ops.rkv.cache_append.default,
                 (*buffers_args(bufs), lengths, k[:, :, :9], k[:, :, :9].clone(), 4, 4, s.block, s.recent, False, False,
                  12)))
@@ -129,11 +133,11 @@ def outlier_samples(device):
                  s.recent, True, True, None, None, None, *po)))
     out.append((torch.ops.rkv.paged_decode_attention.default,
                 (q[:2], *t, *common, batch.lengths, 2, 2, s.block, s.recent, cache.rope_cos, cache.rope_sin, False,
-                 None, cache.v_signs, 0.125, 8, 0, 0.0, None, None, *po)))
+                 None, cache.v_signs, 0.125, 8, 0, 0.0, None, None, *po, q.new_ones(6, dtype=torch.bfloat16))))
     out.append((torch.ops.rkv.paged_prefill_attention.default,
                 (q[:2], kr[:2], kr[:2].clone(), batch.query_start_loc, 1, *t, *common, batch.lengths, 2, 2, s.block,
                  s.recent, cache.rope_cos, cache.rope_sin, False, None, cache.v_signs, 0.125, 0, 0, 0.0, None, None,
-                 *po)))
+                 *po, torch.linspace(-1.0, 2.0, 6, device=device))))
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     out.append((torch.ops.rkv.paged_copy.default,
                 (*t, None, torch.tensor([1], device=device), torch.tensor([5], device=device), empty, empty, *po)))

@@ -144,6 +144,12 @@ def window_and_cap(data):
             data.draw(st.sampled_from([0.0, 0.0, 2.0]), label="softcap"))
 
 
+def draw_sink_logits(data, heads: int):
+    """Learned attention sinks (GPT-OSS), one logit per query head, or None."""
+    spread = data.draw(st.sampled_from([None, None, 0.0, 3.0]), label="sink_logits")
+    return None if spread is None else torch.randn(heads, generator=torch.Generator().manual_seed(heads)) * spread
+
+
 @pytest.mark.parametrize("device", device_params("paged_decode_attention"))
 @given(s=schemes(), data=st.data())
 def test_paged_decode_matches_reference(device, s, data):
@@ -154,13 +160,15 @@ def test_paged_decode_matches_reference(device, s, data):
     on = lambda t: None if t is None else t.to(device)  # noqa: E731
     args = (c["tables"], c["slots"], torch.tensor(c["lengths"]), s.k_bits, s.v_bits, s.block, s.recent)
     window, cap = window_and_cap(data)
+    sink_logits = draw_sink_logits(data, c["heads"])
     kl, vl = c["levels"]
     want = ref.paged_decode_attention(q, *c["pool"].tensors(), *args, *c["rope"], c["interleaved"], c["k_signs"],
-                                      c["v_signs"], sliding_window=window, softcap=cap, k_levels=kl, v_levels=vl)
+                                      c["v_signs"], sliding_window=window, softcap=cap, k_levels=kl, v_levels=vl,
+                                      sink_logits=sink_logits)
     got = ops.paged_decode_attention(on(q), *pool.tensors(), *(on(a) if torch.is_tensor(a) else a for a in args),
                                      on(c["rope"][0]), on(c["rope"][1]), c["interleaved"], on(c["k_signs"]),
                                      on(c["v_signs"]), split_tokens=c["split"], sliding_window=window, softcap=cap,
-                                     k_levels=on(kl), v_levels=on(vl))
+                                     k_levels=on(kl), v_levels=on(vl), sink_logits=on(sink_logits))
     assert got.shape == q.shape and got.dtype == q.dtype
     tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
     assert (got.cpu().float() - want.float()).abs().max().item() <= tol
@@ -184,15 +192,16 @@ def test_paged_prefill_matches_reference(device, s, data):
     on = lambda x: None if x is None else x.to(device)  # noqa: E731
     args = (c["tables"], c["slots"], torch.tensor(lengths), s.k_bits, s.v_bits, s.block, s.recent)
     window, cap = window_and_cap(data)
+    sink_logits = draw_sink_logits(data, c["heads"])
     kl, vl = c["levels"]
     want = ref.paged_prefill_attention(q, kn, vn, qsl, *c["pool"].tensors(), *args, *c["rope"], c["interleaved"],
                                        c["k_signs"], c["v_signs"], sliding_window=window, softcap=cap, k_levels=kl,
-                                       v_levels=vl)
+                                       v_levels=vl, sink_logits=sink_logits)
     got = ops.paged_prefill_attention(on(q), on(kn), on(vn), on(qsl), max(counts), *pool.tensors(),
                                       *(on(a) if torch.is_tensor(a) else a for a in args), on(c["rope"][0]),
                                       on(c["rope"][1]), c["interleaved"], on(c["k_signs"]), on(c["v_signs"]),
                                       split_tokens=c["split"], sliding_window=window, softcap=cap, k_levels=on(kl),
-                                      v_levels=on(vl))
+                                      v_levels=on(vl), sink_logits=on(sink_logits))
     tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
     assert (got.cpu().float() - want.float()).abs().max().item() <= tol
     assert torch.equal(got[-2:].cpu(), torch.zeros_like(got[-2:].cpu()))
@@ -220,7 +229,8 @@ def test_a_decode_step_reads_the_same_through_either_kernel(device, s, data):
     common = (on(c["tables"]), on(c["slots"]))
     attend = {"rope_cos": on(c["rope"][0]), "rope_sin": on(c["rope"][1]), "rope_interleaved": c["interleaved"],
               "k_signs": on(c["k_signs"]), "v_signs": on(c["v_signs"]), "split_tokens": c["split"],
-              "k_levels": on(kl), "v_levels": on(vl), "sliding_window": window, "softcap": cap}
+              "k_levels": on(kl), "v_levels": on(vl), "sliding_window": window, "softcap": cap,
+              "sink_logits": on(draw_sink_logits(data, c["heads"]))}
     bits = (s.k_bits, s.v_bits, s.block, s.recent)
     prefilled = ops.paged_prefill_attention(on(q), on(kn), on(vn), qsl, 1, *c["pool"].clone(device).tensors(),
                                             *common, n, *bits, **attend)

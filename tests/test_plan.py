@@ -190,6 +190,24 @@ def test_phi_3_5_mini_config_gives_the_preset(tmp_path):
     assert plan.bytes_per_token(preset, None) == 32 * 2 * 32 * 96 * 2  # 384 KiB a token in fp16
 
 
+def test_gpt_oss_config_gives_the_preset(tmp_path):
+    """gpt-oss-20b's config.json: 8 KV heads of 64 channels, every even layer a 128-token ring (its
+    layer_types); the sinks cost no cache byte. At 128K tokens the sliding half of the layers holds 128
+    tokens each, so the cache is about half a dense model's."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
+        "num_local_experts": 32, "experts_per_token": 4, "sliding_window": 128, "max_position_embeddings": 131072,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)]}))
+    shape, preset = plan.from_config(str(path), 20.9e9), plan.MODELS["gpt-oss-20b"]
+    fields = ("layers", "kv_heads", "head_dim", "params", "sliding_layers", "sliding_window", "sliding")
+    assert [getattr(shape, f) for f in fields] == [getattr(preset, f) for f in fields]
+    rkv3 = S.by_name("rkv-3")
+    dense = plan.ModelShape("dense", 24, 8, 64, 20.9e9)
+    assert 0.5 < plan.kv_bytes(preset, rkv3, 131072, 1) / plan.kv_bytes(dense, rkv3, 131072, 1) < 0.51
+
+
 def test_smollm3_config_gives_the_preset(tmp_path):
     """SmolLM3-3B's config.json (NoPE every 4th layer, which changes no byte; tied embeddings)."""
     path = tmp_path / "config.json"

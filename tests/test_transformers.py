@@ -75,11 +75,11 @@ def test_the_criterion_catches_a_broken_kernel(monkeypatch):
     assert teacher_forced(model, ids, 50, make, bound)
     attend = QuantizedKVCache.attend
 
-    def off_by_one(self, layer, q, scale=None, split_tokens=0):
+    def off_by_one(self, layer, q, scale=None, split_tokens=0, sink_logits=None):
         lengths = self.lengths[layer].clone()
         self.lengths[layer] -= 1
         try:
-            return attend(self, layer, q, scale, split_tokens)
+            return attend(self, layer, q, scale, split_tokens, sink_logits)
         finally:
             self.lengths[layer] = lengths
 

@@ -161,22 +161,24 @@ class QuantizedKVCache(torch.nn.Module):
                          *layer_levels(self, layer), *layer_outliers(self, layer))
             self.lengths[layer] += min(step, m - i)
 
-    def attend(self, layer: int, q: torch.Tensor, scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
-        """Attention of q (B, Hq, D), the newest token's post-RoPE query, over this layer's cache."""
+    def attend(self, layer: int, q: torch.Tensor, scale: Optional[float] = None, split_tokens: int = 0,
+               sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of q (B, Hq, D), the newest token's post-RoPE query, over this layer's cache. sink_logits
+        (Hq,): the layer's learned attention sinks (GPT-OSS; decode_attention), None: none."""
         self._check_layer(layer)
         s = self.scheme
         return decode_attention(q, *self.layer_buffers(layer), self.lengths[layer], s.k_bits, s.v_bits, s.block,
                                 s.recent, self.rope_cos, self.rope_sin, self.rope_interleaved, self.k_signs,
                                 self.v_signs, scale, split_tokens, self.sliding_window, self.softcap,
-                                *layer_levels(self, layer), *layer_outliers(self, layer))
+                                *layer_levels(self, layer), *layer_outliers(self, layer), sink_logits)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
-                split_tokens: int = 0) -> torch.Tensor:
+                split_tokens: int = 0, sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A chunk of m new tokens per sequence: causal attention of their post-RoPE queries q (B, Hq, m, D)
         over this layer's cache as stored and over the chunk itself in full precision, then the chunk's
         post-RoPE keys / values (B, Hkv, m, D) appended. Returns (B, Hq, m, D) in q's dtype. The served
         form of a second turn, chunked prefill or speculative verification (rkv::paged_prefill_attention
-        over the contiguous layout)."""
+        over the contiguous layout). sink_logits: as attend's."""
         self._check_layer(layer)
         b, hq, m, d = q.shape
         ks, vs = self.to_storage(layer, k, v)
@@ -187,7 +189,7 @@ class QuantizedKVCache(torch.nn.Module):
                                       self.lengths[layer], s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
                                       split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer),
-                                      *layer_outliers(self, layer))
+                                      *layer_outliers(self, layer), sink_logits)
         self._append_storage(layer, ks, vs)
         return out.reshape(b, m, hq, d).transpose(1, 2)
 

@@ -303,21 +303,23 @@ class PagedQuantizedKVCache(torch.nn.Module):
                      s.v_clip, None, *layer_levels(self, layer), *layer_outliers(self, layer))
 
     def attend(self, layer: int, batch: PagedBatch, q: torch.Tensor, scale: Optional[float] = None,
-               split_tokens: int = 0) -> torch.Tensor:
+               split_tokens: int = 0, sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Decode: attention (B, Hq, D) of each sequence's newest post-RoPE query q (B, Hq, D) over all its
-        tokens, this step's appended ones included (call append first)."""
+        tokens, this step's appended ones included (call append first). sink_logits (Hq,): the layer's learned
+        attention sinks (GPT-OSS), None: none."""
         s = self.schemes[layer]
         return paged_decode_attention(q, *self.layer_tensors(layer), batch.block_tables, batch.side_slots,
                                       batch.lengths_after, s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
                                       split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer),
-                                      *layer_outliers(self, layer))
+                                      *layer_outliers(self, layer), sink_logits)
 
     def prefill(self, layer: int, batch: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: Optional[float] = None, split_tokens: int = 0) -> torch.Tensor:
+                scale: Optional[float] = None, split_tokens: int = 0, sink_logits: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
         """A chunk per sequence: causal attention (T, Hq, D) of the post-RoPE queries q (T, Hq, D) over the
         cache and the chunk itself (in full precision), then the chunk's keys / values (T, Hkv, D)
-        appended. Serves chunked prefill, a later turn and speculative verification."""
+        appended. Serves chunked prefill, a later turn and speculative verification. sink_logits: as attend's."""
         ks, vs = self.to_storage(batch, k, v)
         s = self.schemes[layer]
         out = paged_prefill_attention(q, ks, vs, batch.query_start_loc, batch.max_query_len,
@@ -325,7 +327,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
                                       s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos, self.rope_sin,
                                       self.rope_interleaved, self.k_signs, self.v_signs, scale, split_tokens,
                                       self.sliding_window, self.softcap, *layer_levels(self, layer),
-                                      *layer_outliers(self, layer))
+                                      *layer_outliers(self, layer), sink_logits)
         self._append_storage(layer, batch, ks, vs)
         return out
 

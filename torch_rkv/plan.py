@@ -85,6 +85,12 @@ MODELS = {
     # 32 KV heads (no GQA): 384 KiB a token in bf16; LongRoPE to 128K; its config's window, 262144, slides
     # every layer past any context it takes (vLLM keeps one block more a request for it)
     "phi-3.5-mini": ModelShape("Phi-3.5-mini", 32, 32, 96, 3.82e9, sliding_layers=32, sliding_window=262144),
+    # MoE (every expert's weights held; MXFP4 in the release: --weight-bits 4.25), learned attention sinks
+    # (no bytes); layer i slides (128 tokens) when i is even, so half the layers hold a 128K context
+    "gpt-oss-20b": ModelShape("gpt-oss-20b", 24, 8, 64, 20.9e9, sliding_layers=12, sliding_window=128,
+                              sliding=tuple(i % 2 == 0 for i in range(24))),
+    "gpt-oss-120b": ModelShape("gpt-oss-120b", 36, 8, 64, 116.8e9, sliding_layers=18, sliding_window=128,
+                               sliding=tuple(i % 2 == 0 for i in range(36))),
 }
 
 DEFAULT_SCHEMES = ("per-token-8", "per-token-4", "quarot-4", "kvquant-3", "kivi-2", "rkv-4", "rkv-3", "rkv-mixed-2", "rkv-2")

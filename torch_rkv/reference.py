@@ -547,11 +547,12 @@ def _cached(cache, block_tables, side_slots, b: int, n: int, k_bits, v_bits, blo
 
 
 def _attend(qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: torch.Tensor, scale: float,
-            window: int = 0, softcap: float = 0.0, first: int = 0):
+            window: int = 0, softcap: float = 0.0, first: int = 0, sink_logits: Optional[torch.Tensor] = None):
     """qf (m, Hq, D) query rows over keys / values (Hkv, N, D) of positions first..first+N-1; row i sees
     keys [window_start(ends[i], window), ends[i]). Scores are scaled, then soft-capped (softcap > 0:
-    softcap * tanh(s / softcap)). GQA: query head h reads KV head h // (Hq / Hkv). A row that sees no
-    key gets zeros. (m, Hq, D) float32."""
+    softcap * tanh(s / softcap)). sink_logits (Hq,): learned attention sinks (GPT-OSS), one more logit per query
+    head in every row's softmax, with no value: it takes probability mass from the keys. GQA: query head h
+    reads KV head h // (Hq / Hkv). A row that sees no key gets zeros. (m, Hq, D) float32."""
     m, hq, d = qf.shape
     hkv = keys.shape[0]
     qg = qf.reshape(m, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # (Hkv, G, m, D)
@@ -561,7 +562,12 @@ def _attend(qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: to
     pos = first + torch.arange(keys.shape[1], device=qf.device)[None, :]
     ends = ends.to(qf.device)[:, None]
     visible = (pos < ends) & ((pos >= ends - window) if window > 0 else True)  # (m, N)
-    probs = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1)
+    scores = scores.masked_fill(~visible, -math.inf)
+    if sink_logits is not None:
+        sink = sink_logits.float().to(qf.device).reshape(hkv, hq // hkv, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     probs = torch.where(visible.any(-1)[:, None], probs, torch.zeros_like(probs))  # no key: 0, not NaN
     out = probs @ values[:, None]  # (Hkv, G, m, D)
     return out.permute(2, 0, 1, 3).reshape(m, hq, d)
@@ -584,6 +590,7 @@ def paged_decode_attention(
     scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
     k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
+    sink_logits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest query q (B, Hq, D) over its n = lengths[b] cached tokens
     (sliding_window > 0: the newest sliding_window of them; without block tables the pages are then a
@@ -594,8 +601,9 @@ def paged_decode_attention(
     space: scores with the rotated query, the output rotated back. Query head h reads KV head
     h // (Hq / Hkv). softcap > 0: soft-capped scores (_attend). k_levels / v_levels: each side's
     non-uniform levels (quantize's levels), None: uniform. k_outliers / v_outliers (pages, Hkv, P / block,
-    K) int32: each quantized block's sparse outliers (paged_append), added to its dequantized values. A
-    sequence with no cached token gets a zero output. Computed in float32.
+    K) int32: each quantized block's sparse outliers (paged_append), added to its dequantized values.
+    sink_logits (Hq,): learned attention sinks (_attend), None: none. A sequence with no cached token gets a zero
+    output. Computed in float32.
     """
     check_levels("paged_decode_attention", "k_levels", k_levels, k_bits, k_zero is None)
     check_levels("paged_decode_attention", "v_levels", v_levels, v_bits, v_zero is None)
@@ -611,7 +619,8 @@ def paged_decode_attention(
                                block_tables is None and sliding_window > 0, k_levels, v_levels, k_outliers, v_outliers)
         if rope_cos is not None:
             keys = rope(keys, rope_cos, rope_sin, torch.arange(first, n, device=q.device), rope_interleaved)
-        out[b] = _attend(qf[b][None], keys, values, torch.tensor([n]), scale, sliding_window, softcap, first)[0]
+        out[b] = _attend(qf[b][None], keys, values, torch.tensor([n]), scale, sliding_window, softcap, first,
+                         sink_logits)[0]
     if v_signs is not None:
         out = hadamard(out, v_signs, inverse=True)
     return out.to(q.dtype)
@@ -628,10 +637,11 @@ def paged_prefill_attention(
     scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
     k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
+    sink_logits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of a chunk of new tokens per sequence over its cache and the chunk itself
-    (sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers: as paged_decode_attention's, per
-    query row).
+    (sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits: as paged_decode_attention's,
+    per query row).
 
     Sequence b has n = lengths[b] cached tokens and m = query_start_loc[b+1] - query_start_loc[b] new
     ones at positions n..n+m-1: rows query_start_loc[b].. of q (T, Hq, D) and of k_new / v_new (T, Hkv,
@@ -656,7 +666,7 @@ def paged_prefill_attention(
         if rope_cos is not None:
             keys = rope(keys, rope_cos, rope_sin, torch.arange(first, n + hi - lo, device=q.device), rope_interleaved)
         ends = n + 1 + torch.arange(hi - lo)
-        out[lo:hi] = _attend(qf[lo:hi], keys, values, ends, scale, sliding_window, softcap, first)
+        out[lo:hi] = _attend(qf[lo:hi], keys, values, ends, scale, sliding_window, softcap, first, sink_logits)
     if v_signs is not None:
         out = hadamard(out, v_signs, inverse=True)
     return out.to(q.dtype)
@@ -795,19 +805,21 @@ def decode_attention(
     scale: Optional[float] = None, sliding_window: int = 0, softcap: float = 0.0,
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
     k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
+    sink_logits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """paged_decode_attention over the contiguous layout: k_packed (B, Hkv, C, D*bits/8) etc., sequence
     b in page b (C rows; a ring with a sliding window) and side slot b."""
     return paged_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                                   k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent, rope_cos,
                                   rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window, softcap,
-                                  k_levels, v_levels, k_outliers, v_outliers)
+                                  k_levels, v_levels, k_outliers, v_outliers, sink_logits)
 
 
 def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                       k_sink, v_sink, lengths, k_bits, v_bits, block, recent, rope_cos=None, rope_sin=None,
                       rope_interleaved=False, k_signs=None, v_signs=None, scale=None, sliding_window=0,
-                      softcap=0.0, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None) -> torch.Tensor:
+                      softcap=0.0, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None,
+                      sink_logits=None) -> torch.Tensor:
     """paged_prefill_attention over the contiguous layout: q (B, Hq, m, D), k_new / v_new (B, Hkv, m, D);
     (B, Hq, m, D)."""
     kn, qsl = _contiguous_new(k_new)
@@ -816,7 +828,7 @@ def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_sc
     out = paged_prefill_attention(qn, kn, vn, qsl, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
                                   v_window, k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent,
                                   rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window,
-                                  softcap, k_levels, v_levels, k_outliers, v_outliers)
+                                  softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits)
     return out.reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
 

@@ -208,7 +208,28 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {**TINY_SHAPE, "sliding_window": 64,
                                                         "layer_types": ["sliding_attention", "full_attention"],
                                                         "tie_word_embeddings": True}),
+    # GPT-OSS: learned attention sinks (set large below), a YaRN table in float32, sliding layers beside
+    # global ones, MoE (every expert chosen: a tiny random router's near-ties would flip at any perturbation)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {**TINY_SHAPE, "head_dim": 64, "sliding_window": 64,
+                                                      "num_local_experts": 4, "num_experts_per_tok": 4,
+                                                      "tie_word_embeddings": False, "rope_parameters": {
+                                                          "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                          "beta_slow": 1.0, "truncate": False,
+                                                          "original_max_position_embeddings": 256,
+                                                          "rope_theta": 150000.0}}),
 }
+
+
+def large_sinks(model) -> None:
+    """GPT-OSS's sinks large enough to take much of the attention (its initialisation leaves them near 0,
+    where serving them wrong would hardly show)."""
+    import torch
+
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data.copy_(torch.linspace(-1.0, 4.0, layer.self_attn.sinks.numel()))
+
+
+TINY_WEIGHTS = {"gpt_oss": large_sinks}  # weights a family's test needs beyond random ones
 
 
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
@@ -216,7 +237,8 @@ def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, f
     """GPT-J's interleaved partial rotary (un-rotated with the table and pairing vLLM builds for it),
     Gemma 2's sliding windows (300-token prompts over 64-token windows: the kernel masks, vLLM frees the
     pages before the window) and soft-capping, Gemma 3's local and global layers, Cohere 2's interleaved
-    sliding layers beside its NoPE global ones, Granite's attention_multiplier, Qwen3-MoE: rkv-8
+    sliding layers beside its NoPE global ones, Granite's attention_multiplier, Qwen3-MoE, GPT-OSS's
+    learned sinks and YaRN table: rkv-8
     against vLLM's own float32 cache. (Which table a layer un-rotates with shows in quantization error only: its own
     test checks the tables.)"""
     gen = __import__("random").Random(0)
@@ -356,7 +378,10 @@ def tiny_family(tmp_path_factory, family: str, **overrides) -> str:
     torch.manual_seed(0)
     cfg = getattr(transformers, config_cls)(vocab_size=512, **{**kw, **overrides})
     path = tmp_path_factory.mktemp(f"tiny-{family}")
-    getattr(transformers, model_cls)(cfg).save_pretrained(path)
+    model = getattr(transformers, model_cls)(cfg)
+    with torch.no_grad():
+        TINY_WEIGHTS.get(family, lambda m: None)(model)
+    model.save_pretrained(path)
     return str(path)
 
 
@@ -880,6 +905,48 @@ def test_a_longrope_table_is_the_one_vllm_rotates_by(monkeypatch, max_len, long)
             model_rope_tables(past, 64)  # (past max_position_embeddings the kernels would read past the table)
     assert rotary.use_long_rope == long
     assert_rotary_reads_back(rotary, cos, sin, max_len, interleaved=False)
+
+
+@pytest.mark.parametrize("truncate", [True, False, None])
+def test_gpt_oss_takes_the_yarn_table_its_model_rotates_by(monkeypatch, truncate):
+    """GPT-OSS's model code builds its YaRN rotary from five fields of the config, in float32 whatever the
+    model's dtype (vLLM builds the layers under it: bfloat16 here), with truncate True unless the config
+    says otherwise: the backend's table is the one its rotary module rotates by (unit keys read it back),
+    with YaRN's attention scaling in it, and it is transformers' table for the model
+    (GptOssRotaryEmbedding) too."""
+    from types import SimpleNamespace
+
+    import torch
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+
+    from torch_rkv.integrations.vllm_backend import model_rope_tables
+
+    monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})
+    rope = dict(TINY_FAMILIES["gpt_oss"][2]["rope_parameters"])
+    if truncate is None:
+        del rope["truncate"]  # (the model code's default: True)
+    else:
+        rope["truncate"] = truncate
+    hf = transformers.GptOssConfig(head_dim=64, max_position_embeddings=1024, rope_parameters=rope)
+    n = 512
+    with set_current_vllm_config(VllmConfig()):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            cos, sin, interleaved = model_rope_tables(SimpleNamespace(model_config=SimpleNamespace(
+                hf_config=hf, max_model_len=n)), 64)
+        finally:
+            torch.set_default_dtype(default)
+        rotary = rotary_embedding.get_rope(64, max_position=1024, rope_parameters={
+            **rope, "truncate": rope.get("truncate", True)}, is_neox_style=True, dtype=torch.float32)
+    assert not interleaved and cos[0, 0] > 1.01  # (YaRN's attention scaling)
+    assert_rotary_reads_back(rotary, cos, sin, n, interleaved=False)
+    want = GptOssRotaryEmbedding(transformers.GptOssConfig(**{**hf.to_dict(), "rope_parameters": {
+        **rope, "truncate": rope.get("truncate", True)}}))(torch.zeros(1), torch.arange(n)[None])
+    assert torch.allclose(cos[:n], want[0][0], atol=1e-5) and torch.allclose(sin[:n], want[1][0], atol=1e-5)
 
 
 def assert_rotary_reads_back(rotary, cos, sin, n: int, interleaved: bool) -> None:

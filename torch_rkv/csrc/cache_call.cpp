@@ -115,6 +115,15 @@ CacheCall resolve_cache(const char* op, const at::Tensor& ref, const CacheTensor
   return out;
 }
 
+void attach_sink_logits(const char* op, AttentionCall& call, const std::optional<at::Tensor>& sink_logits) {
+  if (!sink_logits.has_value()) return;
+  check_float_input(op, "sink_logits", *sink_logits);
+  TORCH_CHECK_VALUE(sink_logits->dim() == 1 && sink_logits->size(0) == call.q.size(1), "rkv.", op,
+                    ": sink_logits must have shape (q_heads=", call.q.size(1), ",), got ", sink_logits->sizes());
+  check_same_device(op, call.q, "sink_logits", *sink_logits);
+  call.sink_logits = sink_logits->to(at::kFloat).contiguous();
+}
+
 AttentionCall decode_call(const char* op, const at::Tensor& q, const CacheTensors& c, const CacheIndex& ix,
                           const at::Tensor& lengths, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
                           const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,

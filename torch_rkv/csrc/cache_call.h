@@ -36,7 +36,11 @@ struct AttentionCall {
   at::Tensor q_start;           // (B+1) int64 query_start_loc, or undefined (decode)
   at::Tensor k_fresh, v_fresh;  // the chunk's keys / values (T, Hkv, D), contiguous, or undefined
   int64_t max_query_len = 1;    // query tokens of the longest sequence (decode: 1)
+  at::Tensor sink_logits;             // (Hq,) fp32 learned attention sinks, or undefined (none)
 };
+
+// Checks learned attention sinks (one logit per query head of call.q, on its device) into call.sink_logits.
+void attach_sink_logits(const char* op, AttentionCall& call, const std::optional<at::Tensor>& sink_logits);
 
 // rkv::decode_attention (ix: contiguous) and rkv::paged_decode_attention: q (B, Hq, D).
 AttentionCall decode_call(const char* op, const at::Tensor& q, const CacheTensors& c, const CacheIndex& ix,

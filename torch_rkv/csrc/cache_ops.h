@@ -29,12 +29,15 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_packed, 
                                double scale, int64_t split_tokens, int64_t sliding_window, double softcap,
                                const std::optional<at::Tensor>& k_levels, const std::optional<at::Tensor>& v_levels,
                                const std::optional<at::Tensor>& k_outliers,
-                               const std::optional<at::Tensor>& v_outliers) {
+                               const std::optional<at::Tensor>& v_outliers,
+                               const std::optional<at::Tensor>& sink_logits) {
   const CacheTensors c{k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                        &k_levels, &v_levels, &k_outliers, &v_outliers};
-  AttentionCall call = decode_call("decode_attention", q, c, CacheIndex{}, lengths, k_bits, v_bits, block, recent,
+  const char* op = "decode_attention";
+  AttentionCall call = decode_call(op, q, c, CacheIndex{}, lengths, k_bits, v_bits, block, recent,
                                    rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens,
                                    sliding_window, softcap);
+  attach_sink_logits(op, call, sink_logits);
   return decode_output(Run(call), v_signs, q.scalar_type());
 }
 
@@ -53,13 +56,16 @@ at::Tensor paged_decode_attention_op(const at::Tensor& q, const at::Tensor& k_co
                                      const std::optional<at::Tensor>& k_levels,
                                      const std::optional<at::Tensor>& v_levels,
                                      const std::optional<at::Tensor>& k_outliers,
-                                     const std::optional<at::Tensor>& v_outliers) {
+                                     const std::optional<at::Tensor>& v_outliers,
+                                     const std::optional<at::Tensor>& sink_logits) {
   const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                        &k_levels, &v_levels, &k_outliers, &v_outliers};
   const CacheIndex ix{&block_tables, &side_slots, true};
-  AttentionCall call = decode_call("paged_decode_attention", q, c, ix, lengths, k_bits, v_bits, block, recent,
+  const char* op = "paged_decode_attention";
+  AttentionCall call = decode_call(op, q, c, ix, lengths, k_bits, v_bits, block, recent,
                                    rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens,
                                    sliding_window, softcap);
+  attach_sink_logits(op, call, sink_logits);
   return decode_output(Run(call), v_signs, q.scalar_type());
 }
 
@@ -75,13 +81,15 @@ at::Tensor paged_prefill_attention_op(
     const std::optional<at::Tensor>& rope_sin, bool rope_interleaved, const std::optional<at::Tensor>& k_signs,
     const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens, int64_t sliding_window,
     double softcap, const std::optional<at::Tensor>& k_levels, const std::optional<at::Tensor>& v_levels,
-    const std::optional<at::Tensor>& k_outliers, const std::optional<at::Tensor>& v_outliers) {
+    const std::optional<at::Tensor>& k_outliers, const std::optional<at::Tensor>& v_outliers,
+    const std::optional<at::Tensor>& sink_logits) {
   const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                        &k_levels, &v_levels, &k_outliers, &v_outliers};
   const CacheIndex ix{&block_tables, &side_slots, true};
   AttentionCall call = prefill_call(q, k_new, v_new, query_start_loc, max_query_len, c, ix, lengths, k_bits, v_bits,
                                     block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale,
                                     split_tokens, sliding_window, softcap);
+  attach_sink_logits("paged_prefill_attention", call, sink_logits);
   return decode_output(Run(call), v_signs, q.scalar_type());
 }
 

@@ -114,14 +114,16 @@ TORCH_LIBRARY(rkv, m) {
   // rope_cos/rope_sin: keys are stored pre-RoPE; k_signs / v_signs: keys / values are stored
   // Hadamard-rotated. sliding_window > 0: each query sees only the newest sliding_window keys, and the
   // contiguous cache is a ring (cache_append with the same window); softcap > 0: Gemma 2's
-  // softcap * tanh(score / softcap) on the scaled scores. The paged attention ops take both the same way.
+  // softcap * tanh(score / softcap) on the scaled scores; sink_logits (Hq,): learned attention sinks (GPT-OSS), a
+  // logit per query head that joins every softmax with no value. The paged attention ops take them the
+  // same way.
   m.def(
       "decode_attention(Tensor q, Tensor k_packed, Tensor k_scale, Tensor? k_zero, Tensor v_packed, "
       "Tensor v_scale, Tensor? v_zero, Tensor k_window, Tensor v_window, Tensor k_sink, Tensor v_sink, "
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
       "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens, "
       "SymInt sliding_window=0, float softcap=0.0, Tensor? k_levels=None, Tensor? v_levels=None, "
-      "Tensor? k_outliers=None, Tensor? v_outliers=None) -> Tensor");
+      "Tensor? k_outliers=None, Tensor? v_outliers=None, Tensor? sink_logits=None) -> Tensor");
   // Appends k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens of the contiguous
   // layout, in place: completed blocks are quantized into the packed rows and metadata, other new tokens
   // go to the sinks or the window ring (reference.cache_append). Writes only the buffers marked (x!);
@@ -158,7 +160,8 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor? block_tables, Tensor? side_slots, Tensor lengths, int k_bits, int v_bits, SymInt block, "
       "SymInt recent, Tensor? rope_cos, Tensor? rope_sin, bool rope_interleaved, Tensor? k_signs, "
       "Tensor? v_signs, float scale, SymInt split_tokens, SymInt sliding_window=0, float softcap=0.0, "
-      "Tensor? k_levels=None, Tensor? v_levels=None, Tensor? k_outliers=None, Tensor? v_outliers=None) -> Tensor");
+      "Tensor? k_levels=None, Tensor? v_levels=None, Tensor? k_outliers=None, Tensor? v_outliers=None, "
+      "Tensor? sink_logits=None) -> Tensor");
   // A chunk of new tokens per sequence, q (T, Hq, D) with query_start_loc (B+1) and their keys / values
   // k_new / v_new (T, Hkv, D) in the storage space: causal attention over the lengths[b] cached tokens
   // as stored and the chunk itself in full precision (reference.paged_prefill_attention). Runs before
@@ -170,7 +173,7 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
       "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens, "
       "SymInt sliding_window=0, float softcap=0.0, Tensor? k_levels=None, Tensor? v_levels=None, "
-      "Tensor? k_outliers=None, Tensor? v_outliers=None) -> Tensor");
+      "Tensor? k_outliers=None, Tensor? v_outliers=None, Tensor? sink_logits=None) -> Tensor");
   // Copies pages src_pages[i] -> dst_pages[i] (codes, metadata, page_fill) and side slots src_slots[j] ->
   // dst_slots[j] (sinks, window) in place: a fork's open page and side rows (reference.paged_copy).
   m.def(

@@ -8,7 +8,8 @@ use_sliding_window), Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the n
 (v0.1's sliding window too), Phi-3-style models (fused qkv, LongRoPE), Gemma 2
 (sliding layers interleaved with global ones, attention-logit soft-capping, query_pre_attn_scalar) and
 Gemma 3 (a local and a global RoPE table), GPT-NeoX / Pythia, Phi-2 and StableLM (partial rotary),
-GPT-J (interleaved pairs), Cohere / Command R (interleaved pairs from a cos/sin table), layers without
+GPT-J (interleaved pairs), Cohere / Command R (interleaved pairs from a cos/sin table), GPT-OSS (learned
+attention sinks, a table of each frequency once, sliding layers), layers without
 RoPE beside rotated ones (SmolLM3's no_rope_layers, Cohere 2's and EXAONE 4's global layers: NO_ROPE);
 RoPE whose table changes with the sequence length (dynamic NTK, Phi-3's LongRoPE) in the cache
 (RKVCache re-reads the table every forward: length_dependent), not in the report's simulations. Also
@@ -27,6 +28,7 @@ from torch import nn
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rope_type prefixes whose table changes with the length
 _INTERLEAVED = ("gptj",)  # pairs (2j, 2j + 1) from a fixed [sin | cos] table (embed_positions)
 _INTERLEAVED_TABLES = ("cohere", "cohere2")  # pairs (2j, 2j + 1) from cos/sin with each frequency repeated
+_HALF_TABLES = ("gpt_oss",)  # rotate-half pairs (j, j + D/2) from cos/sin holding each frequency once
 NO_ROPE = "no_rope"  # the rope type of a layer that rotates nothing (NoPE): its table is the identity
 
 
@@ -49,6 +51,7 @@ class ModelAttention:
     rope_types: tuple = ()
     softcap: float = 0.0  # attention-logit soft-capping (Gemma 2; 0: none)
     length_dependent: bool = False  # the rotary module picks its frequencies by the sequence length
+    learned_sinks: bool = False  # learned attention sinks (GPT-OSS: a logit per query head in every softmax)
 
 
 def text_config(model):
@@ -71,7 +74,8 @@ def uses_sliding_window(layer_types, sliding_window, use_sliding_window=True) ->
 # families whose masks follow their config's layer_types alone (each module names its window by its layer's
 # type): there a config window with no "sliding_attention" type masks nothing. (Mistral v0.1 and Phi-3
 # mask every layer by the config's window.)
-WINDOWS_BY_LAYER_TYPE = ("gemma2", "gemma3", "gemma3_text", "qwen2", "qwen3", "smollm3", "cohere2", "exaone4")
+WINDOWS_BY_LAYER_TYPE = ("gemma2", "gemma3", "gemma3_text", "qwen2", "qwen3", "smollm3", "cohere2", "exaone4",
+                         "exaone_moe", "dots1", "gpt_oss")
 
 
 def sliding_by_layer_type(model_type: str, layer_types) -> bool:
@@ -96,9 +100,16 @@ def applies_rope(model_type: str, module: nn.Module) -> bool:
         return bool(module.use_rope)
     if model_type == "cohere2":  # Command R7B / A: the sliding layers rotate, the global ones are NoPE
         return module.sliding_window is not None
-    if model_type == "exaone4":  # EXAONE 4: likewise, in a config with a sliding window
+    if model_type in ("exaone4", "exaone_moe"):  # EXAONE 4 (and its MoE): likewise, in a config with a window
         return module.sliding_window is None or module.is_sliding
     return True
+
+
+def sink_parameter(module: nn.Module):
+    """A layer's learned attention sinks (GPT-OSS's `sinks`, one logit per query head that joins every
+    softmax with no value; its attention function receives them as s_aux), or None."""
+    sinks = getattr(module, "sinks", None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
 
 
 def _refuse(model_type: str, feature: str) -> None:
@@ -116,7 +127,17 @@ def inspect(model) -> ModelAttention:
         _refuse(kind, "ALiBi position bias")
     if getattr(cfg, "attention_chunk_size", None) or "chunked_attention" in (getattr(cfg, "layer_types", None) or []):
         _refuse(kind, "chunked local attention (attention_chunk_size)")
+    other = sorted(set(getattr(cfg, "layer_types", None) or []) - {"full_attention", "sliding_attention"})
+    if other:  # (Falcon-H1's "hybrid", Qwen3-Next's and the Mamba hybrids' "linear_attention", ...)
+        _refuse(kind, f"layers of type {other} (hybrid models: Mamba and linear-attention layers keep a recurrent "
+                      "state, not a KV cache)")
+    if getattr(cfg, "kv_lora_rank", None):  # (keys of two parts, a RoPE part shared by the heads)
+        _refuse(kind, "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3-style MLA)")
+    if kind == "doge":  # (its mask is computed from the values: the fused kernels attend causally)
+        _refuse(kind, "dynamic mask attention (Doge's learned, input-dependent attention mask)")
     modules = attention_modules(model)
+    if any(getattr(m, "is_kv_shared_layer", False) for m in modules):  # (a shared layer attends over another
+        _refuse(kind, "KV cache sharing between layers (Gemma 3n's num_kv_shared_layers)")  # layer's keys)
     if [getattr(m, "layer_idx", None) for m in modules] != list(range(cfg.num_hidden_layers)):
         _refuse(kind, "a model whose attention modules are not one self-attention per layer (none found, "
                       "cross-attention layers, or no layer_idx)")
@@ -156,7 +177,8 @@ def inspect(model) -> ModelAttention:
                           interleaved=kind in _INTERLEAVED + _INTERLEAVED_TABLES,
                           modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),
                           softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
-                          length_dependent=length_dependent)
+                          length_dependent=length_dependent,
+                          learned_sinks=any(sink_parameter(m) is not None for m in modules))
 
 
 def rope_tables(model, positions: int, device=None, rope_type=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +219,10 @@ def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_ty
     if not (isinstance(out, tuple) and len(out) == 2):  # (Llama 4's complex freqs_cis, ...)
         _refuse(att.model_type, f"a rotary module that does not return (cos, sin) ({type(rotary).__name__})")
     cos, sin = out[0][0].float(), out[1][0].float()
+    if att.model_type in _HALF_TABLES:  # GPT-OSS: the table is the pairs' already, over the whole head
+        if 2 * cos.shape[-1] != att.head_dim:
+            _refuse(att.model_type, f"a rotary table of {2 * cos.shape[-1]} channels for head_dim {att.head_dim}")
+        return cos.contiguous().to(device), sin.contiguous().to(device)
     half = cos.shape[-1] // 2
     if att.interleaved:  # Cohere: pair j's frequency at channels 2j and 2j + 1
         first, second, what = slice(0, None, 2), slice(1, None, 2), "a rotary table whose pairs differ"

@@ -8,13 +8,15 @@ Prefill runs the model's ordinary (SDPA) attention on the fresh keys and values 
 into the quantized cache; every decode step (one new token) runs rkv::decode_attention on the quantized
 cache, and every later chunk of several tokens (a second turn, chunked prefill, speculative
 verification) rkv::paged_prefill_attention: the cache as stored, the chunk itself in full precision
-(soft-capped models take that path for the prefill too: SDPA cannot cap). Sliding-window layers keep a
+(soft-capped models and those with learned attention sinks take that path for the prefill too: SDPA can
+apply neither). Sliding-window layers keep a
 ring of their window (QuantizedKVCache(sliding_window=)). Pre-RoPE storage needs no model change: keys
 arrive post-RoPE, the cache undoes the rotation
 with a table built from the model's own rotary module (so its RoPE scaling variant matches) and the
 kernel re-applies it. The model families of integrations/models.py (Llama, Qwen2/3, Mistral, Phi-3,
-GPT-NeoX, Phi-2, StableLM, GPT-J, Gemma 2 and 3, Cohere 1 and 2, SmolLM3, EXAONE 4, Granite, OLMo 2: GQA,
-partial and interleaved rotary, sliding windows, soft-capping, per-layer RoPE tables, layers without RoPE);
+GPT-NeoX, Phi-2, StableLM, GPT-J, Gemma 2 and 3, Cohere 1 and 2, SmolLM3, EXAONE 4, Granite, OLMo 2, GPT-OSS:
+GQA, partial and interleaved rotary, sliding windows, soft-capping, learned attention sinks, per-layer RoPE
+tables, layers without RoPE);
 transformers 5.x (tested with 5.25). Not supported, each an error
 on every device (a device-side check, no host sync per step): left-padded batches and position offsets;
 also the model features models.py names and beam-search cropping. A RoPE whose table changes with the
@@ -60,8 +62,9 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
     """The "rkv" attention: the fused kernels for a step the cache marked (a decode token, or a chunk
     after the prefill), SDPA otherwise (the prefill itself, on its fresh keys and values)."""
     layer = getattr(key, "_rkv_layer", None)
-    if layer is None and kwargs.get("softcap"):
-        return _capped_attention(query, key, value, attention_mask, scaling, kwargs["softcap"])
+    sink_logits = kwargs.pop("s_aux", None)  # learned attention sinks (GPT-OSS), (Hq,)
+    if layer is None and (kwargs.get("softcap") or sink_logits is not None):
+        return _eager_attention(query, key, value, attention_mask, scaling, kwargs.get("softcap") or 0.0, sink_logits)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -73,6 +76,11 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
         if (got or 0) != want:
             raise ValueError(f"torch_rkv: layer {getattr(module, 'layer_idx', '?')}'s attention asks for {name}={got}, "
                              f"but its cache was built for {want} (from the model's config)")
+    if (sink_logits is not None) != layer.learned_sinks:
+        raise ValueError(f"torch_rkv: layer {getattr(module, 'layer_idx', '?')}'s attention "
+                         f"{'passes' if sink_logits is not None else 'does not pass'} learned attention sinks "
+                         "(s_aux), but "
+                         f"its cache was built for a model {'with' if layer.learned_sinks else 'without'} them")
     if attention_mask is not None:  # checked on the mask's device: no host sync per step
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         n = allowed.shape[-1]  # cached + new tokens
@@ -83,24 +91,31 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
                             "causally to every cached token (of its sliding window); padded batches (an attention "
                             "mask with masked positions) are not supported")
     if chunk is not None:  # several new tokens over the cache: rkv::paged_prefill_attention, then the append
-        out = layer.cache.prefill(layer.index, query, *chunk, scale=scaling)  # (B, Hq, m, D)
+        out = layer.cache.prefill(layer.index, query, *chunk, scale=scaling, sink_logits=sink_logits)  # (B, Hq, m, D)
         return out.transpose(1, 2).to(query.dtype), None
-    out = layer.cache.attend(layer.index, query[:, :, 0], scale=scaling)  # (B, Hq, D)
+    out = layer.cache.attend(layer.index, query[:, :, 0], scale=scaling, sink_logits=sink_logits)  # (B, Hq, D)
     return out[:, None].to(query.dtype), None  # (B, 1, Hq, D)
 
 
-def _capped_attention(query, key, value, attention_mask, scaling, softcap):
-    """Attention with soft-capped scores, for a forward without the cache (SDPA cannot cap): Gemma 2's
-    own eager computation, (B, m, Hq, D)."""
+def _eager_attention(query, key, value, attention_mask, scaling, softcap=0.0, sink_logits=None):
+    """Attention that SDPA cannot run, for a forward without the cache: soft-capped scores (Gemma 2) and
+    learned attention sinks (GPT-OSS: one more logit per query head, dropped after the softmax), as the
+    families' own eager computations, (B, m, Hq, D)."""
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    scores = softcap * torch.tanh(query @ key.transpose(-1, -2) * scaling / softcap)
+    scores = query @ key.transpose(-1, -2) * scaling
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if attention_mask is None:  # the mask function left a purely causal mask to SDPA's is_causal
         m, n = query.shape[-2], key.shape[-2]
         attention_mask = torch.ones(m, n, dtype=torch.bool, device=query.device).tril(n - m)
     mask = attention_mask[..., : key.shape[-2]]
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    if sink_logits is not None:
+        sink = sink_logits.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(query.dtype)
+    else:
+        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
     return (probs @ value).transpose(1, 2).contiguous(), probs
 
 
@@ -118,11 +133,12 @@ class RKVLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, cache: QuantizedKVCache, index: int, window: int = 0):
+    def __init__(self, cache: QuantizedKVCache, index: int, window: int = 0, learned_sinks: bool = False):
         super().__init__()
         self.cache = cache
         self.index = index
         self.window = window  # the model's sliding window for this layer (the cache's, or one it never reaches)
+        self.learned_sinks = learned_sinks  # the model has learned attention sinks, which SDPA cannot apply
         self.pending = False  # a step awaits the fused attention
         self.chunk = None  # the keys / values of a chunk it appends after attending
         self.is_initialized = True
@@ -143,8 +159,9 @@ class RKVLayer(CacheLayerMixin):
             self.pending = True
             return key, value_states
         n_before = self.cache.seq_length(self.index)  # a host read per chunk of several tokens, never per step
-        if n_before == 0 and self.cache.softcap == 0:  # prefill: ordinary attention on the fresh keys and values
-            # (SDPA cannot soft-cap: then the fused prefill runs over the empty cache, as for a later chunk)
+        if n_before == 0 and self.cache.softcap == 0 and not self.learned_sinks:  # prefill: SDPA on the fresh keys and
+            # values (SDPA cannot soft-cap nor add sinks: then the fused prefill runs over the empty cache, as for
+            # a later chunk)
             self.cache.append(self.index, key_states, value_states)
             return key_states, value_states
         # a later chunk (a second turn, chunked prefill, speculative verification): the attention reads the
@@ -227,7 +244,7 @@ class RKVCache(Cache):
                                      sliding_window=window, softcap=att.softcap, model_layers=ids)
             self.caches.append(cache)
             for j, i in enumerate(ids):
-                layers[i] = RKVLayer(cache, j, att.windows[i])
+                layers[i] = RKVLayer(cache, j, att.windows[i], att.learned_sinks)
         super().__init__(layers=layers)
         # a length-dependent RoPE (dynamic NTK, LongRoPE): the pre-RoPE caches follow the table the model's
         # rotary module chose for this forward (update)

@@ -92,6 +92,10 @@ class RKVAttentionBackend(AttentionBackend):
     def supports_sliding_window(cls) -> bool:
         return True  # the paged ops take sliding_window; vLLM frees the pages before the window
 
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True  # learned attention sinks (GPT-OSS): the paged attention ops take them
+
     scheme: ClassVar[Scheme | None] = None  # the layer's, on layer_backend's classes (an allocation's rows)
 
     @classmethod
@@ -292,7 +296,6 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         for feature, present in (("ALiBi", alibi_slopes is not None),
-                                 ("learned attention sinks", sinks is not None),
                                  ("KV cache sharing between layers", kv_sharing_target_layer_name),
                                  (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it 'auto')",
                                   kv_cache_dtype != "auto"),
@@ -303,6 +306,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.scheme.check_head_dim(head_size)
         self.sliding_window = int(sliding_window or 0)  # each query sees the newest sliding_window keys
         self.softcap = float(logits_soft_cap or 0.0)  # Gemma 2's attention-logit soft-capping
+        self.sink_logits = sinks  # GPT-OSS's learned attention sinks (Hq,): the model's parameter, loaded later
         config = get_current_vllm_config()
         self.vllm_config = config
         self.rope_cos = self.rope_sin = None
@@ -410,6 +414,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         common = (md.block_tables, md.side_slots)
         attend = (s.k_bits, s.v_bits, s.block, s.recent, cos, sin, self.rope_interleaved, k_signs, v_signs, self.scale,
                   0, self.sliding_window, self.softcap)
+        sink_logits = {"sink_logits": self.sink_logits}  # (the attention's alone: the append stores no sinks)
 
         def append():
             paged_append(*cache, None, *common, md.lengths, md.query_start_loc, k, v, s.k_bits, s.v_bits, s.block,
@@ -417,10 +422,10 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 
         if md.decode:  # one new token a request and every older token read where it was (append_keeps_reads):
             append()  # appended first, it is read from the window by the decode kernel (faster for one query)
-            out = paged_decode_attention(query[:t], *cache, *common, md.seq_lens, *attend, **kw)
+            out = paged_decode_attention(query[:t], *cache, *common, md.seq_lens, *attend, **kw, **sink_logits)
         else:  # the new tokens see the cache as stored and themselves in full precision, then are appended
             out = paged_prefill_attention(query[:t], k, v, md.query_start_loc, md.max_query_len, *cache, *common,
-                                          md.lengths, *attend, **kw)
+                                          md.lengths, *attend, **kw, **sink_logits)
             append()
         output[:t].copy_(out.view_as(output[:t]))
         return output
@@ -461,11 +466,12 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 # per layer type (its rope_parameters keyed by "sliding_attention" / "full_attention"); Cohere 2's and
 # EXAONE 4's global layers none (vllm_applies_rope), nor SmolLM3's no_rope_layers (vLLM runs SmolLM3 through
 # its transformers backend: transformers' rotary, the same table); Granite with one RoPE base (granite.py
-# takes a base per layer from layer_rope_theta, refused). The MoE families have their dense family's
-# attention.
+# takes a base per layer from layer_rope_theta, refused); GPT-OSS with the YaRN fields its model passes, in
+# float32. The MoE families have their dense family's attention.
 # Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name.
 PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
-                   "gemma", "gemma2", "gemma3_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3", "granite")
+                   "gemma", "gemma2", "gemma3_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3", "granite",
+                   "gpt_oss")
 INTERLEAVED_MODELS = ("gptj", "cohere", "cohere2")
 
 
@@ -517,13 +523,21 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
                                   "table with the length; a post-RoPE scheme serves it")
     if kind == "gptj":  # (vllm/model_executor/models/gpt_j.py)
         params["partial_rotary_factor"] = hf.rotary_dim / head_size
+    dtype = None  # (get_rope's default: the model's dtype)
+    if kind == "gpt_oss":  # (vllm/model_executor/models/gpt_oss.py: these YaRN fields alone, a float32 table)
+        params = {"rope_theta": params["rope_theta"], "rope_type": "yarn", "factor": params["factor"],
+                  "original_max_position_embeddings": params["original_max_position_embeddings"],
+                  "beta_fast": params["beta_fast"], "beta_slow": params["beta_slow"],
+                  "truncate": params.get("truncate", True)}
+        rope_type, dtype = "yarn", torch.float32
     max_pos = max(max_len, getattr(hf, "max_position_embeddings", max_len))
     if rope_type.startswith(LENGTH_DEPENDENT_ROPE):
         # vLLM fixes these tables for the engine's life (dynamic NTK: scaled for max_position; LongRoPE: the
         # long factors when max_model_len exceeds original_max_position_embeddings, for every position), and
         # their values depend on max_position: build them with the model's own (its max_position_embeddings)
         max_pos = getattr(hf, "max_position_embeddings", None) or max_pos
-    rotary = get_rope(head_size, max_position=max_pos, rope_parameters=params or None, is_neox_style=not interleaved)
+    rotary = get_rope(head_size, max_position=max_pos, rope_parameters=params or None, is_neox_style=not interleaved,
+                      dtype=dtype)
     if rope_type == "longrope":  # (vllm/model_executor/layers/rotary_embedding/phi3_long_rope_scaled_rope.py)
         short = rotary.original_max_position_embeddings  # [short table | long table], the long one from here
         table = rotary.long_short_cos_sin_cache  # (the model's own module: get_rope caches it by its arguments)

@@ -323,6 +323,17 @@ def paged_prefill_attention(q, k_new, v_new, qsl, max_query_len, k_codes, v_code
     attention_extras(op, rope_cos, rope_sin, k_signs)
 
 
+def sink_logits(op: str, q: torch.Tensor, sink_logits) -> None:
+    """Learned attention sinks: None, or one float logit per query head (Hq,) on q's device (cache_call.cpp
+    attach_sink_logits)."""
+    if sink_logits is None:
+        return
+    float_input(op, "sink_logits", sink_logits)
+    value(sink_logits.dim() == 1 and sink_logits.shape[0] == q.shape[1], op,
+          f"sink_logits must have shape (q_heads={q.shape[1]},), got {list(sink_logits.shape)}")
+    same_device(op, q, "sink_logits", sink_logits)
+
+
 def window_and_cap(op: str, sliding_window, softcap, packed_rows=None, block=1, append_tokens=None) -> None:
     """sliding_window >= 0 and softcap finite >= 0 (0: none); packed_rows: a contiguous cache, which a
     sliding window makes a ring of at least ring_rows packed rows; append_tokens: the tokens cache_append

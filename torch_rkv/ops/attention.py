@@ -49,6 +49,7 @@ def decode_attention(
     v_levels: Optional[torch.Tensor] = None,
     k_outliers: Optional[torch.Tensor] = None,
     v_outliers: Optional[torch.Tensor] = None,
+    sink_logits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention output (B, Hq, D) in q's dtype.
 
@@ -63,25 +64,29 @@ def decode_attention(
     scores (scaled) become softcap * tanh(score / softcap), Gemma 2's soft-capping. k_levels / v_levels:
     each side's non-uniform code values (quantize's levels; asymmetric sides), None: the uniform grid.
     k_outliers / v_outliers: each side's sparse-outlier entries (cache_append writes them), None: none.
+    sink_logits (Hq,) float: learned attention sinks (GPT-OSS), one logit per query head that joins every
+    softmax with no value (it takes probability mass from the keys), in the units of the scaled scores;
+    None: none. The paged attention ops take it the same way.
     """
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.rkv.decode_attention.default(
         q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink, lengths,
         k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, s, split_tokens,
-        sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers)
+        sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits)
 
 
 @torch.library.register_fake("rkv::decode_attention")
 def _decode_attention_fake(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink,
                            v_sink, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved,
                            k_signs, v_signs, scale, split_tokens, sliding_window=0, softcap=0.0, k_levels=None,
-                           v_levels=None, k_outliers=None, v_outliers=None):
+                           v_levels=None, k_outliers=None, v_outliers=None, sink_logits=None):
     _validate.decode_attention(q, k_packed, v_packed, k_window, lengths, k_bits, v_bits, block, recent,
                                rope_cos, rope_sin, k_signs)
     _validate.window_and_cap("decode_attention", sliding_window, softcap, k_packed.shape[2], block)
     _validate.cache_levels("decode_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.cache_strides("decode_attention", False, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero)
     _validate.cache_outliers("decode_attention", q, k_packed, v_packed, k_outliers, v_outliers, block, q.shape[-1])
+    _validate.sink_logits("decode_attention", q, sink_logits)
     _validate.devices("decode_attention", q, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, lengths=lengths, rope_cos=rope_cos, rope_sin=rope_sin, k_signs=k_signs,

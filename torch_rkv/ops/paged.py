@@ -66,24 +66,26 @@ def paged_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
                            k_levels: Optional[torch.Tensor] = None,
                            v_levels: Optional[torch.Tensor] = None,
                            k_outliers: Optional[torch.Tensor] = None,
-                           v_outliers: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           v_outliers: Optional[torch.Tensor] = None,
+                           sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention (B, Hq, D) of each sequence's newest query q (B, Hq, D) over its lengths[b] cached
     tokens (the newest appended): GQA/MQA, pre-RoPE keys rotated in the kernel (rope_cos/rope_sin),
     Hadamard spaces (k_signs / v_signs), sinks and window, split-K (split_tokens, 0: chosen).
-    sliding_window / softcap / k_levels / v_levels: as decode_attention's (pages before the window are never
-    read)."""
+    sliding_window / softcap / k_levels / v_levels / sink_logits: as decode_attention's (pages before the window are
+    never read)."""
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.rkv.paged_decode_attention.default(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables,
         side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, s,
-        split_tokens, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers)
+        split_tokens, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits)
 
 
 @torch.library.register_fake("rkv::paged_decode_attention")
 def _paged_decode_attention_fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
                                  v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
                                  rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens, sliding_window=0,
-                                 softcap=0.0, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None):
+                                 softcap=0.0, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None,
+                                 sink_logits=None):
     _validate.decode_attention(q, k_codes, v_codes, k_window, lengths, k_bits, v_bits, block, recent, rope_cos,
                                rope_sin, k_signs, block_tables, side_slots, op="paged_decode_attention")
     _validate.window_and_cap("paged_decode_attention", sliding_window, softcap,
@@ -91,6 +93,7 @@ def _paged_decode_attention_fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, 
     _validate.cache_levels("paged_decode_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.cache_strides("paged_decode_attention", True, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _validate.cache_outliers("paged_decode_attention", q, k_codes, v_codes, k_outliers, v_outliers, block, q.shape[-1])
+    _validate.sink_logits("paged_decode_attention", q, sink_logits)
     _validate.devices("paged_decode_attention", q, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, block_tables=block_tables, side_slots=side_slots, lengths=lengths,
@@ -109,18 +112,19 @@ def paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len: int
                             k_levels: Optional[torch.Tensor] = None,
                             v_levels: Optional[torch.Tensor] = None,
                             k_outliers: Optional[torch.Tensor] = None,
-                            v_outliers: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            v_outliers: Optional[torch.Tensor] = None,
+                            sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention (T, Hq, D) of a chunk of new tokens per sequence: q (T, Hq, D) and their keys
     and values k_new / v_new (T, Hkv, D) in the storage space, rows query_start_loc[b].. for sequence b,
     over its lengths[b] cached tokens as stored and the chunk itself in full precision. Call it before
     appending the chunk. max_query_len: the longest chunk. Rows past query_start_loc[B] get zeros.
-    sliding_window / softcap / k_levels / v_levels: as decode_attention's, per query row."""
+    sliding_window / softcap / k_levels / v_levels / sink_logits: as decode_attention's, per query row."""
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.rkv.paged_prefill_attention.default(
         q, k_new, v_new, query_start_loc, max_query_len, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window,
         v_window, k_sink, v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
         rope_sin, rope_interleaved, k_signs, v_signs, s, split_tokens, sliding_window, softcap, k_levels, v_levels,
-        k_outliers, v_outliers)
+        k_outliers, v_outliers, sink_logits)
 
 
 @torch.library.register_fake("rkv::paged_prefill_attention")
@@ -128,7 +132,7 @@ def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_le
                                   v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables, side_slots,
                                   lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved,
                                   k_signs, v_signs, scale, split_tokens, sliding_window=0, softcap=0.0, k_levels=None,
-                                  v_levels=None, k_outliers=None, v_outliers=None):
+                                  v_levels=None, k_outliers=None, v_outliers=None, sink_logits=None):
     _validate.paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len, k_codes, v_codes, k_window,
                                       block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
                                       rope_sin, k_signs)
@@ -137,6 +141,7 @@ def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_le
     _validate.cache_levels("paged_prefill_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.cache_strides("paged_prefill_attention", True, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _validate.cache_outliers("paged_prefill_attention", q, k_codes, v_codes, k_outliers, v_outliers, block, q.shape[-1])
+    _validate.sink_logits("paged_prefill_attention", q, sink_logits)
     _validate.devices("paged_prefill_attention", q, k_new=k_new, v_new=v_new, query_start_loc=query_start_loc,
                       k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale,
                       v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink, v_sink=v_sink,

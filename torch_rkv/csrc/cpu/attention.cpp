@@ -78,7 +78,7 @@ void merge_splits(const AttentionArgs& a, int64_t rows, int64_t total_rows, floa
         for (int64_t c = 0; c < D; ++c) o[c] = o[c] * fa + acc[c] * fb;
         total = merged;
       }
-      const float inv = total.l > 0.0f ? 1.0f / total.l : 0.0f;  // no cached token: zero output
+      const float inv = softmax_normalizer(total, a.sink_logit(r));
 #pragma omp simd
       for (int64_t c = 0; c < D; ++c) o[c] *= inv;
     }
@@ -130,6 +130,7 @@ at::Tensor run_attention(AttentionCall& call) {
   a.v_fresh = prefill ? call.v_fresh.const_data_ptr() : nullptr;
   a.cos = call.cos.defined() ? call.cos.const_data_ptr<float>() : nullptr;
   a.sin = call.sin.defined() ? call.sin.const_data_ptr<float>() : nullptr;
+  a.sink_logits = call.sink_logits.defined() ? call.sink_logits.const_data_ptr<float>() : nullptr;
   a.splits = std::max<int64_t>(1, (max_total + g.split_tokens - 1) / g.split_tokens);
   const int64_t query_tokens = call.q.size(0), rows = prefill ? (g.batch ? q_start[g.batch] : 0) : g.batch;
   at::Tensor out = at::empty({query_tokens, g.q_heads, g.dim}, call.q.options());

@@ -422,7 +422,7 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
       if (fold_values)
         for (int64_t c = 0; c < D; ++c) ar[c] += zsum[r * VG + c / g.v_group];
       if (a.out != nullptr) {
-        const float inv = ml[2 * r + 1] > 0.0f ? 1.0f / ml[2 * r + 1] : 0.0f;  // no cached token: zeros
+        const float inv = softmax_normalizer(SoftmaxPartial{ml[2 * r], ml[2 * r + 1]}, a.sink_logit(out_row(r)));
         float* o = a.out + out_row(r) * D;
         for (int64_t c = 0; c < D; ++c) o[c] = ar[c] * inv;
       } else {

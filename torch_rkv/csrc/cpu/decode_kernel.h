@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "rkv/attention.h"
 #include "rkv/geometry.h"
 #include "rkv/paging.h"
 
@@ -53,8 +54,10 @@ struct AttentionArgs {
   float* part_ml;        // (query tokens, Hq, splits, 2): max, sum
   float* part_acc;       // (query tokens, Hq, splits, D)
   float* out = nullptr;  // (query tokens, Hq, D): with one split, the items write the outputs themselves
+  const float* sink_logits = nullptr;  // (Hq,) learned attention sinks, or nullptr (none)
   int64_t splits;
   int64_t rows() const { return g.group_size() * q_block; }  // query rows per work item
+  float sink_logit(int64_t row) const { return row_sink_logit(sink_logits, row, g.q_heads); }  // of output row `row`
 };
 
 // One thread's scratch, carved from one float buffer of `total` floats.

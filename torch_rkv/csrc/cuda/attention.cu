@@ -253,9 +253,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// out (rows, D): the splits of each query row merged in split order.
+// out (rows, D): the splits of each query row merged in split order; sink_logits (Hq,): learned attention sinks
+// of the rows' query heads, or nullptr.
 __global__ void merge_splits_kernel(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                                    int64_t rows, int64_t splits, int64_t d, float* __restrict__ out) {
+                                    const float* __restrict__ sink_logits, int64_t q_heads, int64_t rows,
+                                    int64_t splits, int64_t d, float* __restrict__ out) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
       SoftmaxPartial total{-INFINITY, 0.0f};
@@ -269,7 +271,7 @@ __global__ void merge_splits_kernel(const float* __restrict__ part_ml, const flo
         total = merged;
       }
       // no cached token: zero output; a NaN sum (NaN in a full-precision key) stays NaN, as on the CPU
-      out[r * d + c] = o * (total.l > 0.0f ? 1.0f / total.l : 0.0f);
+      out[r * d + c] = o * softmax_normalizer(total, row_sink_logit(sink_logits, r, q_heads));
     }
   }
 }
@@ -349,9 +351,10 @@ at::Tensor run_attention(AttentionCall& call) {
     }
   }
   const int64_t rows = query_tokens * g.q_heads;
-  merge_splits_kernel<<<grid_for(rows, 1), 128, 0, stream>>>(part_ml.const_data_ptr<float>(),
-                                                             part_acc.const_data_ptr<float>(), rows, splits, g.dim,
-                                                             out.mutable_data_ptr<float>());
+  merge_splits_kernel<<<grid_for(rows, 1), 128, 0, stream>>>(
+      part_ml.const_data_ptr<float>(), part_acc.const_data_ptr<float>(),
+      call.sink_logits.defined() ? call.sink_logits.const_data_ptr<float>() : nullptr, g.q_heads, rows, splits, g.dim,
+      out.mutable_data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

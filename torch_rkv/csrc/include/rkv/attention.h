@@ -92,4 +92,20 @@ RKV_HD void softmax_merge_factors(SoftmaxPartial a, SoftmaxPartial b, SoftmaxPar
   merged.l = a.l * fa + b.l * fb;
 }
 
+// The factor that normalizes a row's un-normalized output once all its keys are merged (total), with a
+// learned attention sink (GPT-OSS): one more logit in the softmax, with no value, so it only adds to the
+// sum; sink = -inf: none, and then exactly 1 / total.l. out = acc * factor: no cached token gives zeros,
+// and a NaN sum (NaN in a full-precision key) a NaN output through acc.
+RKV_HD float softmax_normalizer(SoftmaxPartial total, float sink) {
+  SoftmaxPartial merged;
+  float fa, fb;
+  softmax_merge_factors(total, SoftmaxPartial{sink, sink == -INFINITY ? 0.0f : 1.0f}, merged, fa, fb);
+  return merged.l > 0.0f ? fa / merged.l : 0.0f;
+}
+
+// The sink logit of output row `row` of (query tokens, Hq) rows: sink_logits (Hq,), or nullptr: -inf (none).
+RKV_HD float row_sink_logit(const float* sink_logits, int64_t row, int64_t q_heads) {
+  return sink_logits != nullptr ? sink_logits[row % q_heads] : -INFINITY;
+}
+
 }  // namespace rkv
