@@ -9,12 +9,15 @@ use_sliding_window), Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the n
 (sliding layers interleaved with global ones, attention-logit soft-capping, query_pre_attn_scalar) and
 Gemma 3 (a local and a global RoPE table), GPT-NeoX / Pythia, Phi-2 and StableLM (partial rotary),
 GPT-J (interleaved pairs), Cohere / Command R (interleaved pairs from a cos/sin table), GPT-OSS (learned
-attention sinks, a table of each frequency once, sliding layers), layers without
-RoPE beside rotated ones (SmolLM3's no_rope_layers, Cohere 2's and EXAONE 4's global layers: NO_ROPE);
-RoPE whose table changes with the sequence length (dynamic NTK, Phi-3's LongRoPE) in the cache
+attention sinks, a table of each frequency once, sliding layers), the decoders of Qwen2-VL and Qwen3-VL
+(M-RoPE in the language model: the cache un-rotates and re-rotates each key by its slot's table, exact
+whatever an image does to the positions), layers without
+RoPE beside rotated ones (SmolLM3's no_rope_layers, Cohere 2's, EXAONE 4's and EXAONE MoE's global layers:
+NO_ROPE); RoPE whose table changes with the sequence length (dynamic NTK, Phi-3's LongRoPE) in the cache
 (RKVCache re-reads the table every forward: length_dependent), not in the report's simulations. Also
-run and tested: Granite, OLMo 2. Not supported: ALiBi, encoder-decoder models, chunked attention
-(Llama 4).
+run and tested: Granite, OLMo 2, dots.llm1. Not supported, each refused by name: ALiBi, encoder-decoder
+models, chunked attention (Llama 4), hybrid layer types (Mamba, linear attention), multi-head latent
+attention, Doge's dynamic mask, KV cache sharing between layers (Gemma 3n).
 """
 
 from __future__ import annotations
@@ -157,7 +160,8 @@ def inspect(model) -> ModelAttention:
                 _refuse(kind, f"layer {m.layer_idx}'s sliding window {m.sliding_window} that differs from its "
                               f"mask's {w}")
     base = getattr(model, "base_model", model)
-    rotary = getattr(base, "rotary_emb", None)
+    # (a vision-language model keeps its decoder's, M-RoPE in Qwen2/2.5/3-VL, in its language model)
+    rotary = getattr(base, "rotary_emb", None) or getattr(getattr(base, "language_model", None), "rotary_emb", None)
     rope_types = [None] * len(modules)
     length_dependent = False
     if rotary is not None:
