@@ -546,6 +546,15 @@ def _cached(cache, block_tables, side_slots, b: int, n: int, k_bits, v_bits, blo
     return keys, values
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Softmax over the last dim of scores, with learned attention sinks (GPT-OSS): one more logit per
+    row, `sinks` broadcast to scores[..., :1], that joins the softmax with no value, so its column is
+    dropped and the probabilities sum to less than 1. sinks None: the plain softmax."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
+
+
 def _attend(qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: torch.Tensor, scale: float,
             window: int = 0, softcap: float = 0.0, first: int = 0, sink_logits: Optional[torch.Tensor] = None):
     """qf (m, Hq, D) query rows over keys / values (Hkv, N, D) of positions first..first+N-1; row i sees
@@ -563,11 +572,8 @@ def _attend(qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: to
     ends = ends.to(qf.device)[:, None]
     visible = (pos < ends) & ((pos >= ends - window) if window > 0 else True)  # (m, N)
     scores = scores.masked_fill(~visible, -math.inf)
-    if sink_logits is not None:
-        sink = sink_logits.float().to(qf.device).reshape(hkv, hq // hkv, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
+    sinks = None if sink_logits is None else sink_logits.float().to(qf.device).reshape(hkv, hq // hkv, 1, 1)
+    probs = softmax_with_sinks(scores, sinks)
     probs = torch.where(visible.any(-1)[:, None], probs, torch.zeros_like(probs))  # no key: 0, not NaN
     out = probs @ values[:, None]  # (Hkv, G, m, D)
     return out.permute(2, 0, 1, 3).reshape(m, hq, d)

@@ -26,7 +26,7 @@ from transformers.masking_utils import sdpa_mask
 
 from .. import outliers, reference
 from ..codebook import fp8_round_trip, gaussian_round_trip
-from ..integrations.models import UnsupportedModelFeature, attention_modules, sink_parameter
+from ..integrations.models import UnsupportedModelFeature, attention_modules, learned_sinks
 from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.quant import dequantize, quantize
 from ..ops.rope import rope
@@ -300,7 +300,7 @@ def install(model, simulation: Optional[Simulation]) -> None:
     AttentionInterface.register(ATTENTION, simulated_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     modules = attention_modules(model)
-    if any(sink_parameter(m) is not None for m in modules):  # (SDPA, the plain path, cannot add them either)
+    if learned_sinks(modules):  # (SDPA, the plain path, cannot add them either)
         raise UnsupportedModelFeature("torch_rkv: learned attention sinks (GPT-OSS) are not supported in the report's "
                                       "simulations (RKVCache and the quantized cache ops serve them)")
     model.set_attn_implementation(ATTENTION)

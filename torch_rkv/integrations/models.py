@@ -108,11 +108,10 @@ def applies_rope(model_type: str, module: nn.Module) -> bool:
     return True
 
 
-def sink_parameter(module: nn.Module):
-    """A layer's learned attention sinks (GPT-OSS's `sinks`, one logit per query head that joins every
-    softmax with no value; its attention function receives them as s_aux), or None."""
-    sinks = getattr(module, "sinks", None)
-    return sinks if isinstance(sinks, torch.Tensor) else None
+def learned_sinks(modules) -> bool:
+    """Whether the attention modules hold learned attention sinks (GPT-OSS's `sinks` parameter, one logit
+    per query head that joins every softmax with no value; its attention function receives them as s_aux)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in modules)
 
 
 def _refuse(model_type: str, feature: str) -> None:
@@ -182,7 +181,7 @@ def inspect(model) -> ModelAttention:
                           modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),
                           softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
                           length_dependent=length_dependent,
-                          learned_sinks=any(sink_parameter(m) is not None for m in modules))
+                          learned_sinks=learned_sinks(modules))
 
 
 def rope_tables(model, positions: int, device=None, rope_type=None) -> tuple[torch.Tensor, torch.Tensor]:

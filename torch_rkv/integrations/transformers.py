@@ -52,6 +52,7 @@ if not TESTED_TRANSFORMERS[0] <= _version < TESTED_TRANSFORMERS[1]:
 
 from ..cache import QuantizedKVCache
 from ..layout import binding_window, max_tokens
+from ..reference import softmax_with_sinks
 from ..scheme import Scheme, per_layer
 from . import models
 
@@ -79,8 +80,8 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if (sink_logits is not None) != layer.learned_sinks:
         raise ValueError(f"torch_rkv: layer {getattr(module, 'layer_idx', '?')}'s attention "
                          f"{'passes' if sink_logits is not None else 'does not pass'} learned attention sinks "
-                         "(s_aux), but "
-                         f"its cache was built for a model {'with' if layer.learned_sinks else 'without'} them")
+                         f"(s_aux), but its cache was built for a model {'with' if layer.learned_sinks else 'without'} "
+                         "them")
     if attention_mask is not None:  # checked on the mask's device: no host sync per step
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         n = allowed.shape[-1]  # cached + new tokens
@@ -111,11 +112,8 @@ def _eager_attention(query, key, value, attention_mask, scaling, softcap=0.0, si
         attention_mask = torch.ones(m, n, dtype=torch.bool, device=query.device).tril(n - m)
     mask = attention_mask[..., : key.shape[-2]]
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    if sink_logits is not None:
-        sink = sink_logits.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(query.dtype)
-    else:
-        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    sinks = None if sink_logits is None else sink_logits.to(scores.dtype).float().reshape(1, -1, 1, 1)
+    probs = softmax_with_sinks(scores.float(), sinks).to(query.dtype)
     return (probs @ value).transpose(1, 2).contiguous(), probs
 
 

@@ -414,7 +414,6 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         common = (md.block_tables, md.side_slots)
         attend = (s.k_bits, s.v_bits, s.block, s.recent, cos, sin, self.rope_interleaved, k_signs, v_signs, self.scale,
                   0, self.sliding_window, self.softcap)
-        sink_logits = {"sink_logits": self.sink_logits}  # (the attention's alone: the append stores no sinks)
 
         def append():
             paged_append(*cache, None, *common, md.lengths, md.query_start_loc, k, v, s.k_bits, s.v_bits, s.block,
@@ -422,10 +421,11 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 
         if md.decode:  # one new token a request and every older token read where it was (append_keeps_reads):
             append()  # appended first, it is read from the window by the decode kernel (faster for one query)
-            out = paged_decode_attention(query[:t], *cache, *common, md.seq_lens, *attend, **kw, **sink_logits)
+            out = paged_decode_attention(query[:t], *cache, *common, md.seq_lens, *attend, **kw,
+                                         sink_logits=self.sink_logits)
         else:  # the new tokens see the cache as stored and themselves in full precision, then are appended
             out = paged_prefill_attention(query[:t], k, v, md.query_start_loc, md.max_query_len, *cache, *common,
-                                          md.lengths, *attend, **kw, **sink_logits)
+                                          md.lengths, *attend, **kw, sink_logits=self.sink_logits)
             append()
         output[:t].copy_(out.view_as(output[:t]))
         return output
