@@ -29,7 +29,8 @@ DEVICES = device_params("decode_attention")
 
 @st.composite
 def attention_cases(draw):
-    d = draw(st.sampled_from([64, 96, 128, 256]))  # 96: the kernel's generic (not unrolled) head dim
+    d = draw(st.sampled_from([64, 96, 128, 256, 512]))  # 96 and 512: the CPU kernel's generic (not unrolled) head
+    # dims; 512 also the CUDA kernel's widest lanes (Gemma 4's global layers)
     kv_heads = draw(st.integers(1, 3))
     ratio = draw(st.sampled_from([1, 3, 4]))
     k_kind = draw(st.sampled_from(["token", "grouped", "channel"]))

@@ -157,6 +157,20 @@ GEMMA3 = {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_h
           "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024}
 
 
+@pytest.mark.parametrize("extra, named", [
+    ({"global_head_dim": 512, "num_global_key_value_heads": 4}, "global_head_dim"),
+    ({"num_kv_shared_layers": 20}, "num_kv_shared_layers"),
+    ({"kv_lora_rank": 512}, "kv_lora_rank")])
+def test_configs_of_layers_of_other_shapes_are_refused_by_name(tmp_path, extra, named):
+    """Gemma 4's global layers (their own head_dim and KV heads), KV sharing and MLA: the planner's one shape
+    per layer would misstate the bytes, so it names the field instead."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_attention_heads": 16, "num_key_value_heads": 8, "hidden_size": 4096,
+                                "head_dim": 256, "num_hidden_layers": 30, **extra}))
+    with pytest.raises(ValueError, match=named):
+        plan.from_config(str(path), None)
+
+
 @pytest.mark.parametrize("extra", [
     {"layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)]},
     {"sliding_window_pattern": 6},

@@ -127,6 +127,14 @@ def from_config(path: str, params: float | None) -> ModelShape:
     with open(path) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
+    # (Gemma 4's global layers, MiMo-V2's values, MLA's latent cache; Gemma 3n / 4's small models, whose last
+    # layers read earlier layers' caches)
+    other = {"global_head_dim": cfg.get("head_dim"), "num_global_key_value_heads": cfg.get("num_key_value_heads"),
+             "v_head_dim": cfg.get("head_dim"), "kv_lora_rank": None, "num_kv_shared_layers": None}
+    for key, same in other.items():
+        if cfg.get(key) and cfg[key] != same:
+            raise ValueError(f"plan: {path} gives some layers' or the values' caches another shape ({key} "
+                             f"{cfg[key]}); the planner counts one cache of KV heads x head_dim per layer")
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     hidden = cfg["hidden_size"]

@@ -13,11 +13,17 @@ attention sinks, a table of each frequency once, sliding layers), the decoders o
 (M-RoPE in the language model: the cache un-rotates and re-rotates each key by its slot's table, exact
 whatever an image does to the positions), layers without
 RoPE beside rotated ones (SmolLM3's no_rope_layers, Cohere 2's, EXAONE 4's and EXAONE MoE's global layers:
-NO_ROPE); RoPE whose table changes with the sequence length (dynamic NTK, Phi-3's LongRoPE) in the cache
-(RKVCache re-reads the table every forward: length_dependent), not in the report's simulations. Also
-run and tested: Granite, OLMo 2, dots.llm1. Not supported, each refused by name: ALiBi, encoder-decoder
-models, chunked attention (Llama 4), hybrid layer types (Mamba, linear attention), multi-head latent
-attention, Doge's dynamic mask, KV cache sharing between layers (Gemma 3n).
+NO_ROPE; Beam's, Ergo's and Flint's global layers, whose rope parameters are None or that skip it);
+Gemma 4 (global layers of their own head_dim and KV heads, each kind of layer its own cache, and a
+partial "proportional" table; its decoder beside the vision encoder); RoPE whose table changes with the
+sequence length (dynamic NTK, Phi-3's LongRoPE) in the cache (RKVCache re-reads the table every forward:
+length_dependent), not in the report's simulations. Also run and tested: Granite, OLMo 2 and 3,
+dots.llm1, CodeGen (GPT-J's pairs), Cohere 2 MoE, PhiMoE (its mask slides without the module naming the
+window). Not supported, each refused by name: ALiBi (Falcon, BLOOM, MPT), encoder-decoder models,
+bidirectional attention, chunked attention (Llama 4), hybrid layer types (Mamba, linear attention),
+multi-head latent attention, values of another head_dim than the keys (MiMo-V2-Flash), DiffLlama's
+differential attention, Doge's dynamic mask, KV cache sharing between layers (Gemma 3n, Gemma 4's small
+models).
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ import torch
 from torch import nn
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # rope_type prefixes whose table changes with the length
-_INTERLEAVED = ("gptj",)  # pairs (2j, 2j + 1) from a fixed [sin | cos] table (embed_positions)
-_INTERLEAVED_TABLES = ("cohere", "cohere2")  # pairs (2j, 2j + 1) from cos/sin with each frequency repeated
+_INTERLEAVED = ("gptj", "codegen")  # pairs (2j, 2j + 1) from a fixed [sin | cos] table (embed_positions)
+# pairs (2j, 2j + 1) from cos/sin with each frequency repeated
+_INTERLEAVED_TABLES = ("cohere", "cohere2", "cohere2_moe", "ergo")
 _HALF_TABLES = ("gpt_oss",)  # rotate-half pairs (j, j + D/2) from cos/sin holding each frequency once
 NO_ROPE = "no_rope"  # the rope type of a layer that rotates nothing (NoPE): its table is the identity
 
@@ -43,8 +50,8 @@ class UnsupportedModelFeature(NotImplementedError):
 class ModelAttention:
     model_type: str
     layers: int
-    kv_heads: int
-    head_dim: int
+    layer_kv_heads: tuple[int, ...]  # every layer's KV heads and head_dim (Gemma 4's global layers differ)
+    layer_head_dims: tuple[int, ...]
     rotary: nn.Module | None  # the model's rotary embedding module (None: no RoPE)
     interleaved: bool  # pairs (2j, 2j + 1) (GPT-J, Cohere); else rotate-half pairs (j, j + rot_dim / 2)
     modules: tuple[nn.Module, ...]  # the attention module of every layer, in order
@@ -55,6 +62,20 @@ class ModelAttention:
     softcap: float = 0.0  # attention-logit soft-capping (Gemma 2; 0: none)
     length_dependent: bool = False  # the rotary module picks its frequencies by the sequence length
     learned_sinks: bool = False  # learned attention sinks (GPT-OSS: a logit per query head in every softmax)
+
+    @property
+    def kv_heads(self) -> int:
+        return self._uniform(self.layer_kv_heads, "KV heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self._uniform(self.layer_head_dims, "head_dim")
+
+    def _uniform(self, values: tuple[int, ...], what: str) -> int:
+        if len(set(values)) > 1:
+            _refuse(self.model_type, f"one {what} for a model whose layers differ in it ({list(values)}): where "
+                                     "layers differ, each kind of layer needs its own cache (RKVCache builds them)")
+        return values[0]
 
 
 def text_config(model):
@@ -78,7 +99,7 @@ def uses_sliding_window(layer_types, sliding_window, use_sliding_window=True) ->
 # type): there a config window with no "sliding_attention" type masks nothing. (Mistral v0.1 and Phi-3
 # mask every layer by the config's window.)
 WINDOWS_BY_LAYER_TYPE = ("gemma2", "gemma3", "gemma3_text", "qwen2", "qwen3", "smollm3", "cohere2", "exaone4",
-                         "exaone_moe", "dots1", "gpt_oss")
+                         "exaone_moe", "dots1", "gpt_oss", "cohere2_moe", "flint", "mellum", "laguna")
 
 
 def sliding_by_layer_type(model_type: str, layer_types) -> bool:
@@ -90,7 +111,9 @@ def sliding_by_layer_type(model_type: str, layer_types) -> bool:
 def attention_modules(model) -> tuple[nn.Module, ...]:
     """Every layer's attention module (the one that calls the attention function), in layer order
     (inspect() checks there is exactly one per layer)."""
-    found = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    decoder = getattr(getattr(model, "base_model", model), "language_model", None) or model  # (a vision-language
+    # model's vision encoder has attention layers of its own)
+    found = [m for m in decoder.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
     return tuple(sorted(found, key=lambda m: -1 if m.layer_idx is None else m.layer_idx))
 
 
@@ -101,8 +124,9 @@ def applies_rope(model_type: str, module: nn.Module) -> bool:
     but its keys would quantize in a basis that turns with the position, as post-RoPE keys do."""
     if hasattr(module, "use_rope"):  # SmolLM3 (config.no_rope_layers)
         return bool(module.use_rope)
-    if model_type == "cohere2":  # Command R7B / A: the sliding layers rotate, the global ones are NoPE
-        return module.sliding_window is not None
+    if model_type in ("cohere2", "cohere2_moe", "flint"):  # Command R7B / A: the sliding layers rotate, the
+        # global ones are NoPE (but the MoE's dense prefix layers where its config forces RoPE)
+        return module.sliding_window is not None or bool(getattr(module, "force_rope", False))
     if model_type in ("exaone4", "exaone_moe"):  # EXAONE 4 (and its MoE): likewise, in a config with a window
         return module.sliding_window is None or module.is_sliding
     return True
@@ -125,7 +149,8 @@ def inspect(model) -> ModelAttention:
     kind = getattr(cfg, "model_type", type(model).__name__)
     if getattr(model.config, "is_encoder_decoder", False):
         _refuse(kind, "an encoder-decoder model (cross attention)")
-    if getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", None) == "alibi":
+    if (getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", None) == "alibi" or kind == "bloom"
+            or getattr(getattr(cfg, "attn_config", None), "alibi", False)):  # (BLOOM always, MPT by its attn_config)
         _refuse(kind, "ALiBi position bias")
     if getattr(cfg, "attention_chunk_size", None) or "chunked_attention" in (getattr(cfg, "layer_types", None) or []):
         _refuse(kind, "chunked local attention (attention_chunk_size)")
@@ -135,6 +160,8 @@ def inspect(model) -> ModelAttention:
                       "state, not a KV cache)")
     if getattr(cfg, "kv_lora_rank", None):  # (keys of two parts, a RoPE part shared by the heads)
         _refuse(kind, "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3-style MLA)")
+    if kind == "diffllama":  # (two softmaxes over one cache, each with half of the values)
+        _refuse(kind, "differential attention (DiffLlama)")
     if kind == "doge":  # (its mask is computed from the values: the fused kernels attend causally)
         _refuse(kind, "dynamic mask attention (Doge's learned, input-dependent attention mask)")
     modules = attention_modules(model)
@@ -143,6 +170,12 @@ def inspect(model) -> ModelAttention:
     if [getattr(m, "layer_idx", None) for m in modules] != list(range(cfg.num_hidden_layers)):
         _refuse(kind, "a model whose attention modules are not one self-attention per layer (none found, "
                       "cross-attention layers, or no layer_idx)")
+    if any(getattr(m, "is_causal", True) is False for m in modules):  # (EmbeddingGemma, Gemma 4's "all", a BERT
+        # without is_decoder: the fused kernels attend causally)
+        _refuse(kind, "bidirectional attention (attention modules with is_causal False)")
+    v_head_dim = getattr(cfg, "v_head_dim", None)
+    if v_head_dim and v_head_dim != _layer_shape(cfg, 0)[1]:  # (MiMo-V2-Flash: values of 128 beside keys of 192)
+        _refuse(kind, f"values of another head_dim than the keys (v_head_dim {v_head_dim})")
     given = getattr(cfg, "layer_types", None)
     layer_types = list(given or ["full_attention"] * cfg.num_hidden_layers)
     window = getattr(cfg, "sliding_window", None)
@@ -169,19 +202,28 @@ def inspect(model) -> ModelAttention:
             "rope_type", "default")
         length_dependent = any(str(t).startswith(LENGTH_DEPENDENT_ROPE)
                                for t in (kinds.values() if isinstance(kinds, dict) else [kinds]))
-        if len(tables) > 1:  # Gemma 3: a table per layer type, as the model's forward picks them
-            rope_types = list(layer_types)
+        if tables:  # Gemma 3, OLMo 3: a table per layer type, as the model's forward picks them (its forward
+            # takes the type, even where every layer is of one); a type without rope parameters is NoPE (Beam)
+            rope_types = [t if not isinstance(kinds, dict) or t in kinds else NO_ROPE for t in layer_types]
         if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
             _refuse(kind, f"the rotary table of {type(rotary).__name__}")
         rope_types = [t if applies_rope(kind, m) else NO_ROPE for m, t in zip(modules, rope_types)]
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelAttention(kind, cfg.num_hidden_layers, kv_heads, head_dim, rotary,
+    shapes = [_layer_shape(cfg, i) for i in range(cfg.num_hidden_layers)]
+    return ModelAttention(kind, cfg.num_hidden_layers, tuple(s[0] for s in shapes), tuple(s[1] for s in shapes), rotary,
                           interleaved=kind in _INTERLEAVED + _INTERLEAVED_TABLES,
                           modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),
                           softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
                           length_dependent=length_dependent,
                           learned_sinks=learned_sinks(modules))
+
+
+def _layer_shape(cfg, layer: int) -> tuple[int, int]:
+    """(KV heads, head_dim) of one layer: the config's, or the layer's own where the config gives them per
+    layer (Gemma 4's global layers: a wider head_dim, fewer KV heads)."""
+    per_layer = getattr(cfg, "per_layer_config", None)
+    c = per_layer[layer] if per_layer is not None else cfg
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return kv_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
 def rope_tables(model, positions: int, device=None, rope_type=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,10 +238,16 @@ def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_ty
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """rope_tables for a model already inspected. check=False skips the pairing checks, which read the
     table on the host (RKVCache re-reads a length-dependent table every forward, checked when built)."""
-    if rope_type is None and len(set(att.rope_types) - {NO_ROPE}) > 1:
-        _refuse(att.model_type, "one RoPE table for a model with a table per layer type (pass rope_type)")
+    if rope_type is None:
+        kinds = set(att.rope_types) - {NO_ROPE}
+        if len(kinds) > 1:
+            _refuse(att.model_type, "one RoPE table for a model with a table per layer type (pass rope_type)")
+        rope_type = next(iter(kinds), None)  # (one type: the table every rotated layer uses)
+    # the head_dim of the layers this table rotates (Gemma 4's global and sliding layers differ)
+    head_dim = att._uniform(tuple(d for d, t in zip(att.layer_head_dims, att.rope_types) if t == rope_type)
+                            or att.layer_head_dims, "head_dim")
     if rope_type == NO_ROPE:
-        return identity_rope(positions, att.head_dim // 2, device)
+        return identity_rope(positions, head_dim // 2, device)
     rotary = att.rotary
     if rotary is None:
         _refuse(att.model_type, "a pre-RoPE scheme on a model without rotary embeddings")
@@ -208,8 +256,8 @@ def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_ty
         if positions > table.shape[0]:
             raise ValueError(f"torch_rkv: {positions} positions exceed the model's table of {table.shape[0]}")
         half = table.shape[-1] // 2
-        if 2 * half > att.head_dim:
-            _refuse(att.model_type, f"a rotary table of {2 * half} channels for head_dim {att.head_dim}")
+        if 2 * half > head_dim:
+            _refuse(att.model_type, f"a rotary table of {2 * half} channels for head_dim {head_dim}")
         return table[:positions, half:].contiguous().to(device), table[:positions, :half].contiguous().to(device)
     dev = next((b.device for b in rotary.buffers()), torch.device("cpu"))
     x = torch.zeros(1, dtype=torch.float32, device=dev)
@@ -223,8 +271,8 @@ def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_ty
         _refuse(att.model_type, f"a rotary module that does not return (cos, sin) ({type(rotary).__name__})")
     cos, sin = out[0][0].float(), out[1][0].float()
     if att.model_type in _HALF_TABLES:  # GPT-OSS: the table is the pairs' already, over the whole head
-        if 2 * cos.shape[-1] != att.head_dim:
-            _refuse(att.model_type, f"a rotary table of {2 * cos.shape[-1]} channels for head_dim {att.head_dim}")
+        if 2 * cos.shape[-1] != head_dim:
+            _refuse(att.model_type, f"a rotary table of {2 * cos.shape[-1]} channels for head_dim {head_dim}")
         return cos.contiguous().to(device), sin.contiguous().to(device)
     half = cos.shape[-1] // 2
     if att.interleaved:  # Cohere: pair j's frequency at channels 2j and 2j + 1
@@ -233,8 +281,8 @@ def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_ty
         first, second, what = slice(0, half), slice(half, None), "a rotary table whose halves differ"
     if check and not (torch.equal(cos[:, first], cos[:, second]) and torch.equal(sin[:, first], sin[:, second])):
         _refuse(att.model_type, f"{what} (not {'interleaved' if att.interleaved else 'rotate-half'} pairs)")
-    if 2 * half > att.head_dim:
-        _refuse(att.model_type, f"a rotary table of {2 * half} channels for head_dim {att.head_dim}")
+    if 2 * half > head_dim:
+        _refuse(att.model_type, f"a rotary table of {2 * half} channels for head_dim {head_dim}")
     return cos[:, first].contiguous().to(device), sin[:, first].contiguous().to(device)
 
 

@@ -14,9 +14,9 @@ ring of their window (QuantizedKVCache(sliding_window=)). Pre-RoPE storage needs
 arrive post-RoPE, the cache undoes the rotation
 with a table built from the model's own rotary module (so its RoPE scaling variant matches) and the
 kernel re-applies it. The model families of integrations/models.py (Llama, Qwen2/3, Mistral, Phi-3,
-GPT-NeoX, Phi-2, StableLM, GPT-J, Gemma 2 and 3, Cohere 1 and 2, SmolLM3, EXAONE 4, Granite, OLMo 2, GPT-OSS:
-GQA, partial and interleaved rotary, sliding windows, soft-capping, learned attention sinks, per-layer RoPE
-tables, layers without RoPE);
+GPT-NeoX, Phi-2, StableLM, GPT-J, Gemma 2, 3 and 4, Cohere 1 and 2, SmolLM3, EXAONE 4, Granite, OLMo 2 and 3,
+GPT-OSS, ...: GQA, partial and interleaved rotary, sliding windows, soft-capping, learned attention sinks,
+per-layer RoPE tables, layers without RoPE, layers of their own KV heads and head_dim);
 transformers 5.x (tested with 5.25). Not supported, each an error
 on every device (a device-side check, no host sync per step): left-padded batches and position offsets;
 also the model features models.py names and beam-search cropping. A RoPE whose table changes with the
@@ -69,12 +69,18 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    chunk, layer.chunk, layer.pending = layer.chunk, None, False
+    if not layer.pending or value is not layer.value:  # the fused kernels read the values the cache stored
+        what = "runs twice for one cache update" if not layer.pending else "reads other values than it cached"
+        raise ValueError(f"torch_rkv: layer {getattr(module, 'layer_idx', '?')}'s attention {what} (a model that "
+                         "transforms its values after the cache update, or attends twice over them, is not "
+                         "supported: DiffLlama's differential attention)")
+    chunk, layer.chunk, layer.pending, layer.value = layer.chunk, None, False, None
     m = query.shape[2]
     window = layer.cache.sliding_window
     for name, want, got in (("sliding_window", layer.window, kwargs.get("sliding_window")),
                             ("softcap", layer.cache.softcap, kwargs.get("softcap"))):
-        if (got or 0) != want:
+        if (got or 0) != want and (name in kwargs or name == "softcap"):  # (PhiMoE masks by its window
+            # without naming it: the mask check below holds that mask to the cache's window)
             raise ValueError(f"torch_rkv: layer {getattr(module, 'layer_idx', '?')}'s attention asks for {name}={got}, "
                              f"but its cache was built for {want} (from the model's config)")
     if (sink_logits is not None) != layer.learned_sinks:
@@ -139,6 +145,7 @@ class RKVLayer(CacheLayerMixin):
         self.learned_sinks = learned_sinks  # the model has learned attention sinks, which SDPA cannot apply
         self.pending = False  # a step awaits the fused attention
         self.chunk = None  # the keys / values of a chunk it appends after attending
+        self.value = None  # the values update returned for the pending step: the attention must read these
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # buffers are preallocated
@@ -154,7 +161,7 @@ class RKVLayer(CacheLayerMixin):
             self.cache.append(self.index, key_states, value_states)
             key = key_states.view_as(key_states)
             key._rkv_layer = self
-            self.pending = True
+            self.pending, self.value = True, value_states
             return key, value_states
         n_before = self.cache.seq_length(self.index)  # a host read per chunk of several tokens, never per step
         if n_before == 0 and self.cache.softcap == 0 and not self.learned_sinks:  # prefill: SDPA on the fresh keys and
@@ -167,7 +174,7 @@ class RKVLayer(CacheLayerMixin):
         key = key_states.view_as(key_states)
         key._rkv_layer = self
         self.chunk = (key_states, value_states)
-        self.pending = True
+        self.pending, self.value = True, value_states
         return key, value_states
 
     def _check_positions(self, kwargs, m: int) -> None:
@@ -194,6 +201,7 @@ class RKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.pending = False
         self.chunk = None
+        self.value = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("torch_rkv: beam search is not supported by RKVCache")
@@ -218,26 +226,28 @@ class RKVCache(Cache):
         device = device if device is not None else next(model.parameters()).device
         dtype = dtype if dtype is not None else next(model.parameters()).dtype
         schemes = per_layer(scheme, att.layers, "RKVCache", f"a model of {att.layers} layers")
-        for s in set(schemes):
-            s.check_head_dim(att.head_dim)
+        for s, head_dim in set(zip(schemes, att.layer_head_dims)):
+            s.check_head_dim(head_dim)
         # one QuantizedKVCache per kind of layer: sliding-window layers keep a ring of their window (a window
         # as long as the capacity never binds), Gemma 3's local and global layers rotate by their tables,
-        # and layers of a per-layer allocation store their own bit widths
+        # layers of a per-layer allocation store their own bit widths, and Gemma 4's global layers their
+        # own KV heads and head_dim
         kinds: dict[tuple, list[int]] = {}
         for i in range(att.layers):
             window = binding_window(att.windows[i], capacity)
-            kinds.setdefault((window, att.rope_types[i], schemes[i]), []).append(i)
+            shape = (att.layer_kv_heads[i], att.layer_head_dims[i])
+            kinds.setdefault((window, att.rope_types[i], schemes[i], shape), []).append(i)
         layers: list[RKVLayer | None] = [None] * att.layers
         self.caches: list[QuantizedKVCache] = []
         tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # one per (table, length): kinds share them
-        for (window, rope_type, scheme), ids in kinds.items():
+        for (window, rope_type, scheme, (kv_heads, head_dim)), ids in kinds.items():
             rope = None
             if scheme.pre_rope:
                 key = (rope_type, max_tokens(scheme, capacity))
                 if key not in tables:
                     tables[key] = models.module_rope_tables(att, key[1], device, rope_type)
                 rope = tables[key]
-            cache = QuantizedKVCache(scheme, len(ids), batch, att.kv_heads, att.head_dim, capacity, dtype=dtype,
+            cache = QuantizedKVCache(scheme, len(ids), batch, kv_heads, head_dim, capacity, dtype=dtype,
                                      device=device, rope=rope, rope_interleaved=att.interleaved,
                                      sliding_window=window, softcap=att.softcap, model_layers=ids)
             self.caches.append(cache)
@@ -247,7 +257,7 @@ class RKVCache(Cache):
         # a length-dependent RoPE (dynamic NTK, LongRoPE): the pre-RoPE caches follow the table the model's
         # rotary module chose for this forward (update)
         self._attention = att
-        self._follow = [(cache, rope_type) for cache, (_, rope_type, kind) in zip(self.caches, kinds)
+        self._follow = [(cache, rope_type) for cache, (_, rope_type, kind, _) in zip(self.caches, kinds)
                         if kind.pre_rope and att.length_dependent and rope_type != models.NO_ROPE]
         if enable_attention:
             enable(model)

@@ -463,15 +463,16 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 # vLLM models whose rotary embedding is a get_rope(...) table built from the config the way each model
 # builds it: rotate-half pairs (is_neox_style) over rotary_dim = head_size x partial_rotary_factor
 # channels, or interleaved pairs (GPT-J's over its rotary_dim, Cohere's over head_size); Gemma 3 one table
-# per layer type (its rope_parameters keyed by "sliding_attention" / "full_attention"); Cohere 2's and
+# per layer type (its rope_parameters keyed by "sliding_attention" / "full_attention"; Gemma 4's global
+# "proportional" table spans the whole head, its unrotated pairs cos 1, sin 0: gemma4_rope.py); Cohere 2's and
 # EXAONE 4's global layers none (vllm_applies_rope), nor SmolLM3's no_rope_layers (vLLM runs SmolLM3 through
 # its transformers backend: transformers' rotary, the same table); Granite with one RoPE base (granite.py
 # takes a base per layer from layer_rope_theta, refused); GPT-OSS with the YaRN fields its model passes, in
 # float32. The MoE families have their dense family's attention.
 # Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name.
 PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
-                   "gemma", "gemma2", "gemma3_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3", "granite",
-                   "gpt_oss")
+                   "gemma", "gemma2", "gemma3_text", "gemma4_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3",
+                   "granite", "gpt_oss")
 INTERLEAVED_MODELS = ("gptj", "cohere", "cohere2")
 
 

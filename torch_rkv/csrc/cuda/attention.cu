@@ -30,7 +30,7 @@ namespace rkv::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kMaxSlots = 4;  // channel pairs per lane: head_dim <= 2 * 32 * 4 = 256
+constexpr int kMaxSlots = 8;  // channel pairs per lane: head_dim <= 2 * 32 * 8 = 512 (Gemma 4's global layers)
 constexpr int64_t kDefaultSplit = 128;
 
 // The two channels of a lane's slot p: RoPE pairs when keys are rotated, neighbours otherwise.
@@ -306,14 +306,15 @@ at::Tensor run_attention(AttentionCall& call) {
   const c10::cuda::CUDAGuard guard(call.q.device());
   CacheGeometry& g = call.cache.g;
   TORCH_CHECK_VALUE(g.dim <= 2 * 32 * kMaxSlots && g.dim % 2 == 0,
-                    "rkv: head_dim must be even and <= 256 on CUDA (got ", g.dim, ")");
+                    "rkv: head_dim must be even and <= 512 on CUDA (got ", g.dim, ")");
   TORCH_CHECK_VALUE(g.batch <= 65535, "rkv: at most 65535 sequences per call on CUDA (got ", g.batch, ")");
   const bool prefill = call.q_start.defined();
   const int64_t max_q = prefill ? call.max_query_len : 1;
   // the smallest kernel that holds the rows and channels: head_dim <= 128 takes 2 channel pairs a lane,
-  // up to 8 rows a block (4 when a GQA group has no more); head_dim <= 256 takes 4 pairs and 4 rows
-  const int slots = g.dim <= 128 ? 2 : 4;
-  const int heads = slots == 2 && g.group_size() * max_q > 4 ? 8 : 4;
+  // up to 8 rows a block (4 when a GQA group has no more); head_dim <= 256 takes 4 pairs and 4 rows, and
+  // head_dim <= 512 8 pairs and 2 rows (the registers a lane holds: 4 x rows x pairs floats)
+  const int slots = g.dim <= 128 ? 2 : g.dim <= 256 ? 4 : 8;
+  const int heads = slots == 8 ? 2 : slots == 2 && g.group_size() * max_q > 4 ? 8 : 4;
   const int64_t row_chunks = std::max<int64_t>(1, (g.group_size() * max_q + heads - 1) / heads);
   // splits cover the tokens the tables address (not the data-dependent lengths): no host synchronization;
   // with a sliding window, the window and the chunk from each sequence's split_base
@@ -342,7 +343,9 @@ at::Tensor run_attention(AttentionCall& call) {
   if (g.batch > 0) {
     const dim3 grid(static_cast<unsigned>(splits * row_chunks), static_cast<unsigned>(g.kv_heads),
                     static_cast<unsigned>(g.batch));
-    if (slots == 4) {
+    if (slots == 8) {
+      launch_split<2, 8>(call, grid, splits, part_ml, part_acc, stream);
+    } else if (slots == 4) {
       launch_split<4, 4>(call, grid, splits, part_ml, part_acc, stream);
     } else if (heads == 8) {
       launch_split<8, 2>(call, grid, splits, part_ml, part_acc, stream);
