@@ -1,5 +1,6 @@
 """The memory ledger: byte counts equal what a real cache allocates; fit and longest-context arithmetic."""
 
+import dataclasses
 import json
 
 import pytest
@@ -274,6 +275,15 @@ def test_sliding_patterns_are_the_layers_transformers_builds(config, pattern, pe
         plan.sliding_layers_of({**cfg, "sliding_window_pattern": "LLXG"})
 
 
+def test_gemma_4s_default_layers_are_the_ones_transformers_builds():
+    """A Gemma 4 config.json without layer_types: every 6th layer global, and the last one (transformers
+    forces it global)."""
+    transformers = pytest.importorskip("transformers")
+    want = transformers.Gemma4TextConfig(num_hidden_layers=13).layer_types
+    got = plan.sliding_layers_of({"model_type": "gemma4_text", "num_hidden_layers": 13, "sliding_window": 512})
+    assert got == [t == "sliding_attention" for t in want] and not got[-1] and not got[5]
+
+
 def test_the_table_names_the_sliding_layers(capsys):
     from torch_rkv.__main__ import main
 
@@ -298,3 +308,40 @@ def test_paged_bytes_equal_the_allocated_paged_cache(scheme, context):
                                   rope=(torch.zeros(4096, 32), torch.zeros(4096, 32)))
     assert cache.nbytes() == want
     assert plan.paged_sequences(model, scheme, 10 * want + 1, context) == 10
+
+
+@pytest.mark.parametrize("scheme", [S.recommended(4), S.recommended(2), None], ids=lambda s: s.name if s else "fp16")
+def test_gemma_4_config_counts_each_kind_of_layer_at_its_shape(tmp_path, scheme):
+    """A Gemma 4 config.json (global layers of their own head_dim and, keys shared with values, KV heads):
+    plan's contiguous bytes are what RKVCache allocates for the model, each kind of layer at its shape;
+    the paged count adds each kind's pages; one shape for every layer (a vLLM pool, an allocation) is
+    refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from torch_rkv.integrations.transformers import RKVCache
+
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=16,
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=128, num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"])
+    cfg.to_json_file(tmp_path / "config.json")
+    shape = plan.from_config(str(tmp_path / "config.json"), 1e6)
+    assert (shape.kv_heads, shape.head_dim, shape.global_shape, shape.sliding_layers) == (2, 32, (1, 128), 4)
+    published = {**{k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items()
+                     if k != "per_layer_config"}, "global_head_dim": 128, "num_global_key_value_heads": 1}
+    (tmp_path / "published.json").write_text(json.dumps(published))  # (the form a release's config.json takes)
+    assert dataclasses.replace(plan.from_config(str(tmp_path / "published.json"), 1e6), name=shape.name) == shape
+    model = transformers.Gemma4ForCausalLM(cfg).eval()
+    for context in (8, 300):
+        if scheme is None:  # 2 sides x batch 2 x heads x tokens x head_dim x 2 bytes, by hand
+            want = 2 * 2 * 2 * (4 * 2 * min(context, 16) * 32 + 2 * 1 * context * 128)
+            assert plan.kv_bytes(shape, None, context, 2) == want
+            continue
+        cache = RKVCache(model, scheme, capacity=context, batch=2, dtype=torch.float16)
+        assert plan.kv_bytes(shape, scheme, context, 2) == cache.nbytes()
+    if scheme is not None:
+        per_kind = [plan.paged_sequence_bytes(plan.ModelShape("k", n, kv, d, 1e6, *w), scheme, 300)
+                    for n, kv, d, w in ((2, 1, 128, ()), (4, 2, 32, (4, 16)))]
+        assert plan.paged_sequence_bytes(shape, scheme, 300) == sum(per_kind)
+        with pytest.raises(ValueError, match="global layers have 1 x 128"):
+            plan.VllmEngine().pool(shape, [scheme] * 6)

@@ -40,6 +40,9 @@ class ModelShape:
     sliding_layers: int = 0
     sliding_window: int | None = None
     sliding: tuple[bool, ...] | None = None  # which layers slide, where only some do (a per-layer allocation)
+    # (KV heads, head_dim) of the full-attention layers where they differ from the sliding layers' (Gemma 4's
+    # global layers; kv_heads and head_dim are then the sliding layers')
+    global_shape: tuple[int, int] | None = None
 
     def __post_init__(self):
         if not 0 <= self.sliding_layers <= self.layers or (self.sliding_layers > 0) != bool(self.sliding_window):
@@ -61,6 +64,23 @@ class ModelShape:
     @property
     def full_layers(self) -> int:
         return self.layers - self.sliding_layers
+
+    @property
+    def full_shape(self) -> tuple[int, int]:
+        """(KV heads, head_dim) of the full-attention layers."""
+        return self.global_shape or (self.kv_heads, self.head_dim)
+
+    def shape_of(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of one layer."""
+        return (self.kv_heads, self.head_dim) if self.window_of(layer) else self.full_shape
+
+    def one_shape(self, what: str) -> None:
+        """Refuse `what` (a computation that takes one KV heads x head_dim for every layer) for a model whose
+        global layers have their own."""
+        if self.global_shape and self.global_shape != (self.kv_heads, self.head_dim):
+            raise ValueError(f"plan: {what} takes one KV heads x head_dim for every layer; {self.name}'s global "
+                             f"layers have {self.global_shape[0]} x {self.global_shape[1]}, its sliding layers "
+                             f"{self.kv_heads} x {self.head_dim}")
 
     def weight_bytes(self, bits: float) -> float:
         return self.params * bits / 8
@@ -110,14 +130,18 @@ def sliding_layers_of(cfg: dict) -> list[bool]:
         return [t == "sliding_attention" for t in types]
     if "use_sliding_window" in cfg:  # Qwen2Config / Qwen3Config: max_window_layers defaults to 28
         return [i >= cfg.get("max_window_layers", 28) for i in range(n)]
-    patterns = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4, "exaone4": 4}  # their configs' defaults
+    patterns = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "gemma4": 6, "gemma4_text": 6, "cohere2": 4,
+                "exaone4": 4}  # their configs' defaults
     pattern = cfg.get("sliding_window_pattern") or patterns.get(cfg.get("model_type"))
     if isinstance(pattern, str):
         if not pattern or set(pattern) - {"L", "G"}:
             raise ValueError(f"sliding_window_pattern {pattern!r}: expected letters L (local) and G (global)")
         return [pattern[i % len(pattern)] == "L" for i in range(n)]
     if pattern:
-        return [bool((i + 1) % pattern) for i in range(n)]
+        flags = [bool((i + 1) % pattern) for i in range(n)]
+        if str(cfg.get("model_type", "")).startswith("gemma4"):  # (Gemma4TextConfig forces the last layer global)
+            flags[-1] = False
+        return flags
     return [True] * n
 
 
@@ -131,6 +155,9 @@ def from_config(path: str, params: float | None) -> ModelShape:
     # layers read earlier layers' caches)
     other = {"global_head_dim": cfg.get("head_dim"), "num_global_key_value_heads": cfg.get("num_key_value_heads"),
              "v_head_dim": cfg.get("head_dim"), "kv_lora_rank": None, "num_kv_shared_layers": None}
+    gemma4 = str(cfg.get("model_type", "")).startswith("gemma4")
+    if gemma4:  # (its global layers' shape: read below)
+        del other["global_head_dim"], other["num_global_key_value_heads"]
     for key, same in other.items():
         if cfg.get(key) and cfg[key] != same:
             raise ValueError(f"plan: {path} gives some layers' or the values' caches another shape ({key} "
@@ -142,6 +169,26 @@ def from_config(path: str, params: float | None) -> ModelShape:
     layers = cfg["num_hidden_layers"]
     flags = sliding_layers_of(cfg)
     sliding = sum(flags)
+    # each layer's (KV heads, head_dim): the config's, the overrides of a saved per_layer_config, or Gemma 4's
+    # global layers as Gemma4TextConfig builds them (their head_dim; their KV heads where keys are also values)
+    shapes = [(kv, head_dim)] * layers
+    per_layer = {int(i): o for i, o in (cfg.get("per_layer_config") or {}).items()}
+    if gemma4 and not per_layer:
+        glob = {"head_dim": cfg.get("global_head_dim", 512)}
+        if cfg.get("attention_k_eq_v", True) and cfg.get("num_global_key_value_heads"):
+            glob["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        per_layer = {i: glob for i, f in enumerate(flags) if not f}
+    for i, o in per_layer.items():
+        shapes[i] = (o.get("num_key_value_heads", kv), o.get("head_dim", head_dim))
+    kinds = {f: {sh for sh, g in zip(shapes, flags) if g == f} for f in (True, False)}
+    if any(len(k) > 1 for k in kinds.values()):
+        raise ValueError(f"plan: {path} gives layers of one kind (sliding or not) different shapes {sorted(shapes)}; "
+                         "the planner counts one shape for the sliding layers and one for the others")
+    global_shape = None
+    if sliding and kinds[False] and kinds[False] != kinds[True]:
+        (kv, head_dim), global_shape = next(iter(kinds[True])), next(iter(kinds[False]))
+    elif kinds[False] or kinds[True]:
+        kv, head_dim = next(iter(kinds[False] or kinds[True]))
     if params is None:
         inter = cfg.get("intermediate_size", 4 * hidden)
         attn = hidden * head_dim * (heads * 2 + kv * 2)
@@ -149,7 +196,7 @@ def from_config(path: str, params: float | None) -> ModelShape:
         emb = cfg.get("vocab_size", 0) * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
         params = layers * (attn + mlp) + emb
     return ModelShape(cfg.get("_name_or_path") or path, layers, kv, head_dim, float(params), sliding,
-                      cfg.get("sliding_window") if sliding else None, tuple(flags))
+                      cfg.get("sliding_window") if sliding else None, tuple(flags), global_shape)
 
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
@@ -157,16 +204,17 @@ def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int,
     cache is its ring (CacheLayout with sliding_window: the same bytes at any context longer than the
     window; RKVCache's binding_window). scheme None: a full-precision cache in `dtype` (the baseline),
     min(context, window) tokens in a sliding layer."""
+    full_kv, full_dim = model.full_shape
     if scheme is None:
-        def fp(tokens):
-            return 2 * batch * model.kv_heads * tokens * model.head_dim * torch.finfo(dtype).bits // 8
+        def fp(tokens, kv_heads=model.kv_heads, head_dim=model.head_dim):
+            return 2 * batch * kv_heads * tokens * head_dim * torch.finfo(dtype).bits // 8
 
         sliding = fp(min(context, model.sliding_window)) if model.sliding_layers else 0
-        return model.full_layers * fp(context) + model.sliding_layers * sliding
-    shape = (scheme, batch, model.kv_heads, model.head_dim, context, dtype)
-    full = CacheLayout(*shape).nbytes() if model.full_layers else 0
+        return model.full_layers * fp(context, full_kv, full_dim) + model.sliding_layers * sliding
+    full = CacheLayout(scheme, batch, full_kv, full_dim, context, dtype).nbytes() if model.full_layers else 0
     window = binding_window(model.sliding_window or 0, context)
-    sliding = CacheLayout(*shape, sliding_window=window).nbytes() if model.sliding_layers else 0
+    sliding = CacheLayout(scheme, batch, model.kv_heads, model.head_dim, context, dtype,
+                          sliding_window=window).nbytes() if model.sliding_layers else 0
     return model.full_layers * full + model.sliding_layers * sliding
 
 
@@ -224,13 +272,16 @@ def paged_sequence_bytes(model: ModelShape, scheme: Scheme | None, context: int,
         return -(-layer_context // p)
 
     sliding = min(pages(context), pages(model.sliding_window + p)) if model.sliding_layers else 0
-    if scheme is None:
-        per_page = 2 * model.kv_heads * p * model.head_dim * torch.finfo(dtype).bits // 8
-        return (model.full_layers * pages(context) + model.sliding_layers * sliding) * per_page
-    layout = PageLayout(scheme, model.kv_heads, model.head_dim, p, dtype)
-    per_page = layout.payload_bytes + 4  # codes and metadata, and the page's block-table entry
-    return (model.full_layers * pages(context) + model.sliding_layers * sliding) * per_page + \
-        model.layers * layout.slot_bytes
+    total = 0
+    for layers, held, (kv_heads, head_dim) in ((model.full_layers, pages(context), model.full_shape),
+                                               (model.sliding_layers, sliding, (model.kv_heads, model.head_dim))):
+        if scheme is None:
+            total += layers * held * 2 * kv_heads * p * head_dim * torch.finfo(dtype).bits // 8
+        else:
+            layout = PageLayout(scheme, kv_heads, head_dim, p, dtype)
+            # codes and metadata, the page's block-table entry, and the layer's side slot
+            total += layers * (held * (layout.payload_bytes + 4) + layout.slot_bytes)
+    return total
 
 
 def paged_sequences(model: ModelShape, scheme: Scheme | None, budget: float, context: int,
@@ -242,7 +293,7 @@ def paged_sequences(model: ModelShape, scheme: Scheme | None, budget: float, con
 def layer_layouts(model: ModelShape, schemes: list[Scheme], context: int, batch: int,
                   dtype=torch.float16) -> list[CacheLayout]:
     """Each layer's CacheLayout under a per-layer allocation (a sliding layer: its ring)."""
-    return [CacheLayout(s, batch, model.kv_heads, model.head_dim, context, dtype,
+    return [CacheLayout(s, batch, *model.shape_of(i), context, dtype,
                         sliding_window=binding_window(model.window_of(i), context)) for i, s in enumerate(schemes)]
 
 
@@ -287,6 +338,7 @@ def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float
     level. engine: a vLLM engine with the plugin, whose pages and side pool must fit (vllm_bytes; a
     layer's rows are then the tokens of the blocks it holds for a request, and each page's bytes per token are
     rounded up to the dtype, so the exact bytes are checked and the budget cut until they fit)."""
+    model.one_shape("a per-layer allocation (its knapsack weighs every layer's rows alike)")
     nbytes = _bytes_to_fit(model, context, batch, dtype, engine)
     rows, lowest = _lowest(model, profile, budget, context, batch, dtype, nbytes)
     if engine is not None:  # a layer's pages hold the requests' whole blocks (a sliding one's: its window's)
@@ -396,6 +448,7 @@ class VllmEngine:
              ) -> VllmPool:
         """The engine's pool with the plugin (`schemes`, one a layer) or vLLM's own cache (None) in
         cache_dtype (None: the model dtype)."""
+        model.one_shape("plan --vllm (the engine's pool)")
         block = self.block_for(schemes[0] if schemes else None)
         return VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
                         None if schemes is None else tuple(schemes), block, self.windows(model),
@@ -715,6 +768,9 @@ def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows
     if model.sliding_layers:
         print(f"{model.sliding_layers} of {model.layers} layers slide: each keeps only its newest "
               f"{model.sliding_window:,} tokens (a fixed-size cache); {model.full_layers} attend to the whole context")
+    if model.global_shape:
+        print(f"the {model.full_layers} global layers: {model.global_shape[0]} KV heads x head_dim "
+              f"{model.global_shape[1]} (bits/el above at head_dim {model.head_dim})")
     print(f"context {args.context:,} tokens x batch {args.batch}\n")
     print(f"{'scheme':14s} {'bits/el':>7s} {'KB/token':>9s} {'KV cache GB':>12s} {'fits':>5s} "
           f"{'longest ctx (b=1)':>18s} {'seqs @ ctx':>11s} {'paged':>6s}")

@@ -217,9 +217,10 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
                                                           "beta_slow": 1.0, "truncate": False,
                                                           "original_max_position_embeddings": 256,
                                                           "rope_theta": 150000.0}}),
-    # Gemma 4: global layers of their own head_dim (128 against 64) and KV heads (1: their keys are also their
-    # values), rotated by a partial "proportional" table over the whole head; q/k/v norms and a scale of 1
-    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {**TINY_SHAPE, "head_dim": 64, "global_head_dim": 128,
+    # Gemma 4: global layers of their own head_dim (256 against 64) and KV heads (1: their keys are also their
+    # values; pages of other bytes), rotated by a partial "proportional" table over the whole head; q/k/v norms
+    # and a scale of 1
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {**TINY_SHAPE, "head_dim": 64, "global_head_dim": 256,
                                                         "num_global_key_value_heads": 1, "attention_k_eq_v": True,
                                                         "sliding_window": 64, "hidden_size_per_layer_input": 16,
                                                         "vocab_size_per_layer_input": 512,
@@ -1109,3 +1110,29 @@ def test_gemma3s_local_and_global_layers_take_their_own_tables():
         for layer_type, base in (("sliding_attention", 1e4), ("full_attention", 1e6)):
             cos, _, _ = model_rope_tables(vllm_config, 64, layer_type)
             assert math.isclose(cos[1, 1].item(), math.cos(base ** (-2 / 64)), rel_tol=1e-6), layer_type
+
+
+def test_gemma4s_global_table_is_partial_over_its_own_head():
+    """Gemma 4's global layers (head_dim 256 here) rotate a quarter of their pairs by a "proportional" table
+    (frequencies over the whole head_dim, base 1e6) and leave the rest as they are (cos 1, sin 0), as
+    vLLM's gemma4_rope.py builds it; its sliding layers (head_dim 64) rotate every pair with base 1e4."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+    import transformers
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from torch_rkv.integrations.vllm_backend import model_rope_tables
+
+    hf = transformers.Gemma4TextConfig(**TINY_FAMILIES["gemma4"][2])
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, max_model_len=256))
+    with set_current_vllm_config(VllmConfig()):
+        local, _, _ = model_rope_tables(vllm_config, 64, "sliding_attention")
+        glob, glob_sin, interleaved = model_rope_tables(vllm_config, 256, "full_attention")
+    assert local.shape[-1] == 32 and glob.shape[-1] == 128 and not interleaved
+    assert math.isclose(local[1, 1].item(), math.cos(1e4 ** (-2 / 64)), rel_tol=1e-6)
+    assert math.isclose(glob[1, 1].item(), math.cos(1e6 ** (-2 / 256)), rel_tol=1e-6)
+    assert torch.equal(glob[:, 32:], torch.ones_like(glob[:, 32:]))
+    assert torch.equal(glob_sin[:, 32:], torch.zeros_like(glob_sin[:, 32:]))
+    assert not torch.equal(glob[:, :32], torch.ones_like(glob[:, :32]))
