@@ -643,6 +643,9 @@ def test_a_length_dependent_table_is_read_as_it_stands_and_the_simulation_refuse
 VISION_LANGUAGE = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {},
                  {"depth": 1, "embed_dim": 32, "hidden_size": 128, "num_heads": 2, "out_hidden_size": 128}),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", {},
+                   {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128,
+                    "fullatt_block_indexes": [0], "window_size": 56}),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", {"head_dim": 32, "mrope_interleaved": True},
                  {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128,
                   "deepstack_visual_indexes": []}),

@@ -9,7 +9,7 @@ use_sliding_window), Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the n
 (sliding layers interleaved with global ones, attention-logit soft-capping, query_pre_attn_scalar) and
 Gemma 3 (a local and a global RoPE table), GPT-NeoX / Pythia, Phi-2 and StableLM (partial rotary),
 GPT-J (interleaved pairs), Cohere / Command R (interleaved pairs from a cos/sin table), GPT-OSS (learned
-attention sinks, a table of each frequency once, sliding layers), the decoders of Qwen2-VL and Qwen3-VL
+attention sinks, a table of each frequency once, sliding layers), the decoders of Qwen2-VL, Qwen2.5-VL and Qwen3-VL
 (M-RoPE in the language model: the cache un-rotates and re-rotates each key by its slot's table, exact
 whatever an image does to the positions), layers without
 RoPE beside rotated ones (SmolLM3's no_rope_layers, Cohere 2's, EXAONE 4's and EXAONE MoE's global layers:
