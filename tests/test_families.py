@@ -284,6 +284,10 @@ WINDOWED = {
     "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 16, "num_experts": 4,
         "num_experts_per_tok": 4, "moe_intermediate_size": 64, "layer_types": ["sliding_attention", "full_attention"]}),
+    # PhiMoE: Phi-3's window on every layer, in the mask only (its module does not pass sliding_window)
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                     "sliding_window": 16, "num_local_experts": 4,
+                                                     "num_experts_per_tok": 2}),
     # Gemma 4: global layers of their own head_dim (64, against 32) and KV heads (1, keys shared with the
     # values: attention_k_eq_v), rotated by a partial "proportional" table; q/k norms and a scale of 1
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {
@@ -294,7 +298,8 @@ WINDOWED = {
 }
 WINDOWS = {"mistral_v0.1": (16, 16), "qwen2_swa": (0, 16), "gemma2": (16, 0), "gemma3": (16, 0), "cohere2": (16, 0),
            "exaone4": (16, 0), "exaone_moe": (16, 0), "dots1": (0, 16), "gpt_oss": (16, 0), "olmo3": (16, 0),
-           "beam": (16, 0), "ergo": (16, 0), "flint": (16, 0), "cohere2_moe": (16, 0), "gemma4": (16, 0)}
+           "beam": (16, 0), "ergo": (16, 0), "flint": (16, 0), "cohere2_moe": (16, 0), "gemma4": (16, 0),
+           "phimoe": (16, 16)}
 # (the report's simulations refuse learned sinks, and one table for layers of two head_dims)
 SIMULATED = [n for n in WINDOWED if n not in ("gpt_oss", "flint", "gemma4")]
 TYPED = ("sliding_attention", "full_attention")

@@ -248,11 +248,23 @@ def test_bad_outlier_buffers_name_the_argument():
     with pytest.raises(ValueError, match=r"rkv.cache_append: v_outliers must have shape \(1, 2, 2, outliers"):
         call(v_outliers=bufs["v_outliers"][:, :, :1])
     big = S.recommended(2).replace(k_block_tokens=1024)
-    lay = CacheLayout(big.replace(outliers=0.01), 1, 1, 128, 1024)
-    b = lay.allocate()
+    with pytest.raises(ValueError, match="block x head_dim must be <= 65535"):  # the scheme refuses it first
+        CacheLayout(big.replace(outliers=0.01), 1, 1, 128, 1024)
+    b = CacheLayout(big, 1, 1, 128, 1024).allocate()  # and the op, for an outlier buffer made by hand
     with pytest.raises(ValueError, match="block x head_dim must be <= 65535"):
         torch_rkv.ops.cache.cache_append(*[b.get(n) for n in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale",
                                                                "v_zero", "k_window", "v_window", "k_sink", "v_sink")],
                                          torch.tensor([0]), torch.randn(1, 1, 4, 128).half(),
                                          torch.randn(1, 1, 4, 128).half(), 2, 2, 1024, big.recent,
-                                         k_outliers=b["k_outliers"])
+                                         k_outliers=torch.zeros(1, 1, 1, 8, dtype=torch.int32))
+
+
+def test_outlier_positions_bound_block_times_head_dim_when_the_scheme_is_checked():
+    """Outlier positions are 16 bits (include/rkv/outliers.h): a block of 128 tokens at head_dim 512 (Gemma 4's
+    global layers) has 65536 of them. The scheme refuses it by name before any cache is built; 256 fits."""
+    s = S.by_name("rkv-sparse-3")
+    assert s.outliers and s.block == 128
+    s.check_head_dim(256)
+    with pytest.raises(ValueError, match="block x head_dim must be <= 65535"):
+        s.check_head_dim(512)
+    S.recommended(3).check_head_dim(512)  # (no outliers: no such bound)

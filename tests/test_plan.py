@@ -161,7 +161,8 @@ GEMMA3 = {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_h
 @pytest.mark.parametrize("extra, named", [
     ({"global_head_dim": 512, "num_global_key_value_heads": 4}, "global_head_dim"),
     ({"num_kv_shared_layers": 20}, "num_kv_shared_layers"),
-    ({"kv_lora_rank": 512}, "kv_lora_rank")])
+    ({"kv_lora_rank": 512, "v_head_dim": 128}, "multi-head latent attention"),
+    ({"v_head_dim": 128}, "v_head_dim")])
 def test_configs_of_layers_of_other_shapes_are_refused_by_name(tmp_path, extra, named):
     """Gemma 4's global layers (their own head_dim and KV heads), KV sharing and MLA: the planner's one shape
     per layer would misstate the bytes, so it names the field instead."""
@@ -282,6 +283,24 @@ def test_gemma_4s_default_layers_are_the_ones_transformers_builds():
     want = transformers.Gemma4TextConfig(num_hidden_layers=13).layer_types
     got = plan.sliding_layers_of({"model_type": "gemma4_text", "num_hidden_layers": 13, "sliding_window": 512})
     assert got == [t == "sliding_attention" for t in want] and not got[-1] and not got[5]
+    # layer_types given: they alone say which layers slide (none here, whatever the window)
+    assert plan.sliding_layers_of({"model_type": "gemma4_text", "num_hidden_layers": 3, "sliding_window": 512,
+                                   "layer_types": ["full_attention"] * 3}) == [False] * 3
+
+
+def test_gemma_4s_global_kv_heads_follow_attention_k_eq_v(tmp_path):
+    """num_global_key_value_heads sets the global layers' KV heads only where their keys are also their
+    values (attention_k_eq_v, False by default), as Gemma4TextConfig builds the layers."""
+    transformers = pytest.importorskip("transformers")
+    base = {"model_type": "gemma4_text", "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "head_dim": 64, "global_head_dim": 128, "num_global_key_value_heads": 1, "hidden_size": 512,
+            "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}
+    for extra in ({}, {"attention_k_eq_v": True}):
+        cfg = {**base, **extra}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        want = transformers.Gemma4TextConfig(**{k: v for k, v in cfg.items() if k != "model_type"}).per_layer_config[1]
+        assert plan.from_config(str(tmp_path / "config.json"), 1e6).global_shape == (want.num_key_value_heads,
+                                                                                     want.head_dim)
 
 
 def test_the_table_names_the_sliding_layers(capsys):

@@ -151,22 +151,23 @@ def from_config(path: str, params: float | None) -> ModelShape:
     with open(path) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
-    # (Gemma 4's global layers, MiMo-V2's values, MLA's latent cache; Gemma 3n / 4's small models, whose last
-    # layers read earlier layers' caches)
-    other = {"global_head_dim": cfg.get("head_dim"), "num_global_key_value_heads": cfg.get("num_key_value_heads"),
-             "v_head_dim": cfg.get("head_dim"), "kv_lora_rank": None, "num_kv_shared_layers": None}
-    gemma4 = str(cfg.get("model_type", "")).startswith("gemma4")
-    if gemma4:  # (its global layers' shape: read below)
-        del other["global_head_dim"], other["num_global_key_value_heads"]
-    for key, same in other.items():
-        if cfg.get(key) and cfg[key] != same:
-            raise ValueError(f"plan: {path} gives some layers' or the values' caches another shape ({key} "
-                             f"{cfg[key]}); the planner counts one cache of KV heads x head_dim per layer")
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
     layers = cfg["num_hidden_layers"]
+    for key, what in (("kv_lora_rank", "multi-head latent attention"),
+                      ("num_kv_shared_layers", "KV caches shared between layers (Gemma 3n / 4's small models)")):
+        if cfg.get(key):
+            raise ValueError(f"plan: {path} has {what} ({key} {cfg[key]}); the planner counts one cache of KV heads "
+                             "x head_dim per layer")
+    gemma4 = str(cfg.get("model_type", "")).startswith("gemma4")  # (its global layers' shape: read below)
+    same = {"v_head_dim": head_dim, **({} if gemma4 else {"global_head_dim": head_dim,
+                                                           "num_global_key_value_heads": kv})}
+    for key, want in same.items():  # (MiMo-V2's values; global layers of their own shape in another family)
+        if cfg.get(key) and cfg[key] != want:
+            raise ValueError(f"plan: {path} gives some layers' or the values' caches another shape ({key} "
+                             f"{cfg[key]}); the planner counts one cache of KV heads x head_dim per layer")
     flags = sliding_layers_of(cfg)
     sliding = sum(flags)
     # each layer's (KV heads, head_dim): the config's, the overrides of a saved per_layer_config, or Gemma 4's
@@ -175,7 +176,7 @@ def from_config(path: str, params: float | None) -> ModelShape:
     per_layer = {int(i): o for i, o in (cfg.get("per_layer_config") or {}).items()}
     if gemma4 and not per_layer:
         glob = {"head_dim": cfg.get("global_head_dim", 512)}
-        if cfg.get("attention_k_eq_v", True) and cfg.get("num_global_key_value_heads"):
+        if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads"):  # (False by default)
             glob["num_key_value_heads"] = cfg["num_global_key_value_heads"]
         per_layer = {i: glob for i, f in enumerate(flags) if not f}
     for i, o in per_layer.items():

@@ -123,6 +123,9 @@ class Scheme:
                 raise ValueError(f"Scheme {self.name}: head_dim {head_dim} at {bits} bits does not fill whole bytes")
             if had and (head_dim % 2 or head_dim > 8192):
                 raise ValueError(f"Scheme {self.name}: Hadamard needs an even head_dim <= 8192 (got {head_dim})")
+        if self.outliers and self.block * head_dim > 0xFFFF:  # (include/rkv/outliers.h: kOutlierPositions)
+            raise ValueError(f"Scheme {self.name}: outlier positions are 16 bits, so block x head_dim must be <= "
+                             f"65535 (got {self.block} x {head_dim}; a smaller block)")
 
     def check_served(self) -> None:
         """Raise if the caches and kernels cannot store this scheme (the report can still simulate it)."""

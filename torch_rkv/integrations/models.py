@@ -99,7 +99,11 @@ def uses_sliding_window(layer_types, sliding_window, use_sliding_window=True) ->
 # type): there a config window with no "sliding_attention" type masks nothing. (Mistral v0.1 and Phi-3
 # mask every layer by the config's window.)
 WINDOWS_BY_LAYER_TYPE = ("gemma2", "gemma3", "gemma3_text", "qwen2", "qwen3", "smollm3", "cohere2", "exaone4",
-                         "exaone_moe", "dots1", "gpt_oss", "cohere2_moe", "flint", "mellum", "laguna")
+                         "exaone_moe", "dots1", "gpt_oss", "cohere2_moe", "flint", "mellum", "laguna", "olmo3",
+                         "beam", "ergo", "gemma4", "gemma4_text")
+# families whose mask slides while their attention module does not pass its window (the mask check holds the
+# mask to the cache's window)
+WINDOW_IN_MASK_ONLY = ("phimoe",)
 
 
 def sliding_by_layer_type(model_type: str, layer_types) -> bool:

@@ -79,8 +79,8 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
     window = layer.cache.sliding_window
     for name, want, got in (("sliding_window", layer.window, kwargs.get("sliding_window")),
                             ("softcap", layer.cache.softcap, kwargs.get("softcap"))):
-        if (got or 0) != want and (name in kwargs or name == "softcap"):  # (PhiMoE masks by its window
-            # without naming it: the mask check below holds that mask to the cache's window)
+        if (got or 0) != want and (name in kwargs or name == "softcap" or not layer.window_in_mask):  # (PhiMoE
+            # masks by its window without naming it: the mask check below holds that mask to the cache's window)
             raise ValueError(f"torch_rkv: layer {getattr(module, 'layer_idx', '?')}'s attention asks for {name}={got}, "
                              f"but its cache was built for {want} (from the model's config)")
     if (sink_logits is not None) != layer.learned_sinks:
@@ -137,12 +137,14 @@ class RKVLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, cache: QuantizedKVCache, index: int, window: int = 0, learned_sinks: bool = False):
+    def __init__(self, cache: QuantizedKVCache, index: int, window: int = 0, learned_sinks: bool = False,
+                 window_in_mask: bool = False):
         super().__init__()
         self.cache = cache
         self.index = index
         self.window = window  # the model's sliding window for this layer (the cache's, or one it never reaches)
         self.learned_sinks = learned_sinks  # the model has learned attention sinks, which SDPA cannot apply
+        self.window_in_mask = window_in_mask  # the model masks by its window without passing it (PhiMoE)
         self.pending = False  # a step awaits the fused attention
         self.chunk = None  # the keys / values of a chunk it appends after attending
         self.value = None  # the values update returned for the pending step: the attention must read these
@@ -252,7 +254,8 @@ class RKVCache(Cache):
                                      sliding_window=window, softcap=att.softcap, model_layers=ids)
             self.caches.append(cache)
             for j, i in enumerate(ids):
-                layers[i] = RKVLayer(cache, j, att.windows[i], att.learned_sinks)
+                layers[i] = RKVLayer(cache, j, att.windows[i], att.learned_sinks,
+                                     att.model_type in models.WINDOW_IN_MASK_ONLY)
         super().__init__(layers=layers)
         # a length-dependent RoPE (dynamic NTK, LongRoPE): the pre-RoPE caches follow the table the model's
         # rotary module chose for this forward (update)
