@@ -177,8 +177,9 @@ def inspect(model) -> ModelAttention:
     if any(getattr(m, "is_causal", True) is False for m in modules):  # (EmbeddingGemma, Gemma 4's "all", a BERT
         # without is_decoder: the fused kernels attend causally)
         _refuse(kind, "bidirectional attention (attention modules with is_causal False)")
+    shapes = [_layer_shape(cfg, i) for i in range(cfg.num_hidden_layers)]
     v_head_dim = getattr(cfg, "v_head_dim", None)
-    if v_head_dim and v_head_dim != _layer_shape(cfg, 0)[1]:  # (MiMo-V2-Flash: values of 128 beside keys of 192)
+    if v_head_dim and v_head_dim != shapes[0][1]:  # (MiMo-V2-Flash: values of 128 beside keys of 192)
         _refuse(kind, f"values of another head_dim than the keys (v_head_dim {v_head_dim})")
     given = getattr(cfg, "layer_types", None)
     layer_types = list(given or ["full_attention"] * cfg.num_hidden_layers)
@@ -212,7 +213,6 @@ def inspect(model) -> ModelAttention:
         if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
             _refuse(kind, f"the rotary table of {type(rotary).__name__}")
         rope_types = [t if applies_rope(kind, m) else NO_ROPE for m, t in zip(modules, rope_types)]
-    shapes = [_layer_shape(cfg, i) for i in range(cfg.num_hidden_layers)]
     return ModelAttention(kind, cfg.num_hidden_layers, tuple(s[0] for s in shapes), tuple(s[1] for s in shapes), rotary,
                           interleaved=kind in _INTERLEAVED + _INTERLEAVED_TABLES,
                           modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),

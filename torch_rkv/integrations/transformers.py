@@ -79,8 +79,9 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
     window = layer.cache.sliding_window
     for name, want, got in (("sliding_window", layer.window, kwargs.get("sliding_window")),
                             ("softcap", layer.cache.softcap, kwargs.get("softcap"))):
-        if (got or 0) != want and (name in kwargs or name == "softcap" or not layer.window_in_mask):  # (PhiMoE
-            # masks by its window without naming it: the mask check below holds that mask to the cache's window)
+        # (PhiMoE masks by its window without naming it: the mask check below holds that mask to the cache's)
+        unnamed = name == "sliding_window" and layer.window_in_mask and name not in kwargs
+        if (got or 0) != want and not unnamed:
             raise ValueError(f"torch_rkv: layer {getattr(module, 'layer_idx', '?')}'s attention asks for {name}={got}, "
                              f"but its cache was built for {want} (from the model's config)")
     if (sink_logits is not None) != layer.learned_sinks:
