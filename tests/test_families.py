@@ -14,6 +14,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import torch_rkv  # noqa: E402
 from torch_rkv import scheme as S  # noqa: E402
+from torch_rkv.eval import perplexity  # noqa: E402
 from torch_rkv.eval.agreement import cached_logprobs, greedy_agrees, logprob_bound, teacher_forced  # noqa: E402
 from torch_rkv.eval.simulate import Simulation, install  # noqa: E402
 from torch_rkv.integrations import models  # noqa: E402
@@ -207,12 +208,6 @@ UNSUPPORTED = {
     "bidirectional attention": (lambda: build("Gemma3TextConfig", "Gemma3ForCausalLM", num_attention_heads=4,
                                               num_key_value_heads=2, head_dim=32, use_bidirectional_attention=True),
                                 "bidirectional attention"),
-    "KV sharing": (lambda: build("Gemma3nTextConfig", "Gemma3nForCausalLM", num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=32, sliding_window=16, num_hidden_layers=4,
-                                 num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2,
-                                 hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
-                                 activation_sparsity_pattern=[0.0] * 4),
-                   "KV cache sharing between layers"),
 }
 
 
@@ -295,22 +290,35 @@ WINDOWED = {
         "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 16,
         "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB,
         "layer_types": ["sliding_attention", "full_attention"]}),
+    # KV sharing: layers 2 and 3 store nothing and attend over the keys and values of the last earlier layer of
+    # their type (0: sliding, 1: global), Gemma 3n's and Gemma 4's small models' way
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 16,
+        "num_hidden_layers": 4, "num_kv_shared_layers": 2, "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB,
+        "activation_sparsity_pattern": [0.0] * 4}),
 }
+WINDOWED["gemma4_shared"] = ("Gemma4TextConfig", "Gemma4ForCausalLM", {
+    **WINDOWED["gemma4"][2], "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+    "layer_types": ["sliding_attention", "full_attention"] * 2})
+KV_SHARED = ("gemma3n", "gemma4_shared")
 WINDOWS = {"mistral_v0.1": (16, 16), "qwen2_swa": (0, 16), "gemma2": (16, 0), "gemma3": (16, 0), "cohere2": (16, 0),
            "exaone4": (16, 0), "exaone_moe": (16, 0), "dots1": (0, 16), "gpt_oss": (16, 0), "olmo3": (16, 0),
            "beam": (16, 0), "ergo": (16, 0), "flint": (16, 0), "cohere2_moe": (16, 0), "gemma4": (16, 0),
-           "phimoe": (16, 16)}
+           "phimoe": (16, 16), "gemma3n": (16, 0, 16, 0), "gemma4_shared": (16, 0, 16, 0)}
 # (the report's simulations refuse learned sinks, and one table for layers of two head_dims)
-SIMULATED = [n for n in WINDOWED if n not in ("gpt_oss", "flint", "gemma4")]
+SIMULATED = [n for n in WINDOWED if n not in ("gpt_oss", "flint", "gemma4", "gemma4_shared")]
 TYPED = ("sliding_attention", "full_attention")
 ROPE_TYPES = {"gemma3": TYPED, "olmo3": TYPED, "gemma4": TYPED, "cohere2": (None, models.NO_ROPE),
               "exaone4": (None, models.NO_ROPE), "exaone_moe": (None, models.NO_ROPE),
               "cohere2_moe": (None, models.NO_ROPE), "flint": (None, models.NO_ROPE),
               "beam": ("sliding_attention", models.NO_ROPE),
-              "ergo": ("sliding_attention", models.NO_ROPE)}  # (the others: one table, (None, None))
+              "ergo": ("sliding_attention", models.NO_ROPE),
+              "gemma3n": TYPED * 2, "gemma4_shared": TYPED * 2}  # (the others: one table, (None, None))
 # Gemma 4 scores q . k of RMS-normed heads with a scale of 1, not 1 / sqrt(head_dim): its log-probabilities
 # move about 3x more for the same key error (per-token-8: 0.032 nats where the tiny models' bound is 0.0125)
-SENSITIVITY = {"gemma4": 0.6}
+# (and where layers share KV caches, a key's error reaches twice the layers)
+SENSITIVITY = {"gemma4": 0.6, "gemma3n": 0.4, "gemma4_shared": 1.2}
 
 
 def windowed(name):
@@ -329,6 +337,7 @@ def test_windowed_families_are_inspected_layer_by_layer(name):
     assert att.softcap == (5.0 if name == "gemma2" else 0.0)
     assert att.learned_sinks == (name in ("gpt_oss", "flint"))
     assert att.rope_types == ROPE_TYPES.get(name, (None, None))
+    assert [att.source(i) for i in range(att.layers)] == ([0, 1, 0, 1] if name in KV_SHARED else list(range(2)))
     if name == "gemma3":  # two tables that differ (local base 1e4, global 1e6): one table is refused by name
         local, glob = (models.rope_tables(model, 64, rope_type=t) for t in ("sliding_attention", "full_attention"))
         assert not torch.allclose(local[0], glob[0])
@@ -542,6 +551,101 @@ def test_gemma4s_decoder_is_found_beside_its_vision_encoder():
     scheme = S.recommended(8).replace(k_block_tokens=16)
     got = model.generate(ids, max_new_tokens=8, do_sample=False, cache=RKVCache(model, scheme, capacity=64))
     assert_agrees(model, ids, want, got, scheme, 8, SENSITIVITY["gemma4"], 64)
+
+
+def test_kv_shared_layers_store_nothing_and_decode_what_the_simulation_measures():
+    """Gemma 3n's KV-shared layers 2 and 3 hold no cache (half the bytes of a model that does not share) and,
+    token by token through the fused kernel, attend over layers 0's and 1's quantized keys and values: the
+    simulation's perplexity, in which each quantizes its source's keys as its source does."""
+    model = windowed("gemma3n")
+    scheme = S.recommended(4).replace(k_block_tokens=16, recent=8)
+    cache = RKVCache(model, scheme, capacity=96)
+    assert [type(layer).__name__ for layer in cache.layers] == ["RKVLayer", "RKVLayer", "DummyLayer", "DummyLayer"]
+    unshared = RKVCache(build(*WINDOWED["gemma3n"][:2], **{**WINDOWED["gemma3n"][2], "num_kv_shared_layers": 0}),
+                        scheme, capacity=96)
+    assert 2 * cache.nbytes() == unshared.nbytes() and cache.schemes == [scheme] * 4
+    ids = prompt(96, seed=5)
+    rope = models.layer_rope_tables(model, 128)
+    simulated = perplexity.simulated(model, ids, Simulation(scheme, *rope[0], layer_rope=rope))
+    decoded = perplexity.decoded(model, ids, lambda n: RKVCache(model, scheme, capacity=n))
+    assert abs(decoded / simulated - 1) < 1e-5, (simulated, decoded)
+    assert abs(perplexity.simulated(model, ids, None) / simulated - 1) > 1e-3  # (the scheme moves it)
+    with pytest.raises(ValueError, match="layer 2 attends over layer 0's keys and values"):
+        RKVCache(model, [scheme, scheme, S.per_token(4), scheme], capacity=96)
+    # per-layer fits, which would take a shared layer's reads for a cache of its own, refuse the model by name
+    from torch_rkv.eval import levels, sensitivity
+
+    for fit in (lambda: sensitivity.load_or_measure(model, None, (2, 3)), lambda: levels.calibrate(model, ids)):
+        with pytest.raises(models.UnsupportedModelFeature, match="whose layers share KV caches"):
+            fit()
+
+
+@pytest.mark.parametrize("name", KV_SHARED)
+def test_kv_shared_layers_attend_over_a_chunk_before_it_is_appended_once(name, monkeypatch):
+    """A chunk after the prefill (a second turn), its KV-shared layers keeping its last query only (Gemma's
+    logits_to_keep): every reader of a cache attends over it as it stood before the chunk, plus the chunk,
+    and the last one appends the chunk once; the logits stay within the 8-bit bound of transformers' cache."""
+    from torch_rkv.cache import QuantizedKVCache
+
+    model = windowed(name)
+    ids = prompt(60, batch=2)
+    calls = []
+    attend_chunk = QuantizedKVCache.attend_chunk
+
+    def recorded(self, layer, q, ks, vs, *args, **kwargs):
+        calls.append((id(self), layer, int(self.lengths[layer][0]), q.shape[2], ks.shape[2]))
+        return attend_chunk(self, layer, q, ks, vs, *args, **kwargs)
+
+    monkeypatch.setattr(QuantizedKVCache, "attend_chunk", recorded)
+    scheme = S.per_token(8)
+    cache = RKVCache(model, scheme, capacity=128, batch=2)
+    with torch.no_grad():
+        want = model(ids, logits_to_keep=1).logits[:, -1]
+        model(ids[:, :40], cache=cache, use_cache=True)
+        got = model(ids[:, 40:], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    # layer 0's cache read by layers 0 and 2, layer 1's by 1 and 3 (a chunk of 20 over 40 cached tokens; the
+    # shared layers' one query padded to the chunk)
+    assert [c[2:] for c in calls] == [(40, 20, 20)] * 4, calls
+    assert calls[0][:2] == calls[2][:2] and calls[1][:2] == calls[3][:2] and calls[0][:2] != calls[1][:2]
+    assert [cache.layers[i].get_seq_length() for i in (0, 1)] == [60, 60]
+    bound = logprob_bound(8, SENSITIVITY[name])
+    err = (got.log_softmax(-1) - want.log_softmax(-1)).gather(-1, want.topk(8, -1).indices).abs().max()
+    assert err <= bound, (err, bound)
+
+
+def test_kv_shared_layers_keep_the_last_queries_of_a_prompt_causal():
+    """Gemma 4's KV-shared layers keep only a prompt's last logits_to_keep queries, and the mask function
+    leaves a short prompt's mask to SDPA's is_causal, which would align them with the first keys: the
+    "rkv" attention masks them as the last ones, with the cache and without (the full forward's logits)."""
+    model = windowed("gemma4_shared")
+    ids = prompt(12)  # (shorter than the 16-token window: no mask on any layer)
+    with torch.no_grad():
+        want = model(ids).logits[:, -4:]
+        cache = RKVCache(model, S.per_token(8), capacity=64)
+        for got in (model(ids, logits_to_keep=4).logits, model(ids, cache=cache, logits_to_keep=4).logits):
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+# absolute position embeddings, no RoPE: GPT-2, and GPT-BigCode (StarCoder) with one KV head (multi_query) or one a
+# query head (its config counts heads as n_head)
+ABSOLUTE = {"gpt2": ("GPT2Config", "GPT2LMHeadModel", {"num_attention_heads": 4}),
+            "gpt_bigcode_mqa": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"n_head": 4, "multi_query": True}),
+            "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"n_head": 4, "multi_query": False})}
+
+
+@pytest.mark.parametrize("name", list(ABSOLUTE))
+def test_models_without_rope_serve_post_rope_schemes_and_refuse_pre_rope_ones(name):
+    """A model without rotary embeddings keeps its keys as they are: per-token and KIVI schemes generate as
+    transformers' cache does, at each family's KV heads (GPT-BigCode's MQA: 1); a pre-RoPE scheme, whose
+    format assumes a table, is refused by name."""
+    model = build(*ABSOLUTE[name][:2], **ABSOLUTE[name][2])
+    att = models.inspect(model)
+    assert att.rotary is None and att.layer_kv_heads == ((1, 1) if name == "gpt_bigcode_mqa" else (4, 4))
+    for scheme in (S.per_token(8), S.kivi(8, block=8, recent=16)):
+        cache = assert_generates_as_transformers_cache(model, scheme)
+        assert cache.caches[0].layout.kv_heads == att.layer_kv_heads[0]
+    with pytest.raises(models.UnsupportedModelFeature, match="a pre-RoPE scheme on a model without rotary"):
+        RKVCache(model, S.recommended(8), capacity=128)
 
 
 # RoPE whose table changes with the sequence length, prompts of 40 tokens decoded to 100: Phi-3's LongRoPE

@@ -160,12 +160,11 @@ GEMMA3 = {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_h
 
 @pytest.mark.parametrize("extra, named", [
     ({"global_head_dim": 512, "num_global_key_value_heads": 4}, "global_head_dim"),
-    ({"num_kv_shared_layers": 20}, "num_kv_shared_layers"),
     ({"kv_lora_rank": 512, "v_head_dim": 128}, "multi-head latent attention"),
     ({"v_head_dim": 128}, "v_head_dim")])
 def test_configs_of_layers_of_other_shapes_are_refused_by_name(tmp_path, extra, named):
-    """Gemma 4's global layers (their own head_dim and KV heads), KV sharing and MLA: the planner's one shape
-    per layer would misstate the bytes, so it names the field instead."""
+    """Global layers of their own head_dim and KV heads outside Gemma 4, MLA, and values of their own head_dim:
+    the planner's one shape per layer would misstate the bytes, so it names the field instead."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"num_attention_heads": 16, "num_key_value_heads": 8, "hidden_size": 4096,
                                 "head_dim": 256, "num_hidden_layers": 30, **extra}))
@@ -364,3 +363,55 @@ def test_gemma_4_config_counts_each_kind_of_layer_at_its_shape(tmp_path, scheme)
         assert plan.paged_sequence_bytes(shape, scheme, 300) == sum(per_kind)
         with pytest.raises(ValueError, match="global layers have 1 x 128"):
             plan.VllmEngine().pool(shape, [scheme] * 6)
+
+
+def test_kv_shared_layers_keep_no_cache_in_the_plan(tmp_path):
+    """Gemma 4's small models (num_kv_shared_layers): the shared layers count no bytes, so plan's contiguous
+    bytes are what RKVCache allocates (its cache layers only); the vLLM pool's arithmetic and a per-layer
+    allocation, which do not count them, refuse the model by name."""
+    transformers = pytest.importorskip("transformers")
+    from torch_rkv.integrations.transformers import RKVCache
+
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, global_head_dim=64, sliding_window=16, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=128, num_hidden_layers=6, num_kv_shared_layers=2,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"])
+    cfg.to_json_file(tmp_path / "config.json")
+    shape = plan.from_config(str(tmp_path / "config.json"), 1e6)
+    assert (shape.layers, shape.sliding_layers, shape.kv_shared_layers, shape.global_shape) == (4, 3, 2, (2, 64))
+    model = transformers.Gemma4ForCausalLM(cfg).eval()
+    for scheme in (S.recommended(4), S.recommended(2)):
+        for context in (8, 300):
+            cache = RKVCache(model, scheme, capacity=context, batch=2, dtype=torch.float16)
+            assert plan.kv_bytes(shape, scheme, context, 2) == cache.nbytes()
+    unshared = dataclasses.replace(plan.from_config(str(tmp_path / "config.json"), 1e6), layers=6, sliding_layers=4,
+                                   sliding=(True, True, False, True, True, False), kv_shared_layers=0)
+    assert plan.kv_bytes(unshared, S.recommended(4), 300, 2) > plan.kv_bytes(shape, S.recommended(4), 300, 2)
+    flat = dataclasses.replace(shape, global_shape=None)  # (past the one-shape refusal)
+    with pytest.raises(ValueError, match="does not count KV caches shared between layers"):
+        plan.VllmEngine().pool(flat, [S.recommended(4)] * 4)
+    cfg.num_kv_shared_layers = 6
+    cfg.to_json_file(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="num_kv_shared_layers 6 of 6 layers"):
+        plan.from_config(str(tmp_path / "config.json"), 1e6)
+
+
+def test_gpt_2_style_configs_and_multi_query_attention(tmp_path):
+    """StarCoder's config.json (GPT-BigCode): GPT-2's names for the shape (n_layer, n_head, n_embd) and
+    multi-query attention as a flag, one KV head where num_key_value_heads is absent; Falcon's flags read
+    as transformers' config reads them."""
+    path = tmp_path / "config.json"
+    starcoder = {"model_type": "gpt_bigcode", "n_layer": 40, "n_head": 48, "n_embd": 6144, "n_inner": 24576,
+                 "multi_query": True, "vocab_size": 49152}
+    path.write_text(json.dumps(starcoder))
+    shape = plan.from_config(str(path), None)
+    assert (shape.layers, shape.kv_heads, shape.head_dim) == (40, 1, 128)
+    path.write_text(json.dumps({**starcoder, "multi_query": False}))
+    assert plan.from_config(str(path), None).kv_heads == 48
+    # Falcon: one KV head by default (7B), its num_kv_heads with the new decoder architecture (40B, 180B)
+    transformers = pytest.importorskip("transformers")
+    for extra, want in (({}, 1), ({"multi_query": False}, 4), ({"new_decoder_architecture": True, "num_kv_heads": 2}, 2)):
+        cfg = transformers.FalconConfig(num_attention_heads=4, hidden_size=128, num_hidden_layers=2, **extra)
+        path.write_text(json.dumps({k: v for k, v in cfg.to_dict().items() if k != "num_key_value_heads"}))
+        assert cfg.num_key_value_heads == want == plan.from_config(str(path), None).kv_heads, extra

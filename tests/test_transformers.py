@@ -119,8 +119,9 @@ def test_a_second_turn_runs_the_prefill_kernel_over_the_quantized_cache(monkeypa
     want = model.generate(second, max_new_tokens=12, do_sample=False)
 
     calls = []
-    prefill = QuantizedKVCache.prefill
-    monkeypatch.setattr(QuantizedKVCache, "prefill", lambda self, *a, **k: calls.append(1) or prefill(self, *a, **k))
+    attend_chunk = QuantizedKVCache.attend_chunk  # (the prefill op over the cache, its append apart: KV sharing)
+    monkeypatch.setattr(QuantizedKVCache, "attend_chunk",
+                        lambda self, *a, **k: calls.append(1) or attend_chunk(self, *a, **k))
     monkeypatch.setattr(QuantizedKVCache, "dequantized", lambda *a: pytest.fail("the chunk path dequantized the cache"))
     cache = RKVCache(model, scheme, capacity=128)
     model.generate(first, max_new_tokens=8, do_sample=False, cache=cache)
@@ -154,13 +155,27 @@ def test_every_preset_generates_at_low_bits():
         assert out.shape == (1, 38)
 
 
-def test_decode_without_the_fused_attention_is_an_error():
+@pytest.mark.parametrize("tokens", [2, 4])
+def test_decode_without_the_fused_attention_is_an_error(tokens):
+    """Decode steps whose attention is not the fused one saw the new token alone: an error, the last step's
+    too (two new tokens: one decode step, whose wrong token no later update would have caught)."""
     model = tiny_llama()
     ids = torch.randint(0, 160, (1, 10))
     cache = RKVCache(model, S.per_token(8), capacity=32)
     model.set_attn_implementation("sdpa")  # the user switched it back: decode would see one key only
     with pytest.raises(RuntimeError, match="did not use the fused attention"):
-        model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+        model.generate(ids, max_new_tokens=tokens, do_sample=False, cache=cache)
+    assert not any(layer.pending for layer in cache.layers)
+    if tokens == 2:  # a cache passed by position; chunks no layer attended over: appended, every layer alike
+        with pytest.raises(RuntimeError, match="did not use the fused attention"):
+            model(torch.randint(0, 160, (1, 1)), None, None, cache)
+        from torch_rkv.integrations.transformers import _check_steps_ran
+
+        for layer in cache.layers:
+            layer.update(torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32))
+        with pytest.raises(RuntimeError, match="the cache holds this forward's tokens"):
+            _check_steps_ran(model, (), {"cache": cache}, None)
+        assert [layer.get_seq_length() for layer in cache.layers] == [17] * 3
 
 
 def test_padded_batches_are_refused():
@@ -206,7 +221,7 @@ def test_decode_guards_run_on_the_device_without_host_reads():
     assert reads.count == 0 and out.shape == (1, 1, 6, 32)
     for layer in cache.layers[1:]:  # the other layers of this step
         layer.update(k, v, position_ids=torch.tensor([[n]]))
-        layer.pending = False
+        layer.awaiting.clear()
     with pytest.raises(RuntimeError, match="position_ids must equal the cache slots"):
         cache.layers[0].update(k, v, position_ids=torch.tensor([[n + 5]]))
     key, value = cache.layers[0].update(k, v, position_ids=torch.tensor([[n + 1]]))

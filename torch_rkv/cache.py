@@ -141,10 +141,10 @@ class QuantizedKVCache(torch.nn.Module):
             if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != want:
                 raise ValueError(f"QuantizedKVCache.append: {name} must have shape (batch={lay.batch}, "
                                  f"kv_heads={lay.kv_heads}, tokens, head_dim={lay.head_dim}), got {list(t.shape)}")
-        self._append_storage(layer, *self.to_storage(layer, k, v))
+        self.append_stored(layer, *self.to_storage(layer, k, v))
 
-    def _append_storage(self, layer: int, ks: torch.Tensor, vs: torch.Tensor) -> None:
-        """Append tokens already in the storage space and dtype, after the capacity check."""
+    def append_stored(self, layer: int, ks: torch.Tensor, vs: torch.Tensor) -> None:
+        """Append tokens already in the storage space and dtype (to_storage), after the capacity check."""
         m = ks.shape[-2]
         # checked on the lengths' device: no host sync per step, and the same check eager and compiled,
         # on CPU (raises here) and CUDA (a device-side assert)
@@ -180,8 +180,18 @@ class QuantizedKVCache(torch.nn.Module):
         form of a second turn, chunked prefill or speculative verification (rkv::paged_prefill_attention
         over the contiguous layout). sink_logits: as attend's."""
         self._check_layer(layer)
-        b, hq, m, d = q.shape
         ks, vs = self.to_storage(layer, k, v)
+        out = self.attend_chunk(layer, q, ks, vs, scale, split_tokens, sink_logits)
+        self.append_stored(layer, ks, vs)
+        return out
+
+    def attend_chunk(self, layer: int, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                     scale: Optional[float] = None, split_tokens: int = 0,
+                     sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """prefill's attention without its append: the chunk given in storage form (to_storage), so that
+        several layers can attend over one chunk before it is appended once (KV-shared layers)."""
+        self._check_layer(layer)
+        b, hq, m, d = q.shape
         rows = lambda t: t.transpose(1, 2).reshape(b * m, t.shape[1], d)  # noqa: E731  (B, H, m, D) -> (B*m, H, D)
         qsl = torch.arange(b + 1, device=q.device) * m
         s = self.scheme
@@ -190,7 +200,6 @@ class QuantizedKVCache(torch.nn.Module):
                                       self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
                                       split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer),
                                       *layer_outliers(self, layer), sink_logits)
-        self._append_storage(layer, ks, vs)
         return out.reshape(b, m, hq, d).transpose(1, 2)
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,8 +29,8 @@ GB = 1000**3
 
 @dataclass(frozen=True)
 class ModelShape:
-    """layers: all of them; sliding_layers of them attend to (and so keep) only the newest sliding_window
-    tokens, the rest attend to the whole context."""
+    """layers: all of them that keep a KV cache; sliding_layers of them attend to (and so keep) only the newest
+    sliding_window tokens, the rest attend to the whole context."""
 
     name: str
     layers: int
@@ -43,6 +43,9 @@ class ModelShape:
     # (KV heads, head_dim) of the full-attention layers where they differ from the sliding layers' (Gemma 4's
     # global layers; kv_heads and head_dim are then the sliding layers')
     global_shape: tuple[int, int] | None = None
+    # layers beyond `layers` that attend over an earlier layer's cache and keep none (Gemma 3n, Gemma 4's small
+    # models: num_kv_shared_layers), so they count no bytes
+    kv_shared_layers: int = 0
 
     def __post_init__(self):
         if not 0 <= self.sliding_layers <= self.layers or (self.sliding_layers > 0) != bool(self.sliding_window):
@@ -81,6 +84,13 @@ class ModelShape:
             raise ValueError(f"plan: {what} takes one KV heads x head_dim for every layer; {self.name}'s global "
                              f"layers have {self.global_shape[0]} x {self.global_shape[1]}, its sliding layers "
                              f"{self.kv_heads} x {self.head_dim}")
+
+    def own_caches(self, what: str) -> None:
+        """Refuse `what` (a computation whose engine gives every layer a cache) for a model with KV-shared
+        layers."""
+        if self.kv_shared_layers:
+            raise ValueError(f"plan: {what} does not count KV caches shared between layers ({self.name}: "
+                             f"{self.kv_shared_layers} layers reuse earlier ones')")
 
     def weight_bytes(self, bits: float) -> float:
         return self.params * bits / 8
@@ -145,22 +155,31 @@ def sliding_layers_of(cfg: dict) -> list[bool]:
     return [True] * n
 
 
+# config.json names of GPT-2-style families (transformers' attribute_map) -> the names the planner reads
+GPT2_NAMES = {"num_attention_heads": "n_head", "num_hidden_layers": "n_layer", "hidden_size": "n_embd",
+              "intermediate_size": "n_inner"}
+
+
 def from_config(path: str, params: float | None) -> ModelShape:
     """A transformers config.json: layers (and which of them slide, sliding_layers_of), KV heads,
     head_dim; parameters from --params or estimated from the config (embeddings + attention + gated MLP)."""
     with open(path) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
+    for name, gpt2 in GPT2_NAMES.items():  # (GPT-2-style configs: GPT-BigCode, GPT-J, ...)
+        if name not in cfg and gpt2 in cfg:
+            cfg[name] = cfg[gpt2]
     heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
+    # multi-query attention as a flag (GPT-BigCode; Falcon, by default, unless new_decoder_architecture: then its
+    # num_kv_heads), as transformers' configs derive num_key_value_heads
+    multi_query = cfg.get("multi_query", cfg.get("model_type") == "falcon") and not cfg.get("new_decoder_architecture")
+    kv = cfg.get("num_key_value_heads") or (1 if multi_query else cfg.get("num_kv_heads") or heads)
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
     layers = cfg["num_hidden_layers"]
-    for key, what in (("kv_lora_rank", "multi-head latent attention"),
-                      ("num_kv_shared_layers", "KV caches shared between layers (Gemma 3n / 4's small models)")):
-        if cfg.get(key):
-            raise ValueError(f"plan: {path} has {what} ({key} {cfg[key]}); the planner counts one cache of KV heads "
-                             "x head_dim per layer")
+    if cfg.get("kv_lora_rank"):
+        raise ValueError(f"plan: {path} has multi-head latent attention (kv_lora_rank {cfg['kv_lora_rank']}); the "
+                         "planner counts one cache of KV heads x head_dim per layer")
     gemma4 = str(cfg.get("model_type", "")).startswith("gemma4")  # (its global layers' shape: read below)
     same = {"v_head_dim": head_dim, **({} if gemma4 else {"global_head_dim": head_dim,
                                                            "num_global_key_value_heads": kv})}
@@ -169,7 +188,13 @@ def from_config(path: str, params: float | None) -> ModelShape:
             raise ValueError(f"plan: {path} gives some layers' or the values' caches another shape ({key} "
                              f"{cfg[key]}); the planner counts one cache of KV heads x head_dim per layer")
     flags = sliding_layers_of(cfg)
-    sliding = sum(flags)
+    # KV sharing (Gemma 3n, Gemma 4's small models): the last num_kv_shared_layers layers reuse the caches of
+    # earlier ones (of their type) and keep none
+    shared = cfg.get("num_kv_shared_layers") or 0
+    if not 0 <= shared < layers:
+        raise ValueError(f"plan: {path} has num_kv_shared_layers {shared} of {layers} layers; some layer must keep "
+                         "the cache the others share")
+    sliding = sum(flags[: layers - shared])
     # each layer's (KV heads, head_dim): the config's, the overrides of a saved per_layer_config, or Gemma 4's
     # global layers as Gemma4TextConfig builds them (their head_dim; their KV heads where keys are also values)
     shapes = [(kv, head_dim)] * layers
@@ -181,6 +206,7 @@ def from_config(path: str, params: float | None) -> ModelShape:
         per_layer = {i: glob for i, f in enumerate(flags) if not f}
     for i, o in per_layer.items():
         shapes[i] = (o.get("num_key_value_heads", kv), o.get("head_dim", head_dim))
+    shapes, flags = shapes[: layers - shared], flags[: layers - shared]
     kinds = {f: {sh for sh, g in zip(shapes, flags) if g == f} for f in (True, False)}
     if any(len(k) > 1 for k in kinds.values()):
         raise ValueError(f"plan: {path} gives layers of one kind (sliding or not) different shapes {sorted(shapes)}; "
@@ -191,13 +217,13 @@ def from_config(path: str, params: float | None) -> ModelShape:
     elif kinds[False] or kinds[True]:
         kv, head_dim = next(iter(kinds[False] or kinds[True]))
     if params is None:
-        inter = cfg.get("intermediate_size", 4 * hidden)
+        inter = cfg.get("intermediate_size") or 4 * hidden
         attn = hidden * head_dim * (heads * 2 + kv * 2)
         mlp = 3 * hidden * inter
         emb = cfg.get("vocab_size", 0) * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
         params = layers * (attn + mlp) + emb
-    return ModelShape(cfg.get("_name_or_path") or path, layers, kv, head_dim, float(params), sliding,
-                      cfg.get("sliding_window") if sliding else None, tuple(flags), global_shape)
+    return ModelShape(cfg.get("_name_or_path") or path, layers - shared, kv, head_dim, float(params), sliding,
+                      cfg.get("sliding_window") if sliding else None, tuple(flags), global_shape, shared)
 
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
@@ -340,6 +366,7 @@ def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float
     layer's rows are then the tokens of the blocks it holds for a request, and each page's bytes per token are
     rounded up to the dtype, so the exact bytes are checked and the budget cut until they fit)."""
     model.one_shape("a per-layer allocation (its knapsack weighs every layer's rows alike)")
+    model.own_caches("a per-layer allocation (its sensitivity profile measures every layer)")
     nbytes = _bytes_to_fit(model, context, batch, dtype, engine)
     rows, lowest = _lowest(model, profile, budget, context, batch, dtype, nbytes)
     if engine is not None:  # a layer's pages hold the requests' whole blocks (a sliding one's: its window's)
@@ -450,6 +477,7 @@ class VllmEngine:
         """The engine's pool with the plugin (`schemes`, one a layer) or vLLM's own cache (None) in
         cache_dtype (None: the model dtype)."""
         model.one_shape("plan --vllm (the engine's pool)")
+        model.own_caches("plan --vllm (vLLM's pool)")
         block = self.block_for(schemes[0] if schemes else None)
         return VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
                         None if schemes is None else tuple(schemes), block, self.windows(model),
@@ -772,6 +800,8 @@ def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows
     if model.global_shape:
         print(f"the {model.full_layers} global layers: {model.global_shape[0]} KV heads x head_dim "
               f"{model.global_shape[1]} (bits/el above at head_dim {model.head_dim})")
+    if model.kv_shared_layers:
+        print(f"{model.kv_shared_layers} more layers attend over those layers' caches (KV sharing) and keep none")
     print(f"context {args.context:,} tokens x batch {args.batch}\n")
     print(f"{'scheme':14s} {'bits/el':>7s} {'KB/token':>9s} {'KV cache GB':>12s} {'fits':>5s} "
           f"{'longest ctx (b=1)':>18s} {'seqs @ ctx':>11s} {'paged':>6s}")

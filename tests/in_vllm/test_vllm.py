@@ -227,9 +227,14 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
                                                         "layer_types": ["sliding_attention", "full_attention"],
                                                         "tie_word_embeddings": True}),
 }
+# Gemma 4 with KV sharing (its E2B / E4B): layers 2 and 3 attend over layers 0's and 1's caches and keep none
+TINY_FAMILIES["gemma4_shared"] = ("Gemma4TextConfig", "Gemma4ForCausalLM", {
+    **TINY_FAMILIES["gemma4"][2], "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+    "layer_types": ["sliding_attention", "full_attention"] * 2})
 # Gemma 4 scores q . k of RMS-normed heads with a scale of 1 (not 1 / sqrt(head_dim)): its log-probabilities
-# move about 3x more for the same key error (tests/test_families.py)
-FAMILY_SENSITIVITY = {"gemma4": 0.6}
+# move about 3x more for the same key error, and where layers share caches a key's error reaches twice the
+# layers (tests/test_families.py)
+FAMILY_SENSITIVITY = {"gemma4": 0.6, "gemma4_shared": 1.2}
 
 
 def large_sinks(model) -> None:
@@ -250,7 +255,7 @@ def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, f
     Gemma 2's sliding windows (300-token prompts over 64-token windows: the kernel masks, vLLM frees the
     pages before the window) and soft-capping, Gemma 3's local and global layers, Cohere 2's interleaved
     sliding layers beside its NoPE global ones, Granite's attention_multiplier, Qwen3-MoE, GPT-OSS's
-    learned sinks and YaRN table: rkv-8
+    learned sinks and YaRN table, Gemma 4's layers of two shapes and its KV-shared layers: rkv-8
     against vLLM's own float32 cache. (Which table a layer un-rotates with shows in quantization error only: its own
     test checks the tables.)"""
     gen = __import__("random").Random(0)
@@ -258,6 +263,18 @@ def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, f
     assert_8_bits_agree_with_vllms_own_cache(family, tiny_family(tmp_path_factory, family), prompts,
                                              FAMILY_SENSITIVITY.get(family, TINY_SENSITIVITY),
                                              skip_tokenizer_init=True, max_model_len=512)
+
+
+def test_kv_shared_layers_read_each_chunk_before_it_is_appended(tmp_path_factory):
+    """Gemma 4's KV-shared layers over prompts prefilled in chunks of 128 tokens: every reader of a cache
+    attends over it as it stood before the chunk (whose append would overwrite the window's ring and
+    quantize its blocks), and the last appends the chunk; rkv-8 agrees with vLLM's own cache, whose shared
+    layers read the target's pages. (Measured: appending before the readers attend fails this.)"""
+    gen = __import__("random").Random(2)
+    prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
+    assert_8_bits_agree_with_vllms_own_cache("gemma4-shared-chunked", tiny_family(tmp_path_factory, "gemma4_shared"),
+                                             prompts, FAMILY_SENSITIVITY["gemma4_shared"], skip_tokenizer_init=True,
+                                             max_model_len=512, max_num_batched_tokens=128)
 
 
 # Gemma 3 with 7 sliding layers and 2 full ones: vLLM's hybrid manager cuts the sliding bucket into 4

@@ -114,7 +114,9 @@ def calibrate(model, ids: torch.Tensor, widths: tuple[int, ...] = WIDTHS, pin_en
     reads of each value)."""
     if weighting not in ("mse", "attention"):
         raise ValueError(f"calibrate: weighting must be 'mse' or 'attention' (got {weighting!r})")
-    layers = models.inspect(model).layers
+    att = models.inspect(model)
+    models.refuse_shared_caches(att, "per-layer levels")  # (a shared layer's are its source's, fitted to its reads)
+    layers = att.layers
     make = simulations_for(model, ids.shape[1])
     probe = make(recommended(min(widths)))
     recorder = _Recorder(probe.scheme, probe.rope_cos, probe.rope_sin, probe.rope_interleaved, probe.layer_rope)

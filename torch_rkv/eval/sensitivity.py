@@ -129,11 +129,13 @@ def load_or_measure(model, tok, levels: tuple[int, ...], text: str = CALIBRATION
                     tokens: int = CALIBRATION_TOKENS, progress: Callable[[int, int, int], None] = lambda *_: None
                     ) -> Sensitivity:
     """The cached profile of `model` on `text` covering `levels`, measuring (and caching) what is missing."""
+    att = models.inspect(model)  # an unsupported model feature stops here, named
+    models.refuse_shared_caches(att, "a per-layer bit allocation")  # (a shared layer's bits are its source's)
     cached = stored_profile(model, levels, text, tokens)
     if cached is not None and cached.covers(levels):
         return cached.restricted(tuple(levels))
     profile = measure(model, calibration_ids(tok, text, tokens), levels, simulations_for(model, tokens),
-                      models.inspect(model).layers, cached, progress)
+                      att.layers, cached, progress)
     profile.model, profile.text = model_key(model), Path(text).name
     path = profile_path(model, text, tokens, levels)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from transformers.masking_utils import sdpa_mask
 
 from .. import outliers, reference
 from ..codebook import fp8_round_trip, gaussian_round_trip
-from ..integrations.models import UnsupportedModelFeature, attention_modules, learned_sinks
+from ..integrations.models import UnsupportedModelFeature, attention_modules, inspect, learned_sinks
 from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.quant import dequantize, quantize
 from ..ops.rope import rope
@@ -281,7 +281,7 @@ def simulated_attention(module, query, key, value, attention_mask, scaling=None,
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     return sim.attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5,
-                         attention_mask, kwargs.get("softcap") or 0.0, getattr(module, "layer_idx", None)), None
+                         attention_mask, kwargs.get("softcap") or 0.0, getattr(module, "rkv_source", None)), None
 
 
 def model_mask(mask: torch.Tensor, nq: int, n: int) -> torch.Tensor:
@@ -304,5 +304,8 @@ def install(model, simulation: Optional[Simulation]) -> None:
         raise UnsupportedModelFeature("torch_rkv: learned attention sinks (GPT-OSS) are not supported in the report's "
                                       "simulations (RKVCache and the quantized cache ops serve them)")
     model.set_attn_implementation(ATTENTION)
-    for module in modules:
+    # a KV-shared layer (Gemma 3n) quantizes as the layer whose cache it reads: its keys and values, scheme and levels
+    sources = inspect(model).kv_sources if simulation is not None else ()
+    for i, module in enumerate(modules):
         module.rkv_simulation = simulation
+        module.rkv_source = sources[i] if sources else i

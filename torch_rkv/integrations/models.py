@@ -22,8 +22,8 @@ dots.llm1, CodeGen (GPT-J's pairs), Cohere 2 MoE, PhiMoE (its mask slides withou
 window). Not supported, each refused by name: ALiBi (Falcon, BLOOM, MPT), encoder-decoder models,
 bidirectional attention, chunked attention (Llama 4), hybrid layer types (Mamba, linear attention),
 multi-head latent attention, values of another head_dim than the keys (MiMo-V2-Flash), DiffLlama's
-differential attention, Doge's dynamic mask, KV cache sharing between layers (Gemma 3n, Gemma 4's small
-models).
+differential attention, Doge's dynamic mask. KV cache sharing between layers (Gemma 3n, Gemma 4's small
+models): a shared layer attends over the cache of the layer it reuses (kv_sources), which alone stores it.
 """
 
 from __future__ import annotations
@@ -62,6 +62,13 @@ class ModelAttention:
     softcap: float = 0.0  # attention-logit soft-capping (Gemma 2; 0: none)
     length_dependent: bool = False  # the rotary module picks its frequencies by the sequence length
     learned_sinks: bool = False  # learned attention sinks (GPT-OSS: a logit per query head in every softmax)
+    # the layer whose cache each layer attends over: itself, or, for a KV-shared layer (Gemma 3n, Gemma 4's
+    # small models), the earlier layer of its type that stores the keys and values it reuses (empty: itself)
+    kv_sources: tuple[int, ...] = ()
+
+    def source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends over (itself unless it shares another's)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
 
     @property
     def kv_heads(self) -> int:
@@ -169,8 +176,6 @@ def inspect(model) -> ModelAttention:
     if kind == "doge":  # (its mask is computed from the values: the fused kernels attend causally)
         _refuse(kind, "dynamic mask attention (Doge's learned, input-dependent attention mask)")
     modules = attention_modules(model)
-    if any(getattr(m, "is_kv_shared_layer", False) for m in modules):  # (a shared layer attends over another
-        _refuse(kind, "KV cache sharing between layers (Gemma 3n's num_kv_shared_layers)")  # layer's keys)
     if [getattr(m, "layer_idx", None) for m in modules] != list(range(cfg.num_hidden_layers)):
         _refuse(kind, "a model whose attention modules are not one self-attention per layer (none found, "
                       "cross-attention layers, or no layer_idx)")
@@ -213,12 +218,47 @@ def inspect(model) -> ModelAttention:
         if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
             _refuse(kind, f"the rotary table of {type(rotary).__name__}")
         rope_types = [t if applies_rope(kind, m) else NO_ROPE for m, t in zip(modules, rope_types)]
+    sources = kv_sources(kind, modules, [(shapes[i], windows[i], rope_types[i]) for i in range(len(modules))])
     return ModelAttention(kind, cfg.num_hidden_layers, tuple(s[0] for s in shapes), tuple(s[1] for s in shapes), rotary,
                           interleaved=kind in _INTERLEAVED + _INTERLEAVED_TABLES,
                           modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),
                           softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
                           length_dependent=length_dependent,
-                          learned_sinks=learned_sinks(modules))
+                          learned_sinks=learned_sinks(modules), kv_sources=sources)
+
+
+def refuse_shared_caches(att: ModelAttention, what: str) -> None:
+    """Refuse `what`, a per-layer computation that takes every layer for a cache of its own, for a model
+    whose layers share KV caches."""
+    if any(att.source(i) != i for i in range(att.layers)):
+        _refuse(att.model_type, f"{what} for a model whose layers share KV caches (Gemma 3n, Gemma 4's small models: "
+                                "a uniform scheme serves it)")
+
+
+def kv_sources(kind: str, modules, layouts) -> tuple[int, ...]:
+    """Each layer's cache source (ModelAttention.kv_sources). A KV-shared layer (is_kv_shared_layer: Gemma 3n,
+    Gemma 4) attends over the keys and values its model keeps by layer type from the layer of that type that
+    stores them (store_full_length_kv), as transformers' shared_kv_states does; it must read them as that
+    layer's cache holds them (shape, window, table). layouts: each layer's (shape, window, rope type)."""
+    stores: dict = {}
+    sources = []
+    for i, m in enumerate(modules):
+        if getattr(m, "store_full_length_kv", False):
+            if getattr(m, "layer_type", None) in stores:
+                _refuse(kind, f"two layers storing shared keys and values of type {m.layer_type}")
+            stores[getattr(m, "layer_type", None)] = i
+        if not getattr(m, "is_kv_shared_layer", False):
+            sources.append(i)
+            continue
+        source = stores.get(getattr(m, "layer_type", None))
+        if source is None:
+            _refuse(kind, f"KV-shared layer {i} of type {getattr(m, 'layer_type', None)} without an earlier layer "
+                          "that stores that type's keys and values")
+        if layouts[i] != layouts[source]:
+            _refuse(kind, f"KV-shared layer {i} that reads layer {source}'s keys and values with another "
+                          f"(shape, window, RoPE table): {layouts[i]} against {layouts[source]}")
+        sources.append(source)
+    return tuple(sources)
 
 
 def _layer_shape(cfg, layer: int) -> tuple[int, int]:

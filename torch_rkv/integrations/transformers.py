@@ -16,7 +16,8 @@ with a table built from the model's own rotary module (so its RoPE scaling varia
 kernel re-applies it. The model families of integrations/models.py (Llama, Qwen2/3, Mistral, Phi-3,
 GPT-NeoX, Phi-2, StableLM, GPT-J, Gemma 2, 3 and 4, Cohere 1 and 2, SmolLM3, EXAONE 4, Granite, OLMo 2 and 3,
 GPT-OSS, ...: GQA, partial and interleaved rotary, sliding windows, soft-capping, learned attention sinks,
-per-layer RoPE tables, layers without RoPE, layers of their own KV heads and head_dim);
+per-layer RoPE tables, layers without RoPE, layers of their own KV heads and head_dim, KV-shared layers
+that attend over another layer's cache and keep none);
 transformers 5.x (tested with 5.25). Not supported, each an error
 on every device (a device-side check, no host sync per step): left-padded batches and position offsets;
 also the model features models.py names and beam-search cropping. A RoPE whose table changes with the
@@ -26,13 +27,14 @@ as a fresh forward over the whole sequence would (RKVCache._follow_rope).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 
 try:
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 except ImportError as e:  # pragma: no cover - exercised only without transformers
@@ -66,16 +68,21 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
     sink_logits = kwargs.pop("s_aux", None)  # learned attention sinks (GPT-OSS), (Hq,)
     if layer is None and (kwargs.get("softcap") or sink_logits is not None):
         return _eager_attention(query, key, value, attention_mask, scaling, kwargs.get("softcap") or 0.0, sink_logits)
+    m, n = query.shape[2], key.shape[2]
     if layer is None:
+        if attention_mask is None and 1 < m < n:  # (SDPA's is_causal aligns the queries with the first keys; Gemma
+            # 4's KV-shared layers keep the last logits_to_keep queries of a prompt, whose mask the mask function
+            # left to is_causal): the queries are the last ones
+            attention_mask = torch.ones(m, n, dtype=torch.bool, device=query.device).tril(n - m)[None, None]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if not layer.pending or value is not layer.value:  # the fused kernels read the values the cache stored
-        what = "runs twice for one cache update" if not layer.pending else "reads other values than it cached"
-        raise ValueError(f"torch_rkv: layer {getattr(module, 'layer_idx', '?')}'s attention {what} (a model that "
+    idx = getattr(module, "layer_idx", layer.readers[0])  # (the model layer calling: the cache's own, or a sharer)
+    if idx not in layer.awaiting or value is not layer.value:  # the fused kernels read the values the cache stored
+        what = ("reads other values than it cached" if idx in layer.awaiting else "runs twice for one cache update"
+                if idx in layer.readers else f"reads layer {layer.readers[0]}'s cache, which it does not share")
+        raise ValueError(f"torch_rkv: layer {idx}'s attention {what} (a model that "
                          "transforms its values after the cache update, or attends twice over them, is not "
                          "supported: DiffLlama's differential attention)")
-    chunk, layer.chunk, layer.pending, layer.value = layer.chunk, None, False, None
-    m = query.shape[2]
     window = layer.cache.sliding_window
     for name, want, got in (("sliding_window", layer.window, kwargs.get("sliding_window")),
                             ("softcap", layer.cache.softcap, kwargs.get("softcap"))):
@@ -89,6 +96,10 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
                          f"{'passes' if sink_logits is not None else 'does not pass'} learned attention sinks "
                          f"(s_aux), but its cache was built for a model {'with' if layer.learned_sinks else 'without'} "
                          "them")
+    layer.awaiting.discard(idx)  # (after the checks: a refused call leaves the step to the hook, chunk and all)
+    chunk, final = layer.chunk, not layer.awaiting  # the last reader of a chunk appends it
+    if final:
+        layer.chunk, layer.value = None, None
     if attention_mask is not None:  # checked on the mask's device: no host sync per step
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         n = allowed.shape[-1]  # cached + new tokens
@@ -99,7 +110,12 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
                             "causally to every cached token (of its sliding window); padded batches (an attention "
                             "mask with masked positions) are not supported")
     if chunk is not None:  # several new tokens over the cache: rkv::paged_prefill_attention, then the append
-        out = layer.cache.prefill(layer.index, query, *chunk, scale=scaling, sink_logits=sink_logits)  # (B, Hq, m, D)
+        ks, vs = chunk
+        pad = ks.shape[-2] - m  # (Gemma's KV-shared layers may keep only the chunk's last queries: logits_to_keep)
+        q = torch.cat([query.new_zeros(*query.shape[:2], pad, query.shape[3]), query], 2) if pad else query
+        out = layer.cache.attend_chunk(layer.index, q, ks, vs, scale=scaling, sink_logits=sink_logits)[:, :, pad:]
+        if final:
+            layer.cache.append_stored(layer.index, ks, vs)
         return out.transpose(1, 2).to(query.dtype), None
     out = layer.cache.attend(layer.index, query[:, :, 0], scale=scaling, sink_logits=sink_logits)  # (B, Hq, D)
     return out[:, None].to(query.dtype), None  # (B, 1, Hq, D)
@@ -129,6 +145,42 @@ def enable(model) -> None:
     AttentionInterface.register(ATTENTION, rkv_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
+    if not getattr(model, "_rkv_checks_steps", False):  # (once per model, whatever the caches built on it)
+        model.register_forward_hook(_check_steps_ran, with_kwargs=True)
+        model._rkv_checks_steps = True
+
+
+def _check_steps_ran(model, args, kwargs, output) -> None:
+    """After a forward over an RKVCache: every step it marked ran the fused attention. A model whose
+    attention left it (switched back to SDPA, or attention code off transformers' attention interface)
+    attended over the new tokens alone; the next update would catch it, but a last step has none, and its
+    output is wrong, so it is refused here. The cache keeps the forward's tokens (a chunk no reader
+    appended is appended), so that its layers stay at one length."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None:  # (passed by position)
+        names = _forward_parameters(model)
+        cache = next((a for name, a in zip(names, args) if name in ("cache", "past_key_values")), None)
+    if not isinstance(cache, RKVCache):
+        return
+    missed = [i for i, layer in enumerate(cache.layers) if getattr(layer, "pending", False)]
+    if missed:
+        for i in missed:
+            layer = cache.layers[i]
+            if layer.chunk is not None:
+                layer.cache.append_stored(layer.index, *layer.chunk)
+        cache.reset_steps()
+        raise RuntimeError(f"torch_rkv: layers {missed} did not use the fused attention for the step the cache "
+                           "marked (the model's attention is not the \"rkv\" one: enable it with "
+                           "torch_rkv.integrations.transformers.enable(model), which RKVCache(model, ...) does; or "
+                           "the model's attention code does not go through transformers' attention interface); "
+                           "the cache holds this forward's tokens")
+
+
+def _forward_parameters(model) -> list[str]:
+    """The names of the model's forward parameters, in order (read once per model)."""
+    if not hasattr(model, "_rkv_forward_parameters"):
+        model._rkv_forward_parameters = list(inspect.signature(model.forward).parameters)
+    return model._rkv_forward_parameters
 
 
 class RKVLayer(CacheLayerMixin):
@@ -139,17 +191,24 @@ class RKVLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, cache: QuantizedKVCache, index: int, window: int = 0, learned_sinks: bool = False,
-                 window_in_mask: bool = False):
+                 window_in_mask: bool = False, readers: Sequence[int] = (0,)):
         super().__init__()
         self.cache = cache
         self.index = index
+        # the model layers that attend over this cache at every step: its own, then the KV-shared layers that
+        # reuse it (Gemma 3n, Gemma 4), each once
+        self.readers = tuple(readers)
         self.window = window  # the model's sliding window for this layer (the cache's, or one it never reaches)
         self.learned_sinks = learned_sinks  # the model has learned attention sinks, which SDPA cannot apply
         self.window_in_mask = window_in_mask  # the model masks by its window without passing it (PhiMoE)
-        self.pending = False  # a step awaits the fused attention
-        self.chunk = None  # the keys / values of a chunk it appends after attending
+        self.awaiting: set[int] = set()  # the readers a step still awaits (each runs the fused attention)
+        self.chunk = None  # the keys / values of a chunk (storage form) its last reader appends after attending
         self.value = None  # the values update returned for the pending step: the attention must read these
         self.is_initialized = True
+
+    @property
+    def pending(self) -> bool:  # a step awaits the fused attention
+        return bool(self.awaiting)
 
     def lazy_initialization(self, key_states, value_states) -> None:  # buffers are preallocated
         return None
@@ -164,7 +223,7 @@ class RKVLayer(CacheLayerMixin):
             self.cache.append(self.index, key_states, value_states)
             key = key_states.view_as(key_states)
             key._rkv_layer = self
-            self.pending, self.value = True, value_states
+            self.awaiting, self.value = set(self.readers), value_states
             return key, value_states
         n_before = self.cache.seq_length(self.index)  # a host read per chunk of several tokens, never per step
         if n_before == 0 and self.cache.softcap == 0 and not self.learned_sinks:  # prefill: SDPA on the fresh keys and
@@ -176,8 +235,8 @@ class RKVLayer(CacheLayerMixin):
         # cache as stored and the chunk in full precision, then appends the chunk
         key = key_states.view_as(key_states)
         key._rkv_layer = self
-        self.chunk = (key_states, value_states)
-        self.pending, self.value = True, value_states
+        self.chunk = self.cache.to_storage(self.index, key_states, value_states)
+        self.awaiting, self.value = set(self.readers), value_states
         return key, value_states
 
     def _check_positions(self, kwargs, m: int) -> None:
@@ -202,7 +261,7 @@ class RKVLayer(CacheLayerMixin):
         return self.cache.capacity
 
     def reset(self) -> None:
-        self.pending = False
+        self.awaiting = set()
         self.chunk = None
         self.value = None
 
@@ -231,16 +290,22 @@ class RKVCache(Cache):
         schemes = per_layer(scheme, att.layers, "RKVCache", f"a model of {att.layers} layers")
         for s, head_dim in set(zip(schemes, att.layer_head_dims)):
             s.check_head_dim(head_dim)
+        owners = [i for i in range(att.layers) if att.source(i) == i]  # KV-shared layers store nothing
+        for i in set(range(att.layers)) - set(owners):
+            if schemes[i] != schemes[att.source(i)]:
+                raise ValueError(f"RKVCache: layer {i} attends over layer {att.source(i)}'s keys and values (KV "
+                                 f"sharing), so its scheme must be that layer's ({schemes[att.source(i)].name}), "
+                                 f"not {schemes[i].name}")
         # one QuantizedKVCache per kind of layer: sliding-window layers keep a ring of their window (a window
         # as long as the capacity never binds), Gemma 3's local and global layers rotate by their tables,
         # layers of a per-layer allocation store their own bit widths, and Gemma 4's global layers their
         # own KV heads and head_dim
         kinds: dict[tuple, list[int]] = {}
-        for i in range(att.layers):
+        for i in owners:
             window = binding_window(att.windows[i], capacity)
             shape = (att.layer_kv_heads[i], att.layer_head_dims[i])
             kinds.setdefault((window, att.rope_types[i], schemes[i], shape), []).append(i)
-        layers: list[RKVLayer | None] = [None] * att.layers
+        layers: list = [DummyLayer() for _ in range(att.layers)]  # (as transformers' own caches hold shared layers)
         self.caches: list[QuantizedKVCache] = []
         tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # one per (table, length): kinds share them
         for (window, rope_type, scheme, (kv_heads, head_dim)), ids in kinds.items():
@@ -256,7 +321,8 @@ class RKVCache(Cache):
             self.caches.append(cache)
             for j, i in enumerate(ids):
                 layers[i] = RKVLayer(cache, j, att.windows[i], att.learned_sinks,
-                                     att.model_type in models.WINDOW_IN_MASK_ONLY)
+                                     att.model_type in models.WINDOW_IN_MASK_ONLY,
+                                     readers=[r for r in range(att.layers) if att.source(r) == i])
         super().__init__(layers=layers)
         # a length-dependent RoPE (dynamic NTK, LongRoPE): the pre-RoPE caches follow the table the model's
         # rotary module chose for this forward (update)
@@ -298,7 +364,7 @@ class RKVCache(Cache):
     @property
     def schemes(self) -> list[Scheme]:
         """Each layer's scheme."""
-        return [layer.cache.scheme for layer in self.layers]
+        return [self.layers[self._attention.source(i)].cache.scheme for i in range(len(self.layers))]
 
     def nbytes(self) -> int:
         """Exact bytes of the quantized KV buffers (every kind of layer)."""
@@ -307,5 +373,9 @@ class RKVCache(Cache):
     def reset(self) -> None:
         for cache in self.caches:
             cache.reset()
+        self.reset_steps()
+
+    def reset_steps(self) -> None:
+        """Forget the steps awaiting the fused attention (the caches keep what they hold)."""
         for layer in self.layers:
             layer.reset()

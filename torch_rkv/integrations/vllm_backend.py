@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 from vllm.v1.attention.backend import (
@@ -198,7 +198,9 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
                            "more tokens here than its largest page allows (python -m torch_rkv calibrate --split "
                            "keeps one total)", ", ".join(layer_names), real, padded)
         self.tracker = SlotTracker(side_slot_count(vllm_config), self.page_size, scheme.sinks, INITIAL_SLOTS, drafts)
-        self.slot_bytes = slot_bytes(scheme, len(layer_names), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
+        context = vllm_config.compilation_config.static_forward_context  # (KV-shared layers keep no side slots)
+        owners = [n for n in layer_names if getattr(context.get(n), "kv_sharing_target_layer_name", None) is None]
+        self.slot_bytes = slot_bytes(scheme, len(owners), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                                      kv_cache_spec.dtype, drafts)
         self.logged_slots = 0
         logger.info("torch_rkv: side pool of at most %d slots (max_num_seqs + 8), %.1f MiB, outside vLLM's KV pages",
@@ -295,8 +297,14 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        # a KV-shared layer (Gemma 3n, Gemma 4's small models) attends over its target layer's cache and keeps none
+        self.kv_source = kv_sharing_target_layer_name
+        config = get_current_vllm_config()
         for feature, present in (("ALiBi", alibi_slopes is not None),
-                                 ("KV cache sharing between layers", kv_sharing_target_layer_name),
+                                 ("KV cache sharing between layers with a per-layer allocation",
+                                  self.kv_source and configured_layers() is not None),
+                                 ("kv_sharing_fast_prefill (its shared layers see a subset of the tokens)",
+                                  self.kv_source and getattr(config.cache_config, "kv_sharing_fast_prefill", False)),
                                  (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it 'auto')",
                                   kv_cache_dtype != "auto"),
                                  (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
@@ -307,7 +315,6 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.sliding_window = int(sliding_window or 0)  # each query sees the newest sliding_window keys
         self.softcap = float(logits_soft_cap or 0.0)  # Gemma 2's attention-logit soft-capping
         self.sink_logits = sinks  # GPT-OSS's learned attention sinks (Hq,): the model's parameter, loaded later
-        config = get_current_vllm_config()
         self.vllm_config = config
         self.rope_cos = self.rope_sin = None
         self.rope_interleaved = False
@@ -319,6 +326,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self._tensors = None  # per-layer side pool and signs, made on the first forward
         self._views = None  # (key, page region views) of the cache tensor (regions)
         self.levels = None  # (k_levels, v_levels) of this layer, read on the first forward (it names the layer)
+        self.readers: tuple[str, ...] | None = None  # the KV-shared layers reading this layer's cache (_bind)
+        self.step: _Step | None = None  # this step's cache, for its readers
         # (self.scheme is the shared one until then: side rows, signs and RoPE are the same in every layer)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -343,13 +352,70 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             layer.attn_backend = layer_backend(layer_scheme(layer.layer_name))
 
     def _bind(self, layer, device) -> tuple:
-        """This layer's scheme (its row of an allocation) and codebook_rows, on the device: read once, on
-        the first forward, which names the layer. Returns the levels."""
+        """This layer's scheme (its row of an allocation) and codebook_rows, on the device, and the KV-shared
+        layers that read its cache: read once, on the first forward, which names the layer. Returns the levels."""
         if self.levels is None:
             self.scheme = layer_scheme(layer.layer_name)
             rows = codebook_rows(self.scheme, layer.layer_name)
             self.levels = tuple(None if t is None else t.to(device) for t in rows)
+            layers = self.vllm_config.compilation_config.static_forward_context
+            named = [n for n, x in layers.items()
+                     if getattr(x, "kv_sharing_target_layer_name", None) == layer.layer_name]
+            self.readers = tuple(n for n in named
+                                 if getattr(getattr(layers[n], "impl", None), "kv_source", None) == layer.layer_name)
+            if len(self.readers) != len(named):  # (a layer whose target was set after its impl was built: a
+                # drafter's layers, Gemma 4's MTP proposer)
+                raise NotImplementedError(f"torch_rkv's vLLM backend: {sorted(set(named) - set(self.readers))} share "
+                                          f"{layer.layer_name}'s KV cache, but their attention was not built as "
+                                          "KV-shared layers of torch_rkv's backend")
         return self.levels
+
+    def _source(self, layer) -> RKVAttentionImpl:
+        """The impl of the layer whose cache this KV-shared layer reads (checked to keep the same shape,
+        window and soft-cap: the cache was built for those)."""
+        target = self.vllm_config.compilation_config.static_forward_context.get(self.kv_source)
+        src = getattr(target, "impl", None)
+        if not isinstance(src, RKVAttentionImpl):
+            raise NotImplementedError(f"torch_rkv's vLLM backend: {layer.layer_name} shares the KV cache of "
+                                      f"{self.kv_source}, which is not a torch_rkv layer of this process (pipeline "
+                                      "parallelism across a shared cache is not supported)")
+        mine = (self.num_kv_heads, self.head_size, self.sliding_window, self.softcap)
+        theirs = (src.num_kv_heads, src.head_size, src.sliding_window, src.softcap)
+        if mine != theirs:
+            raise NotImplementedError(f"torch_rkv's vLLM backend: {layer.layer_name} reads the cache of "
+                                      f"{self.kv_source} with another (KV heads, head_size, sliding_window, "
+                                      f"softcap): {mine} against {theirs}")
+        return src
+
+    def _attend(self, query: torch.Tensor, step: _Step, md: RKVMetadata) -> torch.Tensor:
+        """This layer's queries over a step's cache: the decode kernel (the new tokens already appended), or
+        the prefill kernel over the cache as stored and the step's tokens in full precision."""
+        s = step.scheme
+        common = (md.block_tables, md.side_slots)
+        attend = (s.k_bits, s.v_bits, s.block, s.recent, *step.rope, step.interleaved, *step.signs, self.scale, 0,
+                  self.sliding_window, self.softcap)
+        if md.decode:
+            return paged_decode_attention(query, *step.cache, *common, md.seq_lens, *attend, **step.kw,
+                                          sink_logits=self.sink_logits)
+        return paged_prefill_attention(query, step.k, step.v, md.query_start_loc, md.max_query_len, *step.cache,
+                                       *common, md.lengths, *attend, **step.kw, sink_logits=self.sink_logits)
+
+    def _forward_shared(self, layer, query: torch.Tensor, md: RKVMetadata, output: torch.Tensor) -> torch.Tensor:
+        """A KV-shared layer: its queries over the step its target layer left (Gemma's shared layers pass
+        no keys or values); the last reader of a chunk appends it."""
+        step = self._source(layer).step
+        if step is None or layer.layer_name not in step.awaiting:
+            raise RuntimeError(f"torch_rkv's vLLM backend: {layer.layer_name} attends over {self.kv_source}'s cache, "
+                               "which did not run this step (or this layer ran twice)")
+        step.awaiting.discard(layer.layer_name)
+        t = md.num_actual_tokens
+        out = self._attend(query[:t], step, md)
+        if not step.awaiting:
+            if not md.decode:
+                step.append()
+            step.k = step.v = step.append = None  # (nothing is kept past the step)
+        output[:t].copy_(out.view_as(output[:t]))
+        return output
 
     def _layer_state(self, query: torch.Tensor, slots: int):
         """(side pool, Hadamard signs, RoPE tables) of this layer; the side pool grown to `slots`."""
@@ -388,12 +454,17 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                 output_block_scale=None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("torch_rkv's vLLM backend: fused output quantization is not supported")
+        if self.kv_source is not None:  # (no side pool of its own either)
+            return output if attn_metadata is None else self._forward_shared(layer, query, attn_metadata, output)
         if attn_metadata is None:  # profiling run: the side pool exists now, so that vLLM's memory profile
             self._layer_state(query, INITIAL_SLOTS)  # (on a GPU, what it leaves to the KV pool) counts it
             return output
         md = attn_metadata
         t = md.num_actual_tokens
         levels = self._bind(layer, query.device)
+        if self.step is not None and self.step.awaiting:
+            raise RuntimeError(f"torch_rkv's vLLM backend: the KV-shared layers {sorted(self.step.awaiting)} did not "
+                               f"attend over {layer.layer_name}'s cache in the last step")
         side, (k_signs, v_signs), (cos, sin) = self._layer_state(query, md.slot_count)
         views = self.regions(kv_cache, kv_cache.shape[2], query.dtype)
         cache = [views["k_codes"], views["k_scale"], views.get("k_zero"), views["v_codes"], views["v_scale"],
@@ -411,22 +482,21 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             v = hadamard(v, v_signs)
         k, v = k.to(query.dtype).contiguous(), v.to(query.dtype).contiguous()
         kw = {"k_levels": levels[0], "v_levels": levels[1], "k_outliers": outliers[0], "v_outliers": outliers[1]}
-        common = (md.block_tables, md.side_slots)
-        attend = (s.k_bits, s.v_bits, s.block, s.recent, cos, sin, self.rope_interleaved, k_signs, v_signs, self.scale,
-                  0, self.sliding_window, self.softcap)
 
         def append():
-            paged_append(*cache, None, *common, md.lengths, md.query_start_loc, k, v, s.k_bits, s.v_bits, s.block,
-                         s.recent, s.k_clip, s.v_clip, **kw)
+            paged_append(*cache, None, md.block_tables, md.side_slots, md.lengths, md.query_start_loc, k, v, s.k_bits,
+                         s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, **kw)
 
+        if self.readers and not md.decode:  # (the last reader appends them, after later layers ran: under CUDA
+            k, v = k.clone(), v.clone()   # graphs the memory of key / value, which they may alias, is reused)
+        step = _Step(cache, kw, s, (cos, sin), (k_signs, v_signs), self.rope_interleaved, k, v, append,
+                     set(self.readers))
         if md.decode:  # one new token a request and every older token read where it was (append_keeps_reads):
             append()  # appended first, it is read from the window by the decode kernel (faster for one query)
-            out = paged_decode_attention(query[:t], *cache, *common, md.seq_lens, *attend, **kw,
-                                         sink_logits=self.sink_logits)
-        else:  # the new tokens see the cache as stored and themselves in full precision, then are appended
-            out = paged_prefill_attention(query[:t], k, v, md.query_start_loc, md.max_query_len, *cache, *common,
-                                          md.lengths, *attend, **kw, sink_logits=self.sink_logits)
+        out = self._attend(query[:t], step, md)  # (a chunk: the cache as stored, the chunk in full precision)
+        if not md.decode and not self.readers:  # (then appended, by the last reader where layers share the cache)
             append()
+        self.step = step if self.readers else None
         output[:t].copy_(out.view_as(output[:t]))
         return output
 
@@ -458,6 +528,24 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                 t = torch.tensor(ring)
                 rows = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv, outl, s.block)
                 window[init.dst, :, t % w] = rows.to(window.dtype)
+
+
+@dataclass
+class _Step:
+    """What a layer's forward leaves for the KV-shared layers that read its cache in the same step: the
+    cache views and kernel arguments, the step's tokens in storage form, and the append a chunk's last
+    reader runs (a chunk is attended by every reader over the cache as it stood)."""
+
+    cache: list
+    kw: dict
+    scheme: Scheme
+    rope: tuple
+    signs: tuple
+    interleaved: bool
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    append: Callable[[], None] | None
+    awaiting: set  # the readers still to attend this step
 
 
 # vLLM models whose rotary embedding is a get_rope(...) table built from the config the way each model
