@@ -205,6 +205,10 @@ UNSUPPORTED = {
                      "dynamic mask attention"),
     "differential attention": (lambda: build("DiffLlamaConfig", "DiffLlamaForCausalLM", num_attention_heads=4,
                                              num_key_value_heads=2), "differential attention"),
+    # XGLM keeps its own attention code (transformers only warns): its attention would never run the kernels
+    "off the attention interface": (lambda: build("XGLMConfig", "XGLMForCausalLM", attention_heads=4, d_model=128,
+                                                  num_layers=2, ffn_dim=192),
+                                    "attention code off transformers' attention interface"),
     "bidirectional attention": (lambda: build("Gemma3TextConfig", "Gemma3ForCausalLM", num_attention_heads=4,
                                               num_key_value_heads=2, head_dim=32, use_bidirectional_attention=True),
                                 "bidirectional attention"),
@@ -626,25 +630,41 @@ def test_kv_shared_layers_keep_the_last_queries_of_a_prompt_causal():
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 
-# absolute position embeddings, no RoPE: GPT-2, and GPT-BigCode (StarCoder) with one KV head (multi_query) or one a
-# query head (its config counts heads as n_head)
+# absolute position embeddings, no RoPE: GPT-2, OPT, and GPT-BigCode (StarCoder) with one KV head (multi_query) or
+# one a query head (its config counts heads as n_head)
 ABSOLUTE = {"gpt2": ("GPT2Config", "GPT2LMHeadModel", {"num_attention_heads": 4}),
+            "opt": ("OPTConfig", "OPTForCausalLM", {"num_attention_heads": 4, "ffn_dim": 192,
+                                                    "word_embed_proj_dim": 128}),
             "gpt_bigcode_mqa": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"n_head": 4, "multi_query": True}),
             "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"n_head": 4, "multi_query": False})}
 
 
 @pytest.mark.parametrize("name", list(ABSOLUTE))
-def test_models_without_rope_serve_post_rope_schemes_and_refuse_pre_rope_ones(name):
-    """A model without rotary embeddings keeps its keys as they are: per-token and KIVI schemes generate as
-    transformers' cache does, at each family's KV heads (GPT-BigCode's MQA: 1); a pre-RoPE scheme, whose
-    format assumes a table, is refused by name."""
+def test_models_of_absolute_positions_store_their_keys_as_they_are(name, monkeypatch):
+    """A model of absolute positions rotates no layer (every layer NO_ROPE): pre-RoPE schemes store each key as
+    it is, per channel (the identity table); rkv-8, per-token-8 and KIVI-8 generate as transformers' cache
+    does, at each family's KV heads (GPT-BigCode's MQA: 1); the report's simulation, nothing quantized, is
+    the stock forward."""
     model = build(*ABSOLUTE[name][:2], **ABSOLUTE[name][2])
     att = models.inspect(model)
-    assert att.rotary is None and att.layer_kv_heads == ((1, 1) if name == "gpt_bigcode_mqa" else (4, 4))
-    for scheme in (S.per_token(8), S.kivi(8, block=8, recent=16)):
+    assert att.rotary is None and att.rope_types == (models.NO_ROPE,) * 2
+    assert att.layer_kv_heads == ((1, 1) if name == "gpt_bigcode_mqa" else (4, 4))
+    for scheme in (S.recommended(8).replace(k_block_tokens=16, recent=16), S.per_token(8),
+                   S.kivi(8, block=8, recent=16)):
         cache = assert_generates_as_transformers_cache(model, scheme)
         assert cache.caches[0].layout.kv_heads == att.layer_kv_heads[0]
-    with pytest.raises(models.UnsupportedModelFeature, match="a pre-RoPE scheme on a model without rotary"):
+    cos, sin = models.rope_tables(model, 64)
+    assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
+    assert_simulation_is_stock(model, prompt(40), Simulation(S.recommended(4), cos, sin, quantize_keys=False,
+                                                             quantize_values=False))
+
+
+def test_rotary_inside_the_attention_is_refused_for_pre_rope_schemes():
+    """RoFormer rotates inside its attention, by no model-level rotary module: a pre-RoPE scheme, which
+    un-rotates by the model's table, is refused by name rather than taking its layers for NoPE ones."""
+    model = build("RoFormerConfig", "RoFormerForCausalLM", num_attention_heads=4, is_decoder=True)
+    assert models.inspect(model).rope_types == (None, None)
+    with pytest.raises(models.UnsupportedModelFeature, match="rotary table is not a model-level module"):
         RKVCache(model, S.recommended(8), capacity=128)
 
 

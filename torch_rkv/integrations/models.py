@@ -15,7 +15,8 @@ whatever an image does to the positions), layers without
 RoPE beside rotated ones (SmolLM3's no_rope_layers, Cohere 2's, EXAONE 4's and EXAONE MoE's global layers:
 NO_ROPE; Beam's, Ergo's and Flint's global layers, whose rope parameters are None or that skip it);
 Gemma 4 (global layers of their own head_dim and KV heads, each kind of layer its own cache, and a
-partial "proportional" table; its decoder beside the vision encoder); RoPE whose table changes with the
+partial "proportional" table; its decoder beside the vision encoder); models of absolute positions (GPT-2,
+GPT-BigCode, OPT, ...: every layer NO_ROPE); RoPE whose table changes with the
 sequence length (dynamic NTK, Phi-3's LongRoPE) in the cache (RKVCache re-reads the table every forward:
 length_dependent), not in the report's simulations. Also run and tested: Granite, OLMo 2 and 3,
 dots.llm1, CodeGen (GPT-J's pairs), Cohere 2 MoE, PhiMoE (its mask slides without the module naming the
@@ -39,6 +40,8 @@ _INTERLEAVED = ("gptj", "codegen")  # pairs (2j, 2j + 1) from a fixed [sin | cos
 # pairs (2j, 2j + 1) from cos/sin with each frequency repeated
 _INTERLEAVED_TABLES = ("cohere", "cohere2", "cohere2_moe", "ergo")
 _HALF_TABLES = ("gpt_oss",)  # rotate-half pairs (j, j + D/2) from cos/sin holding each frequency once
+# families that rotate inside their attention modules, by no rotary module at the model level (nor one named so)
+_ROTARY_IN_ATTENTION = ("roformer",)
 NO_ROPE = "no_rope"  # the rope type of a layer that rotates nothing (NoPE): its table is the identity
 
 
@@ -206,6 +209,11 @@ def inspect(model) -> ModelAttention:
     rotary = getattr(base, "rotary_emb", None) or getattr(getattr(base, "language_model", None), "rotary_emb", None)
     rope_types = [None] * len(modules)
     length_dependent = False
+    if rotary is None and kind not in _ROTARY_IN_ATTENTION and not any(
+            "rotary" in type(m).__name__.lower() for m in model.modules()):
+        # absolute positions (GPT-2, GPT-BigCode, OPT, XGLM, BioGPT, ...): no layer rotates, so pre-RoPE schemes
+        # store each key as it is (the identity table), per channel
+        rope_types = [NO_ROPE] * len(modules)
     if rotary is not None:
         tables = getattr(rotary, "layer_types", None) or []
         kinds = getattr(rotary, "rope_type", None) or (getattr(cfg, "rope_parameters", None) or {}).get(
@@ -225,6 +233,17 @@ def inspect(model) -> ModelAttention:
                           softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
                           length_dependent=length_dependent,
                           learned_sinks=learned_sinks(modules), kv_sources=sources)
+
+
+def check_attention_interface(model, implementation: str) -> None:
+    """After model.set_attn_implementation(implementation): refuse a model that kept its own attention code,
+    off transformers' attention interface (XGLM, BigBird, RoFormer, ...: transformers only warns, and their
+    attention would never run the fused kernels)."""
+    cfg = text_config(model)
+    if getattr(cfg, "_attn_implementation", None) != implementation:
+        _refuse(getattr(cfg, "model_type", type(model).__name__),
+                "attention code off transformers' attention interface (the model kept its "
+                f"{getattr(cfg, '_attn_implementation', None)!r} attention)")
 
 
 def refuse_shared_caches(att: ModelAttention, what: str) -> None:
@@ -286,15 +305,16 @@ def module_rope_tables(att: ModelAttention, positions: int, device=None, rope_ty
         kinds = set(att.rope_types) - {NO_ROPE}
         if len(kinds) > 1:
             _refuse(att.model_type, "one RoPE table for a model with a table per layer type (pass rope_type)")
-        rope_type = next(iter(kinds), None)  # (one type: the table every rotated layer uses)
+        # (one type: the table every rotated layer uses; none where no layer rotates: the identity)
+        rope_type = next(iter(kinds), NO_ROPE if NO_ROPE in att.rope_types else None)
     # the head_dim of the layers this table rotates (Gemma 4's global and sliding layers differ)
     head_dim = att._uniform(tuple(d for d, t in zip(att.layer_head_dims, att.rope_types) if t == rope_type)
                             or att.layer_head_dims, "head_dim")
     if rope_type == NO_ROPE:
         return identity_rope(positions, head_dim // 2, device)
     rotary = att.rotary
-    if rotary is None:
-        _refuse(att.model_type, "a pre-RoPE scheme on a model without rotary embeddings")
+    if rotary is None:  # (RoFormer, Moshi: their rotary is inside the attention, where the cache cannot read it)
+        _refuse(att.model_type, "a pre-RoPE scheme on a model whose rotary table is not a model-level module")
     if hasattr(rotary, "embed_positions"):  # GPT-J: a fixed [sin | cos] table of rot_dim / 2 frequencies each
         table = rotary.embed_positions.float()
         if positions > table.shape[0]:

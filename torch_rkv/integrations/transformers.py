@@ -145,6 +145,7 @@ def enable(model) -> None:
     AttentionInterface.register(ATTENTION, rkv_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
+    models.check_attention_interface(model, ATTENTION)
     if not getattr(model, "_rkv_checks_steps", False):  # (once per model, whatever the caches built on it)
         model.register_forward_hook(_check_steps_ran, with_kwargs=True)
         model._rkv_checks_steps = True
