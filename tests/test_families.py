@@ -87,14 +87,15 @@ def test_the_rotary_table_and_pairing_are_the_models_own(name):
     assert_rotary_round_trip(family(name), ROTARY[name])
 
 
-def assert_rotary_round_trip(model, rotary):
+def assert_rotary_round_trip(model, rotary, layer=0):
     att = models.inspect(model)
     cos, sin = models.rope_tables(model, 64)
     assert (2 * cos.shape[-1], att.interleaved) == rotary
     ids = prompt(40)
     with torch.no_grad():
-        post = model(ids, use_cache=True).past_key_values.layers[0].keys.float()
-        at_zero = model(ids, position_ids=torch.zeros_like(ids), use_cache=True).past_key_values.layers[0].keys.float()
+        post = model(ids, use_cache=True).past_key_values.layers[layer].keys.float()
+        at_zero = model(ids, position_ids=torch.zeros_like(ids), use_cache=True).past_key_values.layers[layer].keys
+        at_zero = at_zero.float()
     pre = torch_rkv.rope(at_zero, cos, sin, torch.zeros(40, dtype=torch.long), att.interleaved, inverse=True)
     pos = torch.arange(40)
     rotated = torch_rkv.rope(pre, cos, sin, pos, att.interleaved)
@@ -196,12 +197,6 @@ UNSUPPORTED = {
                                       num_key_value_heads=2, head_dim=32, mamba_d_ssm=64, mamba_n_heads=4,
                                       mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
                         re.escape("layers of type ['hybrid']")),
-    "linear attention": (lambda: build("Qwen3NextConfig", "Qwen3NextForCausalLM", num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
-                                       moe_intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                                       linear_key_head_dim=16, linear_value_head_dim=16,
-                                       layer_types=["linear_attention", "full_attention"]),
-                         re.escape("layers of type ['linear_attention']")),
     "dynamic mask": (lambda: build("DogeConfig", "DogeForCausalLM", num_attention_heads=4, num_key_value_heads=2),
                      "dynamic mask attention"),
     "differential attention": (lambda: build("DiffLlamaConfig", "DiffLlamaForCausalLM", num_attention_heads=4,
@@ -569,18 +564,14 @@ def test_kv_shared_layers_store_nothing_and_decode_what_the_simulation_measures(
     unshared = RKVCache(build(*WINDOWED["gemma3n"][:2], **{**WINDOWED["gemma3n"][2], "num_kv_shared_layers": 0}),
                         scheme, capacity=96)
     assert 2 * cache.nbytes() == unshared.nbytes() and cache.schemes == [scheme] * 4
-    ids = prompt(96, seed=5)
-    rope = models.layer_rope_tables(model, 128)
-    simulated = perplexity.simulated(model, ids, Simulation(scheme, *rope[0], layer_rope=rope))
-    decoded = perplexity.decoded(model, ids, lambda n: RKVCache(model, scheme, capacity=n))
-    assert abs(decoded / simulated - 1) < 1e-5, (simulated, decoded)
-    assert abs(perplexity.simulated(model, ids, None) / simulated - 1) > 1e-3  # (the scheme moves it)
+    assert_decodes_as_simulated(model, scheme, moves=1e-3)
     with pytest.raises(ValueError, match="layer 2 attends over layer 0's keys and values"):
         RKVCache(model, [scheme, scheme, S.per_token(4), scheme], capacity=96)
     # per-layer fits, which would take a shared layer's reads for a cache of its own, refuse the model by name
     from torch_rkv.eval import levels, sensitivity
 
-    for fit in (lambda: sensitivity.load_or_measure(model, None, (2, 3)), lambda: levels.calibrate(model, ids)):
+    for fit in (lambda: sensitivity.load_or_measure(model, None, (2, 3)),
+                lambda: levels.calibrate(model, prompt(96, seed=5))):
         with pytest.raises(models.UnsupportedModelFeature, match="whose layers share KV caches"):
             fit()
 
@@ -669,6 +660,163 @@ def test_rotary_inside_the_attention_is_refused_for_pre_rope_schemes():
         RKVCache(model, S.recommended(8), capacity=128)
 
 
+# Hybrid models: recurrent layers (gated DeltaNet, Mamba 1 and 2, LFM2's short convolutions) or MLP-only layers
+# beside attention layers. Only the attention layers keep a KV cache; the others keep a state of fixed size in
+# transformers' own cache layers.
+LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+          "linear_value_head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}
+MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 16}
+HYBRID = {  # name: (config, model, arguments), layer 0 recurrent and layer 1 attention unless said
+    # (partial rotary, gated attention output, q/k norms; two attention layers between recurrent ones; dense
+    # MLPs: a tiny random router's near-ties flip experts at an 8-bit error, a jump the bound does not model)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "mlp_only_layers": [0, 1, 2, 3], **LINEAR,
+        "num_hidden_layers": 4, "layer_types": ["linear_attention", "full_attention"] * 2}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, **LINEAR}),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["linear_attention", "full_attention"]}),
+    # Mamba beside attention with no positions at all (every attention layer NO_ROPE)
+    "jamba": ("JambaConfig", "JambaForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
+        "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 2, "mamba_d_state": 8}),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["mamba", "attention"],
+        "num_local_experts": 2, "num_experts_per_tok": 1, **MAMBA2}),
+    # Nemotron-H: a Mamba 2 layer, an attention layer (no RoPE) and an MLP-only layer
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 3,
+        "layers_block_type": ["mamba", "attention", "mlp"], "mamba_num_heads": 4, "mamba_head_dim": 16,
+        "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16}),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"]}),
+    # a sliding-window attention layer beside a gated DeltaNet
+    "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 16,
+        "layer_types": ["linear_attention", "sliding_attention"]}),
+}
+HYBRID_ATTENTION = {"nemotron_h": (False, True, False), "qwen3_next": (False, True) * 2}  # (the others: (False, True))
+# (rot_dim, interleaved) of the families that rotate (Jamba, Nemotron-H and Granite 4 by default have no positions in
+# their attention)
+HYBRID_ROTARY = {"qwen3_next": (8, False), "qwen3_5": (8, False), "olmo_hybrid": (32, False), "lfm2": (32, False),
+                 "lara_mini": (128, False)}
+
+
+def hybrid(name, **changes):
+    config_cls, model_cls, kw = HYBRID[name]
+    return build(config_cls, model_cls, **{**kw, **changes})
+
+
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_hybrid_models_keep_kv_caches_in_their_attention_layers_alone(name):
+    """The attention layers hold RKVCache's quantized caches, their exact bytes; the recurrent and MLP-only
+    layers hold what transformers' own cache gives them (their states stay in full precision)."""
+    from torch_rkv.layout import CacheLayout, binding_window
+
+    model = hybrid(name)
+    att = models.inspect(model)
+    attends = HYBRID_ATTENTION.get(name, (False, True))
+    assert tuple(att.attends(i) for i in range(att.layers)) == attends
+    scheme = S.recommended(4).replace(k_block_tokens=16)
+    cache = RKVCache(model, scheme, capacity=128, batch=2)
+    own = DynamicCache(config=model.config)
+    assert [type(layer) for layer, a in zip(cache.layers, attends) if not a] == \
+        [type(layer) for layer, a in zip(own.layers, attends) if not a]
+    assert [type(layer).__name__ for layer, a in zip(cache.layers, attends) if a] == ["RKVLayer"] * sum(attends)
+    assert cache.schemes == [scheme if a else None for a in attends]
+    want = sum(CacheLayout(scheme, 2, att.layer_kv_heads[i], att.layer_head_dims[i], 128, torch.float32,
+                           sliding_window=binding_window(att.windows[i], 128)).nbytes()
+               for i in range(att.layers) if attends[i])
+    assert cache.nbytes() == want
+    assert models.inspect(model).windows == ((0, 16) if name == "lara_mini" else (0,) * att.layers)
+    # forgetting a refused step leaves the recurrent states; a reset (a new sequence) clears them
+    recurrent = next(i for i, a in enumerate(attends) if not a and hasattr(cache.layers[i], "conv_states"))
+    with torch.no_grad():
+        model(prompt(20, batch=2), cache=cache, use_cache=True)
+    state = cache.layers[recurrent].conv_states[0].clone()
+    assert state.abs().sum() > 0 and cache.has_previous_state(recurrent)
+    cache.reset_steps()
+    assert torch.equal(cache.layers[recurrent].conv_states[0], state) and cache.has_previous_state(recurrent)
+    cache.reset()
+    assert not cache.layers[recurrent].conv_states[0].any() and not cache.has_previous_state(recurrent)
+    assert cache.get_seq_length(attends.index(True)) == 0
+
+
+@pytest.mark.parametrize("name", list(HYBRID_ROTARY))
+def test_hybrid_models_rotary_table_and_pairing_are_their_own(name):
+    """The first attention layer's keys, as test_the_rotary_table_and_pairing_are_the_models_own reads layer 0's
+    (the recurrent layer before it reads no positions): the table and pairing inspect reports are the model's."""
+    model = hybrid(name, **({"sliding_window": 64} if name == "lara_mini" else {}))  # (every key kept)
+    assert_rotary_round_trip(model, HYBRID_ROTARY[name], layer=HYBRID_ATTENTION.get(name, (False, True)).index(True))
+
+
+@pytest.mark.parametrize("name", list(HYBRID))
+@pytest.mark.parametrize("scheme", [S.recommended(8).replace(k_block_tokens=16, recent=16), S.per_token(8)],
+                         ids=lambda s: s.name)
+def test_hybrid_rkv_cache_at_8_bits_generates_as_transformers_cache(name, scheme):
+    """Prefill, decode and teacher-forced decoding with the recurrent layers' states beside the quantized
+    caches: the portable criterion against transformers' own cache."""
+    assert_generates_as_transformers_cache(hybrid(name), scheme)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "jamba"])
+def test_hybrid_decode_measures_what_the_simulation_does(name):
+    """Token by token through the fused kernel, Qwen3-Next's attention layers (1 and 3, their partial rotary
+    table) and Jamba's (no RoPE) decode the simulation's perplexity: the simulation quantizes each attention
+    layer as its own, by its model layer's table, not by the index of its module among the attention ones.
+    (A sharper random Qwen3-Next, so that the scheme moves its perplexity.)"""
+    model = hybrid(name, **({"initializer_range": 0.05} if name == "qwen3_next" else {}))
+    assert_decodes_as_simulated(model, S.recommended(2).replace(k_block_tokens=16, recent=8), moves=3e-4)
+
+
+def assert_decodes_as_simulated(model, scheme, moves: float) -> None:
+    """A 96-token text decoded token by token through RKVCache has the simulation's perplexity (1e-5), which
+    the scheme moves from full precision's by more than `moves` (the check can fail)."""
+    ids = prompt(96, seed=5)
+    rope = models.layer_rope_tables(model, 128)
+    simulated = perplexity.simulated(model, ids, Simulation(scheme, *rope[0], layer_rope=rope))
+    decoded = perplexity.decoded(model, ids, lambda n: RKVCache(model, scheme, capacity=n))
+    assert abs(decoded / simulated - 1) < 1e-5, (simulated, decoded)
+    assert abs(perplexity.simulated(model, ids, None) / simulated - 1) > moves  # (the scheme moves it)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_hybrid_models_attend_over_a_second_turn_chunk(name):
+    """A chunk after the prefill (a second turn): the attention layer reads its cache and the chunk through
+    the fused prefill, the recurrent layer continues its state; the logits within the 8-bit bound of the full
+    forward's, and each kind of layer counts 60 tokens."""
+    model = hybrid(name)
+    ids = prompt(60, batch=2)
+    cache = RKVCache(model, S.recommended(8).replace(k_block_tokens=16, recent=16), capacity=128, batch=2)
+    with torch.no_grad():
+        want = model(ids).logits[:, -1]
+        model(ids[:, :40], cache=cache, use_cache=True)
+        got = model(ids[:, 40:], cache=cache, use_cache=True).logits[:, -1]
+    assert [int(layer.get_seq_length()) for layer in cache.layers] == [60] * len(cache.layers)
+    err = (got.log_softmax(-1) - want.log_softmax(-1)).gather(-1, want.topk(8, -1).indices).abs().max()
+    assert err <= logprob_bound(8, TINY_SENSITIVITY), err
+
+
+def test_per_layer_fits_and_the_report_refuse_hybrid_models_by_name():
+    """The sensitivity profile and the calibrated levels measure every layer's cache: a hybrid's recurrent
+    layers have none, so they refuse it by name (a uniform scheme serves it). The report refuses it before any
+    row runs (its localization rolls a document's cache back, which a recurrent state cannot), and a model of
+    recurrent layers alone is refused by inspect."""
+    from torch_rkv.eval import levels, sensitivity
+    from torch_rkv.eval.report import Options, Report
+
+    model = hybrid("qwen3_next")
+    for fit in (lambda: sensitivity.load_or_measure(model, None, (2, 3)),
+                lambda: levels.calibrate(model, prompt(64)),
+                lambda: Report(model, None, "", Options())):
+        with pytest.raises(models.UnsupportedModelFeature, match=re.escape("whose layers [0, 2] keep a recurrent")):
+            fit()
+    recurrent = build(*HYBRID["lfm2"][:2], **{**HYBRID["lfm2"][2], "layer_types": ["conv", "conv"]})
+    with pytest.raises(models.UnsupportedModelFeature, match="a model without attention layers"):
+        models.inspect(recurrent)
+
+
 # RoPE whose table changes with the sequence length, prompts of 40 tokens decoded to 100: Phi-3's LongRoPE
 # (short factors up to 64 tokens, long ones past them) and dynamic NTK (a larger base every token past 32;
 # a sharper random model, so that the table's change shows)
@@ -680,6 +828,10 @@ LENGTH_DEPENDENT = {
     "qwen2_dynamic": ("Qwen2Config", "Qwen2ForCausalLM", {
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32, "initializer_range": 0.03,
         "rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 1e4}}),
+    # a hybrid whose first layer is recurrent: the table is re-read at its first attention layer's update
+    "qwen3_5_dynamic": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+        **HYBRID["qwen3_5"][2], "max_position_embeddings": 32, "initializer_range": 0.03,
+        "rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}}),
 }
 PROMPT = 40
 

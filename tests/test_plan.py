@@ -397,6 +397,55 @@ def test_kv_shared_layers_keep_no_cache_in_the_plan(tmp_path):
         plan.from_config(str(tmp_path / "config.json"), 1e6)
 
 
+def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypatch):
+    """Hybrid models name their recurrent layers in keys of their own family's (as published, no layer_types):
+    only the attention layers count bytes, so plan's contiguous bytes are what RKVCache allocates (Qwen3-Next's
+    full_attention_interval, LFM2's layer_types); the vLLM pool's arithmetic and a per-layer allocation, which
+    do not count recurrent states, refuse it by name. Without transformers' config class, a config's own
+    layer_types are read (Granite 4's "mamba" too), and family keys are refused rather than counted as
+    attention."""
+    transformers = pytest.importorskip("transformers")
+    from torch_rkv.integrations.transformers import RKVCache
+
+    path = tmp_path / "config.json"
+    common = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "hidden_size": 128,
+              "intermediate_size": 192, "vocab_size": 128, "num_hidden_layers": 8}
+    for published, attention in (
+            ({"model_type": "qwen3_next", "full_attention_interval": 4, "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+              "linear_key_head_dim": 16, "linear_value_head_dim": 16}, 2),
+            ({"model_type": "jamba", "attn_layer_period": 4, "attn_layer_offset": 2, "num_experts": 2}, 2),
+            ({"model_type": "nemotron_h", "hybrid_override_pattern": "M-M*-M*E", "mamba_num_heads": 4,
+              "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1}, 2),
+            ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"] * 4}, 4)):
+        path.write_text(json.dumps({**common, **published}))
+        shape = plan.from_config(str(path), 1e6)
+        assert (shape.layers, shape.kv_free_layers) == (attention, 8 - attention), published["model_type"]
+        if published["model_type"] in ("qwen3_next", "lfm2"):
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+            for scheme in (S.recommended(4), S.per_token(2)):
+                for context in (8, 300):
+                    cache = RKVCache(model.eval(), scheme, capacity=context, batch=2, dtype=torch.float16)
+                    assert plan.kv_bytes(shape, scheme, context, 2) == cache.nbytes()
+    with pytest.raises(ValueError, match="does not count a hybrid model's recurrent layers"):
+        plan.VllmEngine().pool(shape, [S.recommended(4)] * 4)
+    with pytest.raises(ValueError, match="does not count a hybrid model's recurrent layers"):
+        plan.allocation_for_budget(shape, None, 1e9, 1024)
+    path.write_text(json.dumps({**common, "model_type": "lfm2", "layer_types": ["conv"] * 8}))
+    with pytest.raises(ValueError, match="has no attention layer"):
+        plan.from_config(str(path), 1e6)
+
+    def unknown(*args, **kwargs):
+        raise ValueError("Unrecognized model")
+
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", unknown)
+    path.write_text(json.dumps({**common, "model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"] * 4}))
+    assert (plan.from_config(str(path), 1e6).layers, plan.from_config(str(path), 1e6).kv_free_layers) == (4, 4)
+    path.write_text(json.dumps({**common, "model_type": "jamba", "attn_layer_period": 4, "attn_layer_offset": 2}))
+    with pytest.raises(ValueError, match=r"names a hybrid's layers in \['attn_layer_period'\]"):
+        plan.from_config(str(path), 1e6)
+
+
 def test_gpt_2_style_configs_and_multi_query_attention(tmp_path):
     """StarCoder's config.json (GPT-BigCode): GPT-2's names for the shape (n_layer, n_head, n_embd) and
     multi-query attention as a flag, one KV head where num_key_value_heads is absent; Falcon's flags read

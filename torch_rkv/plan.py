@@ -16,7 +16,7 @@ import torch
 
 from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
-from .integrations.models import sliding_by_layer_type, uses_sliding_window
+from .integrations.models import KV_FREE_LAYER_TYPES, sliding_by_layer_type, uses_sliding_window
 from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV
 from .integrations.vllm_pool import VllmPool, preferred_block_size
 from .integrations.vllm_slots import check_drafts
@@ -46,6 +46,9 @@ class ModelShape:
     # layers beyond `layers` that attend over an earlier layer's cache and keep none (Gemma 3n, Gemma 4's small
     # models: num_kv_shared_layers), so they count no bytes
     kv_shared_layers: int = 0
+    # layers beyond `layers` of a hybrid model that keep a recurrent state of fixed size per sequence (Mamba,
+    # gated DeltaNet, short convolutions) or no mixer: no KV cache, and their states are not counted here
+    kv_free_layers: int = 0
 
     def __post_init__(self):
         if not 0 <= self.sliding_layers <= self.layers or (self.sliding_layers > 0) != bool(self.sliding_window):
@@ -87,10 +90,13 @@ class ModelShape:
 
     def own_caches(self, what: str) -> None:
         """Refuse `what` (a computation whose engine gives every layer a cache) for a model with KV-shared
-        layers."""
+        layers or a hybrid's recurrent layers."""
         if self.kv_shared_layers:
             raise ValueError(f"plan: {what} does not count KV caches shared between layers ({self.name}: "
                              f"{self.kv_shared_layers} layers reuse earlier ones')")
+        if self.kv_free_layers:
+            raise ValueError(f"plan: {what} does not count a hybrid model's recurrent layers ({self.name}: "
+                             f"{self.kv_free_layers} layers keep a recurrent state or no mixer, not a KV cache)")
 
     def weight_bytes(self, bits: float) -> float:
         return self.params * bits / 8
@@ -160,6 +166,34 @@ GPT2_NAMES = {"num_attention_heads": "n_head", "num_hidden_layers": "n_layer", "
               "intermediate_size": "n_inner"}
 
 
+# config.json keys in which hybrid families name their recurrent layers instead of layer_types (Jamba, Bamba,
+# Nemotron-H, Qwen3-Next, Granite 4's older configs)
+HYBRID_KEYS = ("attn_layer_period", "attn_layer_indices", "hybrid_override_pattern", "full_attention_interval",
+               "layers_block_type")
+
+
+def attention_layers_of(cfg: dict) -> list[bool]:
+    """Which layers of a config (its text part) are attention layers, with a KV cache; the others are a
+    hybrid's recurrent or MLP-only layers (KV_FREE_LAYER_TYPES). Hybrid families name them in keys of their
+    own (Jamba's attn_layer_period, Nemotron-H's hybrid_override_pattern, Qwen3-Next's
+    full_attention_interval, ...), which their transformers config reads into layer_types: that config is
+    asked when transformers is installed and builds it; else the config's own layer_types."""
+    types = cfg.get("layer_types")
+    try:
+        from transformers import AutoConfig
+
+        built = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+        types = getattr(built.get_text_config(decoder=True), "layer_types", None) or types
+    except Exception as e:  # (no transformers; no or an unknown model_type; a config its class cannot build:
+        # EXAONE 4's letter pattern without layer_types)
+        family_keys = sorted(set(cfg) & set(HYBRID_KEYS))
+        if types is None and family_keys:
+            raise ValueError(f"plan: the config names a hybrid's layers in {family_keys}, which only its transformers "
+                             f"config class reads, and that failed ({type(e).__name__}: {e}); pip install a "
+                             f"transformers that knows {cfg.get('model_type')!r}") from e
+    return [t not in KV_FREE_LAYER_TYPES for t in types or ["full_attention"] * cfg["num_hidden_layers"]]
+
+
 def from_config(path: str, params: float | None) -> ModelShape:
     """A transformers config.json: layers (and which of them slide, sliding_layers_of), KV heads,
     head_dim; parameters from --params or estimated from the config (embeddings + attention + gated MLP)."""
@@ -194,7 +228,6 @@ def from_config(path: str, params: float | None) -> ModelShape:
     if not 0 <= shared < layers:
         raise ValueError(f"plan: {path} has num_kv_shared_layers {shared} of {layers} layers; some layer must keep "
                          "the cache the others share")
-    sliding = sum(flags[: layers - shared])
     # each layer's (KV heads, head_dim): the config's, the overrides of a saved per_layer_config, or Gemma 4's
     # global layers as Gemma4TextConfig builds them (their head_dim; their KV heads where keys are also values)
     shapes = [(kv, head_dim)] * layers
@@ -206,7 +239,12 @@ def from_config(path: str, params: float | None) -> ModelShape:
         per_layer = {i: glob for i, f in enumerate(flags) if not f}
     for i, o in per_layer.items():
         shapes[i] = (o.get("num_key_value_heads", kv), o.get("head_dim", head_dim))
-    shapes, flags = shapes[: layers - shared], flags[: layers - shared]
+    # a hybrid's recurrent and MLP-only layers keep no KV cache
+    keep = [i for i, attends in enumerate(attention_layers_of(cfg)[: layers - shared]) if attends]
+    if not keep:
+        raise ValueError(f"plan: {path} has no attention layer (a recurrent model keeps no KV cache)")
+    shapes, flags = [shapes[i] for i in keep], [flags[i] for i in keep]
+    sliding = sum(flags)
     kinds = {f: {sh for sh, g in zip(shapes, flags) if g == f} for f in (True, False)}
     if any(len(k) > 1 for k in kinds.values()):
         raise ValueError(f"plan: {path} gives layers of one kind (sliding or not) different shapes {sorted(shapes)}; "
@@ -222,8 +260,9 @@ def from_config(path: str, params: float | None) -> ModelShape:
         mlp = 3 * hidden * inter
         emb = cfg.get("vocab_size", 0) * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
         params = layers * (attn + mlp) + emb
-    return ModelShape(cfg.get("_name_or_path") or path, layers - shared, kv, head_dim, float(params), sliding,
-                      cfg.get("sliding_window") if sliding else None, tuple(flags), global_shape, shared)
+    return ModelShape(cfg.get("_name_or_path") or path, len(keep), kv, head_dim, float(params), sliding,
+                      cfg.get("sliding_window") if sliding else None, tuple(flags), global_shape, shared,
+                      layers - shared - len(keep))
 
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
@@ -802,6 +841,9 @@ def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows
               f"{model.global_shape[1]} (bits/el above at head_dim {model.head_dim})")
     if model.kv_shared_layers:
         print(f"{model.kv_shared_layers} more layers attend over those layers' caches (KV sharing) and keep none")
+    if model.kv_free_layers:
+        print(f"{model.kv_free_layers} more layers (a hybrid's) keep a recurrent state of fixed size per sequence "
+              "or no mixer, and no KV cache: their states are not counted here")
     print(f"context {args.context:,} tokens x batch {args.batch}\n")
     print(f"{'scheme':14s} {'bits/el':>7s} {'KB/token':>9s} {'KV cache GB':>12s} {'fits':>5s} "
           f"{'longest ctx (b=1)':>18s} {'seqs @ ctx':>11s} {'paged':>6s}")

@@ -1090,6 +1090,29 @@ def test_smollm3s_table_is_the_one_transformers_rotates_by(rope):
             hf_config=transformers.SmolLM3Config(vocab_size=512, **dynamic), max_model_len=1024)), 64)
 
 
+def test_hybrid_models_are_refused_by_name(monkeypatch):
+    """A hybrid model (Qwen3-Next, Jamba, Granite 4, ...): vLLM's hybrid allocator pages the recurrent
+    layers' states beside the attention layers' pages, which the plugin does not size: refused when the
+    attention layers are built, before any step."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from torch_rkv.integrations import vllm as plugin
+    from torch_rkv.integrations.vllm_backend import RKVAttentionImpl
+
+    monkeypatch.setenv(plugin.ENV, "per-token-4")
+    for hybrid in (False, True):
+        config = VllmConfig()
+        object.__setattr__(config, "model_config", SimpleNamespace(is_hybrid=hybrid))
+        with set_current_vllm_config(config):
+            if hybrid:
+                with pytest.raises(NotImplementedError, match="a hybrid model .Mamba or linear-attention layers"):
+                    RKVAttentionImpl(4, 64, 0.125, 2)
+            else:
+                assert RKVAttentionImpl(4, 64, 0.125, 2).num_kv_heads == 2
+
+
 def test_chunked_local_attention_is_refused_by_name():
     """Llama 4's local layers (vLLM's ChunkedLocalAttention) wrap the backend's metadata builder and hand it
     each chunk as a virtual request, which the side slots cannot follow: refused when the builder is made,

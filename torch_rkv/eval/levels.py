@@ -115,7 +115,7 @@ def calibrate(model, ids: torch.Tensor, widths: tuple[int, ...] = WIDTHS, pin_en
     if weighting not in ("mse", "attention"):
         raise ValueError(f"calibrate: weighting must be 'mse' or 'attention' (got {weighting!r})")
     att = models.inspect(model)
-    models.refuse_shared_caches(att, "per-layer levels")  # (a shared layer's are its source's, fitted to its reads)
+    models.refuse_cacheless_layers(att, "per-layer levels")  # (a shared layer's are its source's, fitted to its reads)
     layers = att.layers
     make = simulations_for(model, ids.shape[1])
     probe = make(recommended(min(widths)))

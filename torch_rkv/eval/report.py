@@ -157,6 +157,16 @@ class Report:
         from ..integrations import models
 
         self.attention = models.inspect(model)  # an unsupported model feature stops here, named
+        # refused before any row runs, rather than an hour into the run: the localization rolls a document's
+        # cache back after each question, which a hybrid's recurrent state cannot (RKVCache serves such a model);
+        # the per-layer rows measure each layer's own cache
+        models.refuse_recurrent_layers(self.attention, "the report (its localization rolls a document's cache back "
+                                                       "after each question)")
+        named = opts.loc_schemes + opts.long_schemes + opts.decode_schemes + opts.chunk_schemes + opts.second_schemes
+        if (opts.alloc_targets or opts.split_targets or CALIBRATED_LEVELS in opts.families
+                or any(name.startswith(PER_LAYER + (NON_UNIFORM,)) for name in named)):
+            models.refuse_cacheless_layers(self.attention, "the report's per-layer rows (alloc_targets, "
+                                                           "split_targets, calibrated levels)")
         self.head_dim = self.attention.head_dim
         self.text = text
         all_ids = data.encode(tok, text)
@@ -591,9 +601,10 @@ class Report:
 
     @torch.no_grad()
     def capture_keys(self, layers=(0, None, -1)) -> dict:
-        """Pre- and post-RoPE keys of KV head 0 for the first, middle and last layer (full precision)."""
-        n_layers = self.attention.layers
-        chosen = sorted({(n_layers // 2 if i is None else i % n_layers) for i in layers})
+        """Pre- and post-RoPE keys of KV head 0 for the first, middle and last attention layer (full precision)."""
+        att = self.attention  # (a hybrid's attention layers alone hold keys)
+        attending = [i for i in range(att.layers) if att.attends(i)]
+        chosen = sorted({attending[len(attending) // 2 if i is None else i] for i in layers})
         store = {}
 
         exact = Simulation(S.per_token(8), quantize_keys=False, quantize_values=False)  # the model's own attention
@@ -608,7 +619,8 @@ class Report:
 
         install(self.model, None)
         for i, module in enumerate(self.attention.modules):
-            module.rkv_simulation = Capture(i) if i in chosen else None
+            if module is not None:
+                module.rkv_simulation = Capture(i) if i in chosen else None
         n = min(512, self.ids.shape[1])
         self.model(self.ids[:, :n])
         install(self.model, None)

@@ -130,7 +130,7 @@ def load_or_measure(model, tok, levels: tuple[int, ...], text: str = CALIBRATION
                     ) -> Sensitivity:
     """The cached profile of `model` on `text` covering `levels`, measuring (and caching) what is missing."""
     att = models.inspect(model)  # an unsupported model feature stops here, named
-    models.refuse_shared_caches(att, "a per-layer bit allocation")  # (a shared layer's bits are its source's)
+    models.refuse_cacheless_layers(att, "a per-layer bit allocation")  # (a shared layer's bits are its source's)
     cached = stored_profile(model, levels, text, tokens)
     if cached is not None and cached.covers(levels):
         return cached.restricted(tuple(levels))

@@ -304,8 +304,9 @@ def install(model, simulation: Optional[Simulation]) -> None:
         raise UnsupportedModelFeature("torch_rkv: learned attention sinks (GPT-OSS) are not supported in the report's "
                                       "simulations (RKVCache and the quantized cache ops serve them)")
     model.set_attn_implementation(ATTENTION)
-    # a KV-shared layer (Gemma 3n) quantizes as the layer whose cache it reads: its keys and values, scheme and levels
+    # a KV-shared layer (Gemma 3n) quantizes as the layer whose cache it reads: its keys and values, scheme and
+    # levels; each by its model layer's index (a hybrid's attention modules are not its every layer)
     sources = inspect(model).kv_sources if simulation is not None else ()
-    for i, module in enumerate(modules):
+    for module in modules:
         module.rkv_simulation = simulation
-        module.rkv_source = sources[i] if sources else i
+        module.rkv_source = sources[module.layer_idx] if sources else module.layer_idx

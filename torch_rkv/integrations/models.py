@@ -21,10 +21,13 @@ sequence length (dynamic NTK, Phi-3's LongRoPE) in the cache (RKVCache re-reads 
 length_dependent), not in the report's simulations. Also run and tested: Granite, OLMo 2 and 3,
 dots.llm1, CodeGen (GPT-J's pairs), Cohere 2 MoE, PhiMoE (its mask slides without the module naming the
 window). Not supported, each refused by name: ALiBi (Falcon, BLOOM, MPT), encoder-decoder models,
-bidirectional attention, chunked attention (Llama 4), hybrid layer types (Mamba, linear attention),
-multi-head latent attention, values of another head_dim than the keys (MiMo-V2-Flash), DiffLlama's
-differential attention, Doge's dynamic mask. KV cache sharing between layers (Gemma 3n, Gemma 4's small
-models): a shared layer attends over the cache of the layer it reuses (kv_sources), which alone stores it.
+bidirectional attention, chunked attention (Llama 4), attention beside a Mamba mixer in one layer
+(Falcon-H1's "hybrid" layers), multi-head latent attention, values of another head_dim than the keys
+(MiMo-V2-Flash), DiffLlama's differential attention, Doge's dynamic mask. KV cache sharing between layers
+(Gemma 3n, Gemma 4's small models): a shared layer attends over the cache of the layer it reuses
+(kv_sources), which alone stores it. Hybrid models (Qwen3-Next, Qwen3.5, OLMo Hybrid, Jamba, Granite 4,
+Nemotron-H, LFM2): their recurrent and MLP-only layers (KV_FREE_LAYER_TYPES) keep no KV cache (modules[i]
+None), their attention layers do.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ _HALF_TABLES = ("gpt_oss",)  # rotate-half pairs (j, j + D/2) from cos/sin holdi
 # families that rotate inside their attention modules, by no rotary module at the model level (nor one named so)
 _ROTARY_IN_ATTENTION = ("roformer",)
 NO_ROPE = "no_rope"  # the rope type of a layer that rotates nothing (NoPE): its table is the identity
+# layer types of a hybrid model that keep no KV cache: a recurrent state of fixed size (Mamba, gated DeltaNet,
+# LFM2's short convolutions) in transformers' own cache layers, or no mixer at all (Nemotron-H's MLP layers)
+# ("mamba": Granite 4's and Bamba's config.json name, which their config classes read as "linear_attention")
+KV_FREE_LAYER_TYPES = ("linear_attention", "conv", "mamba", "mlp", "moe")
 
 
 class UnsupportedModelFeature(NotImplementedError):
@@ -57,7 +64,9 @@ class ModelAttention:
     layer_head_dims: tuple[int, ...]
     rotary: nn.Module | None  # the model's rotary embedding module (None: no RoPE)
     interleaved: bool  # pairs (2j, 2j + 1) (GPT-J, Cohere); else rotate-half pairs (j, j + rot_dim / 2)
-    modules: tuple[nn.Module, ...]  # the attention module of every layer, in order
+    # the attention module of every layer, in order; None for a layer that keeps no KV cache (KV_FREE_LAYER_TYPES:
+    # a hybrid model's recurrent and MLP-only layers, which the cache leaves to transformers' own layers)
+    modules: tuple[nn.Module | None, ...]
     windows: tuple[int, ...] = ()  # every layer's sliding window (0: it attends to the whole context)
     # every layer's rotary table: None (the model's one table), Gemma 3's layer type, or NO_ROPE (a layer
     # that applies none: pre-RoPE schemes store its keys as they are, rotated by the identity)
@@ -68,6 +77,10 @@ class ModelAttention:
     # the layer whose cache each layer attends over: itself, or, for a KV-shared layer (Gemma 3n, Gemma 4's
     # small models), the earlier layer of its type that stores the keys and values it reuses (empty: itself)
     kv_sources: tuple[int, ...] = ()
+
+    def attends(self, layer: int) -> bool:
+        """Whether `layer` is an attention layer (else a hybrid's recurrent or MLP-only layer: no KV cache)."""
+        return self.modules[layer] is not None
 
     def source(self, layer: int) -> int:
         """The layer whose keys and values `layer` attends over (itself unless it shares another's)."""
@@ -168,20 +181,26 @@ def inspect(model) -> ModelAttention:
         _refuse(kind, "ALiBi position bias")
     if getattr(cfg, "attention_chunk_size", None) or "chunked_attention" in (getattr(cfg, "layer_types", None) or []):
         _refuse(kind, "chunked local attention (attention_chunk_size)")
-    other = sorted(set(getattr(cfg, "layer_types", None) or []) - {"full_attention", "sliding_attention"})
-    if other:  # (Falcon-H1's "hybrid", Qwen3-Next's and the Mamba hybrids' "linear_attention", ...)
-        _refuse(kind, f"layers of type {other} (hybrid models: Mamba and linear-attention layers keep a recurrent "
-                      "state, not a KV cache)")
+    given = getattr(cfg, "layer_types", None)
+    layer_types = list(given or ["full_attention"] * cfg.num_hidden_layers)
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"} - set(KV_FREE_LAYER_TYPES))
+    if other:  # (Falcon-H1's and Zamba 2's "hybrid": attention beside a Mamba mixer in one layer; GLM's indexed)
+        _refuse(kind, f"layers of type {other} (attention whose cache is not one KV cache a layer)")
     if getattr(cfg, "kv_lora_rank", None):  # (keys of two parts, a RoPE part shared by the heads)
         _refuse(kind, "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3-style MLA)")
     if kind == "diffllama":  # (two softmaxes over one cache, each with half of the values)
         _refuse(kind, "differential attention (DiffLlama)")
     if kind == "doge":  # (its mask is computed from the values: the fused kernels attend causally)
         _refuse(kind, "dynamic mask attention (Doge's learned, input-dependent attention mask)")
-    modules = attention_modules(model)
-    if [getattr(m, "layer_idx", None) for m in modules] != list(range(cfg.num_hidden_layers)):
-        _refuse(kind, "a model whose attention modules are not one self-attention per layer (none found, "
+    found = attention_modules(model)
+    attending = [i for i, t in enumerate(layer_types) if t not in KV_FREE_LAYER_TYPES]
+    if not attending:
+        _refuse(kind, "a model without attention layers (a recurrent model keeps no KV cache)")
+    if [getattr(m, "layer_idx", None) for m in found] != attending:
+        _refuse(kind, "a model whose attention modules are not one self-attention per attention layer (none found, "
                       "cross-attention layers, or no layer_idx)")
+    # every layer's module; None where the layer keeps no KV cache (a hybrid's recurrent or MLP-only layers)
+    modules: tuple = tuple(next((m for m in found if m.layer_idx == i), None) for i in range(len(layer_types)))
     if any(getattr(m, "is_causal", True) is False for m in modules):  # (EmbeddingGemma, Gemma 4's "all", a BERT
         # without is_decoder: the fused kernels attend causally)
         _refuse(kind, "bidirectional attention (attention modules with is_causal False)")
@@ -189,8 +208,6 @@ def inspect(model) -> ModelAttention:
     v_head_dim = getattr(cfg, "v_head_dim", None)
     if v_head_dim and v_head_dim != shapes[0][1]:  # (MiMo-V2-Flash: values of 128 beside keys of 192)
         _refuse(kind, f"values of another head_dim than the keys (v_head_dim {v_head_dim})")
-    given = getattr(cfg, "layer_types", None)
-    layer_types = list(given or ["full_attention"] * cfg.num_hidden_layers)
     window = getattr(cfg, "sliding_window", None)
     if not uses_sliding_window(layer_types, window, getattr(cfg, "use_sliding_window", True)):
         windows = [0] * len(modules)
@@ -198,6 +215,7 @@ def inspect(model) -> ModelAttention:
         windows = [window if t == "sliding_attention" else 0 for t in layer_types]
     else:  # Mistral v0.1, Phi-3: every layer masks by the config's window
         windows = [window] * len(modules)
+    windows = [w if m is not None else 0 for m, w in zip(modules, windows)]
     for m, w in zip(modules, windows):  # where a module names its window, it must be the one the mask uses
         if hasattr(m, "sliding_window"):  # (EXAONE 4's global layers name the config's window, unused: is_sliding)
             named = (m.sliding_window or 0) if getattr(m, "is_sliding", True) else 0
@@ -225,7 +243,8 @@ def inspect(model) -> ModelAttention:
             rope_types = [t if not isinstance(kinds, dict) or t in kinds else NO_ROPE for t in layer_types]
         if hasattr(rotary, "embed_positions") != (kind in _INTERLEAVED):
             _refuse(kind, f"the rotary table of {type(rotary).__name__}")
-        rope_types = [t if applies_rope(kind, m) else NO_ROPE for m, t in zip(modules, rope_types)]
+        rope_types = [t if m is None or applies_rope(kind, m) else NO_ROPE for m, t in zip(modules, rope_types)]
+    rope_types = [t if m is not None else NO_ROPE for m, t in zip(modules, rope_types)]  # (no keys to rotate)
     sources = kv_sources(kind, modules, [(shapes[i], windows[i], rope_types[i]) for i in range(len(modules))])
     return ModelAttention(kind, cfg.num_hidden_layers, tuple(s[0] for s in shapes), tuple(s[1] for s in shapes), rotary,
                           interleaved=kind in _INTERLEAVED + _INTERLEAVED_TABLES,
@@ -246,12 +265,21 @@ def check_attention_interface(model, implementation: str) -> None:
                 f"{getattr(cfg, '_attn_implementation', None)!r} attention)")
 
 
-def refuse_shared_caches(att: ModelAttention, what: str) -> None:
+def refuse_cacheless_layers(att: ModelAttention, what: str) -> None:
     """Refuse `what`, a per-layer computation that takes every layer for a cache of its own, for a model
-    whose layers share KV caches."""
+    some of whose layers keep none: layers that share KV caches, or a hybrid's recurrent layers."""
     if any(att.source(i) != i for i in range(att.layers)):
         _refuse(att.model_type, f"{what} for a model whose layers share KV caches (Gemma 3n, Gemma 4's small models: "
                                 "a uniform scheme serves it)")
+    refuse_recurrent_layers(att, f"{what} (a uniform scheme serves it)")
+
+
+def refuse_recurrent_layers(att: ModelAttention, what: str) -> None:
+    """Refuse `what` for a hybrid model (some layers keep a recurrent state or no mixer, not a KV cache)."""
+    recurrent = [i for i in range(att.layers) if not att.attends(i)]
+    if recurrent:
+        _refuse(att.model_type, f"{what} for a hybrid model whose layers {recurrent} keep a recurrent state or no "
+                                "mixer, not a KV cache")
 
 
 def kv_sources(kind: str, modules, layouts) -> tuple[int, ...]:

@@ -17,7 +17,8 @@ kernel re-applies it. The model families of integrations/models.py (Llama, Qwen2
 GPT-NeoX, Phi-2, StableLM, GPT-J, Gemma 2, 3 and 4, Cohere 1 and 2, SmolLM3, EXAONE 4, Granite, OLMo 2 and 3,
 GPT-OSS, ...: GQA, partial and interleaved rotary, sliding windows, soft-capping, learned attention sinks,
 per-layer RoPE tables, layers without RoPE, layers of their own KV heads and head_dim, KV-shared layers
-that attend over another layer's cache and keep none);
+that attend over another layer's cache and keep none, hybrids whose recurrent layers keep their states in
+transformers' own cache layers);
 transformers 5.x (tested with 5.25). Not supported, each an error
 on every device (a device-side check, no host sync per step): left-padded batches and position offsets;
 also the model features models.py names and beam-search cropping. A RoPE whose table changes with the
@@ -34,7 +35,13 @@ import torch
 
 try:
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+    from transformers.cache_utils import (
+        DYNAMIC_LAYER_TYPE_MAPPING,
+        Cache,
+        CacheLayerMixin,
+        DummyLayer,
+        get_layer_types_and_kwargs,
+    )
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 except ImportError as e:  # pragma: no cover - exercised only without transformers
@@ -102,9 +109,9 @@ def rkv_attention(module, query, key, value, attention_mask, scaling=None, dropo
         layer.chunk, layer.value = None, None
     if attention_mask is not None:  # checked on the mask's device: no host sync per step
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        n = allowed.shape[-1]  # cached + new tokens
-        kv = torch.arange(n, device=allowed.device)[None, :]
-        last = n - m + torch.arange(m, device=allowed.device)[:, None]  # each query's position
+        width = allowed.shape[-1]  # cached + new tokens (the keys handed in are the new ones alone)
+        kv = torch.arange(width, device=allowed.device)[None, :]
+        last = width - m + torch.arange(m, device=allowed.device)[:, None]  # each query's position
         visible = (kv <= last) & ((kv > last - window) if window else True)
         torch._assert_async((allowed[..., -m:, :] == visible).all(), "torch_rkv: the fused attention attends "
                             "causally to every cached token (of its sliding window); padded batches (an attention "
@@ -291,7 +298,8 @@ class RKVCache(Cache):
         schemes = per_layer(scheme, att.layers, "RKVCache", f"a model of {att.layers} layers")
         for s, head_dim in set(zip(schemes, att.layer_head_dims)):
             s.check_head_dim(head_dim)
-        owners = [i for i in range(att.layers) if att.source(i) == i]  # KV-shared layers store nothing
+        # KV-shared layers store nothing; a hybrid's recurrent layers keep their state in transformers' own layers
+        owners = [i for i in range(att.layers) if att.attends(i) and att.source(i) == i]
         for i in set(range(att.layers)) - set(owners):
             if schemes[i] != schemes[att.source(i)]:
                 raise ValueError(f"RKVCache: layer {i} attends over layer {att.source(i)}'s keys and values (KV "
@@ -307,6 +315,12 @@ class RKVCache(Cache):
             shape = (att.layer_kv_heads[i], att.layer_head_dims[i])
             kinds.setdefault((window, att.rope_types[i], schemes[i], shape), []).append(i)
         layers: list = [DummyLayer() for _ in range(att.layers)]  # (as transformers' own caches hold shared layers)
+        if not all(att.attends(i) for i in range(att.layers)):  # a hybrid: its recurrent (and MLP-only) layers as
+            # transformers' DynamicCache builds them (their conv / recurrent states are small and stay exact)
+            types, kwargs = get_layer_types_and_kwargs(models.text_config(model))
+            for i in range(att.layers):
+                if not att.attends(i):
+                    layers[i] = DYNAMIC_LAYER_TYPE_MAPPING[types[i]](**kwargs[i])
         self.caches: list[QuantizedKVCache] = []
         tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # one per (table, length): kinds share them
         for (window, rope_type, scheme, (kv_heads, head_dim)), ids in kinds.items():
@@ -328,13 +342,15 @@ class RKVCache(Cache):
         # a length-dependent RoPE (dynamic NTK, LongRoPE): the pre-RoPE caches follow the table the model's
         # rotary module chose for this forward (update)
         self._attention = att
+        self._first = owners[0]
         self._follow = [(cache, rope_type) for cache, (_, rope_type, kind, _) in zip(self.caches, kinds)
                         if kind.pre_rope and att.length_dependent and rope_type != models.NO_ROPE]
         if enable_attention:
             enable(model)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if layer_idx == 0 and self._follow:
+        if layer_idx == self._first and self._follow:  # (the model's first attention layer: a hybrid may begin
+            # with recurrent layers, which never update)
             self._follow_rope()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -364,19 +380,24 @@ class RKVCache(Cache):
 
     @property
     def schemes(self) -> list[Scheme]:
-        """Each layer's scheme."""
-        return [self.layers[self._attention.source(i)].cache.scheme for i in range(len(self.layers))]
+        """Each layer's scheme (None: a hybrid's layer that keeps no KV cache)."""
+        att = self._attention
+        return [self.layers[att.source(i)].cache.scheme if att.attends(i) else None for i in range(len(self.layers))]
 
     def nbytes(self) -> int:
-        """Exact bytes of the quantized KV buffers (every kind of layer)."""
+        """Exact bytes of the quantized KV buffers (every kind of layer; a hybrid's recurrent states, in
+        transformers' own layers, are not KV buffers)."""
         return sum(c.nbytes() for c in self.caches)
 
     def reset(self) -> None:
         for cache in self.caches:
             cache.reset()
-        self.reset_steps()
+        for layer in self.layers:  # (a hybrid's recurrent states too)
+            layer.reset()
 
     def reset_steps(self) -> None:
-        """Forget the steps awaiting the fused attention (the caches keep what they hold)."""
+        """Forget the steps awaiting the fused attention (the caches, and a hybrid's recurrent states, keep what
+        they hold)."""
         for layer in self.layers:
-            layer.reset()
+            if isinstance(layer, RKVLayer):
+                layer.reset()

@@ -299,6 +299,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         # a KV-shared layer (Gemma 3n, Gemma 4's small models) attends over its target layer's cache and keeps none
         self.kv_source = kv_sharing_target_layer_name
+        self._source_impl: RKVAttentionImpl | None = None  # (its impl, on the first forward: _source)
         config = get_current_vllm_config()
         for feature, present in (("ALiBi", alibi_slopes is not None),
                                  ("KV cache sharing between layers with a per-layer allocation",
@@ -308,6 +309,11 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                                  (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it 'auto')",
                                   kv_cache_dtype != "auto"),
                                  (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
+                                 # (vLLM pages their states beside the attention layers' pages, aligning both
+                                 # page sizes: untested with the plugin's pages and side pool)
+                                 ("a hybrid model (Mamba or linear-attention layers beside the attention ones; "
+                                  "RKVCache in transformers serves it)",
+                                  getattr(getattr(config, "model_config", None), "is_hybrid", False)),
                                  (f"{sorted(unsupported)}", bool(unsupported))):
             if present:
                 raise NotImplementedError(f"torch_rkv's vLLM backend: {feature} is not supported")
@@ -372,7 +378,12 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 
     def _source(self, layer) -> RKVAttentionImpl:
         """The impl of the layer whose cache this KV-shared layer reads (checked to keep the same shape,
-        window and soft-cap: the cache was built for those)."""
+        window and soft-cap: the cache was built for those), found on the first forward."""
+        if self._source_impl is None:
+            self._source_impl = self._find_source(layer)
+        return self._source_impl
+
+    def _find_source(self, layer) -> RKVAttentionImpl:
         target = self.vllm_config.compilation_config.static_forward_context.get(self.kv_source)
         src = getattr(target, "impl", None)
         if not isinstance(src, RKVAttentionImpl):
