@@ -193,10 +193,12 @@ UNSUPPORTED = {
                           v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
                           moe_intermediate_size=64, n_group=1, topk_group=1),
             "multi-head latent attention"),
-    "parallel hybrid": (lambda: build("FalconH1Config", "FalconH1ForCausalLM", num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=32, mamba_d_ssm=64, mamba_n_heads=4,
-                                      mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
-                        re.escape("layers of type ['hybrid']")),
+    # Zamba 2: one attention block shared by its hybrid layers
+    "shared attention blocks": (lambda: build("Zamba2Config", "Zamba2ForCausalLM", num_attention_heads=4,
+                                              num_key_value_heads=4, mamba_d_state=16, mamba_headdim=16,
+                                              n_mamba_heads=16, num_hidden_layers=4, hybrid_layer_ids=[1, 3],
+                                              layers_block_type=["mamba", "hybrid"] * 2),
+                                "not one self-attention per attention layer"),
     "dynamic mask": (lambda: build("DogeConfig", "DogeForCausalLM", num_attention_heads=4, num_key_value_heads=2),
                      "dynamic mask attention"),
     "differential attention": (lambda: build("DiffLlamaConfig", "DiffLlamaForCausalLM", num_attention_heads=4,
@@ -695,12 +697,17 @@ HYBRID = {  # name: (config, model, arguments), layer 0 recurrent and layer 1 at
     "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM", {
         "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 16,
         "layer_types": ["linear_attention", "sliding_attention"]}),
+    # attention beside a Mamba 2 mixer in every layer (both states in one cache layer)
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "mamba_d_ssm": 64, "mamba_n_heads": 4,
+        "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16}),
 }
-HYBRID_ATTENTION = {"nemotron_h": (False, True, False), "qwen3_next": (False, True) * 2}  # (the others: (False, True))
+# which layers attend (the others: (False, True))
+HYBRID_ATTENTION = {"nemotron_h": (False, True, False), "qwen3_next": (False, True) * 2, "falcon_h1": (True, True)}
 # (rot_dim, interleaved) of the families that rotate (Jamba, Nemotron-H and Granite 4 by default have no positions in
 # their attention)
 HYBRID_ROTARY = {"qwen3_next": (8, False), "qwen3_5": (8, False), "olmo_hybrid": (32, False), "lfm2": (32, False),
-                 "lara_mini": (128, False)}
+                 "lara_mini": (128, False), "falcon_h1": (32, False)}
 
 
 def hybrid(name, **changes):
@@ -723,7 +730,8 @@ def test_hybrid_models_keep_kv_caches_in_their_attention_layers_alone(name):
     own = DynamicCache(config=model.config)
     assert [type(layer) for layer, a in zip(cache.layers, attends) if not a] == \
         [type(layer) for layer, a in zip(own.layers, attends) if not a]
-    assert [type(layer).__name__ for layer, a in zip(cache.layers, attends) if a] == ["RKVLayer"] * sum(attends)
+    kind = "RKVHybridLayer" if name == "falcon_h1" else "RKVLayer"  # (Falcon-H1's keep the mixer's states too)
+    assert [type(layer).__name__ for layer, a in zip(cache.layers, attends) if a] == [kind] * sum(attends)
     assert cache.schemes == [scheme if a else None for a in attends]
     want = sum(CacheLayout(scheme, 2, att.layer_kv_heads[i], att.layer_head_dims[i], 128, torch.float32,
                            sliding_window=binding_window(att.windows[i], 128)).nbytes()
@@ -731,7 +739,7 @@ def test_hybrid_models_keep_kv_caches_in_their_attention_layers_alone(name):
     assert cache.nbytes() == want
     assert models.inspect(model).windows == ((0, 16) if name == "lara_mini" else (0,) * att.layers)
     # forgetting a refused step leaves the recurrent states; a reset (a new sequence) clears them
-    recurrent = next(i for i, a in enumerate(attends) if not a and hasattr(cache.layers[i], "conv_states"))
+    recurrent = next(i for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states"))
     with torch.no_grad():
         model(prompt(20, batch=2), cache=cache, use_cache=True)
     state = cache.layers[recurrent].conv_states[0].clone()
@@ -760,7 +768,7 @@ def test_hybrid_rkv_cache_at_8_bits_generates_as_transformers_cache(name, scheme
     assert_generates_as_transformers_cache(hybrid(name), scheme)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "jamba"])
+@pytest.mark.parametrize("name", ["qwen3_next", "jamba", "falcon_h1"])
 def test_hybrid_decode_measures_what_the_simulation_does(name):
     """Token by token through the fused kernel, Qwen3-Next's attention layers (1 and 3, their partial rotary
     table) and Jamba's (no RoPE) decode the simulation's perplexity: the simulation quantizes each attention
@@ -781,7 +789,7 @@ def assert_decodes_as_simulated(model, scheme, moves: float) -> None:
     assert abs(perplexity.simulated(model, ids, None) / simulated - 1) > moves  # (the scheme moves it)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "falcon_h1"])
 def test_hybrid_models_attend_over_a_second_turn_chunk(name):
     """A chunk after the prefill (a second turn): the attention layer reads its cache and the chunk through
     the fused prefill, the recurrent layer continues its state; the logits within the 8-bit bound of the full
@@ -812,6 +820,8 @@ def test_per_layer_fits_and_the_report_refuse_hybrid_models_by_name():
                 lambda: Report(model, None, "", Options())):
         with pytest.raises(models.UnsupportedModelFeature, match=re.escape("whose layers [0, 2] keep a recurrent")):
             fit()
+    with pytest.raises(models.UnsupportedModelFeature, match=re.escape("whose layers [0, 1] keep a recurrent")):
+        Report(hybrid("falcon_h1"), None, "", Options())  # (every layer attends, beside a Mamba mixer)
     recurrent = build(*HYBRID["lfm2"][:2], **{**HYBRID["lfm2"][2], "layer_types": ["conv", "conv"]})
     with pytest.raises(models.UnsupportedModelFeature, match="a model without attention layers"):
         models.inspect(recurrent)

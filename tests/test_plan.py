@@ -417,11 +417,16 @@ def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypa
             ({"model_type": "jamba", "attn_layer_period": 4, "attn_layer_offset": 2, "num_experts": 2}, 2),
             ({"model_type": "nemotron_h", "hybrid_override_pattern": "M-M*-M*E", "mamba_num_heads": 4,
               "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1}, 2),
+            ({"model_type": "falcon_h1", "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16,
+              "mamba_d_state": 16}, 8),  # (attention beside a Mamba mixer in every layer)
             ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"] * 4}, 4)):
         path.write_text(json.dumps({**common, **published}))
         shape = plan.from_config(str(path), 1e6)
-        assert (shape.layers, shape.kv_free_layers) == (attention, 8 - attention), published["model_type"]
-        if published["model_type"] in ("qwen3_next", "lfm2"):
+        # (Nemotron-H's "-" and "E" layers hold an MLP alone; Falcon-H1's hold attention and a mixer)
+        recurrent = {"nemotron_h": 3, "falcon_h1": 8}.get(published["model_type"], 8 - attention)
+        assert (shape.layers, shape.kv_free_layers, shape.recurrent_layers) == (attention, 8 - attention, recurrent), \
+            published["model_type"]
+        if published["model_type"] in ("qwen3_next", "falcon_h1", "lfm2"):
             model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
             for scheme in (S.recommended(4), S.per_token(2)):
                 for context in (8, 300):
@@ -440,7 +445,8 @@ def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypa
 
     monkeypatch.setattr(transformers.AutoConfig, "for_model", unknown)
     path.write_text(json.dumps({**common, "model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"] * 4}))
-    assert (plan.from_config(str(path), 1e6).layers, plan.from_config(str(path), 1e6).kv_free_layers) == (4, 4)
+    shape = plan.from_config(str(path), 1e6)
+    assert (shape.layers, shape.kv_free_layers, shape.recurrent_layers) == (4, 4, 4)
     path.write_text(json.dumps({**common, "model_type": "jamba", "attn_layer_period": 4, "attn_layer_offset": 2}))
     with pytest.raises(ValueError, match=r"names a hybrid's layers in \['attn_layer_period'\]"):
         plan.from_config(str(path), 1e6)

@@ -16,7 +16,7 @@ import torch
 
 from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
-from .integrations.models import KV_FREE_LAYER_TYPES, sliding_by_layer_type, uses_sliding_window
+from .integrations.models import KV_FREE_LAYER_TYPES, RECURRENT_LAYER_TYPES, sliding_by_layer_type, uses_sliding_window
 from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV
 from .integrations.vllm_pool import VllmPool, preferred_block_size
 from .integrations.vllm_slots import check_drafts
@@ -47,8 +47,10 @@ class ModelShape:
     # models: num_kv_shared_layers), so they count no bytes
     kv_shared_layers: int = 0
     # layers beyond `layers` of a hybrid model that keep a recurrent state of fixed size per sequence (Mamba,
-    # gated DeltaNet, short convolutions) or no mixer: no KV cache, and their states are not counted here
+    # gated DeltaNet, short convolutions) or no mixer: no KV cache
     kv_free_layers: int = 0
+    # layers (of all) that keep a recurrent state, beside a KV cache or not (Falcon-H1's keep both): not counted
+    recurrent_layers: int = 0
 
     def __post_init__(self):
         if not 0 <= self.sliding_layers <= self.layers or (self.sliding_layers > 0) != bool(self.sliding_window):
@@ -94,9 +96,10 @@ class ModelShape:
         if self.kv_shared_layers:
             raise ValueError(f"plan: {what} does not count KV caches shared between layers ({self.name}: "
                              f"{self.kv_shared_layers} layers reuse earlier ones')")
-        if self.kv_free_layers:
+        if self.kv_free_layers or self.recurrent_layers:
             raise ValueError(f"plan: {what} does not count a hybrid model's recurrent layers ({self.name}: "
-                             f"{self.kv_free_layers} layers keep a recurrent state or no mixer, not a KV cache)")
+                             f"{self.recurrent_layers} layers keep a recurrent state, {self.kv_free_layers} no KV "
+                             "cache)")
 
     def weight_bytes(self, bits: float) -> float:
         return self.params * bits / 8
@@ -172,9 +175,9 @@ HYBRID_KEYS = ("attn_layer_period", "attn_layer_indices", "hybrid_override_patte
                "layers_block_type")
 
 
-def attention_layers_of(cfg: dict) -> list[bool]:
-    """Which layers of a config (its text part) are attention layers, with a KV cache; the others are a
-    hybrid's recurrent or MLP-only layers (KV_FREE_LAYER_TYPES). Hybrid families name them in keys of their
+def layer_types_of(cfg: dict) -> list[str]:
+    """Each layer's type in a config (its text part), as transformers names them: a hybrid's recurrent or
+    MLP-only layers keep no KV cache (KV_FREE_LAYER_TYPES). Hybrid families name them in keys of their
     own (Jamba's attn_layer_period, Nemotron-H's hybrid_override_pattern, Qwen3-Next's
     full_attention_interval, ...), which their transformers config reads into layer_types: that config is
     asked when transformers is installed and builds it; else the config's own layer_types."""
@@ -191,7 +194,7 @@ def attention_layers_of(cfg: dict) -> list[bool]:
             raise ValueError(f"plan: the config names a hybrid's layers in {family_keys}, which only its transformers "
                              f"config class reads, and that failed ({type(e).__name__}: {e}); pip install a "
                              f"transformers that knows {cfg.get('model_type')!r}") from e
-    return [t not in KV_FREE_LAYER_TYPES for t in types or ["full_attention"] * cfg["num_hidden_layers"]]
+    return list(types or ["full_attention"] * cfg["num_hidden_layers"])
 
 
 def from_config(path: str, params: float | None) -> ModelShape:
@@ -240,7 +243,8 @@ def from_config(path: str, params: float | None) -> ModelShape:
     for i, o in per_layer.items():
         shapes[i] = (o.get("num_key_value_heads", kv), o.get("head_dim", head_dim))
     # a hybrid's recurrent and MLP-only layers keep no KV cache
-    keep = [i for i, attends in enumerate(attention_layers_of(cfg)[: layers - shared]) if attends]
+    types = layer_types_of(cfg)
+    keep = [i for i, t in enumerate(types[: layers - shared]) if t not in KV_FREE_LAYER_TYPES]
     if not keep:
         raise ValueError(f"plan: {path} has no attention layer (a recurrent model keeps no KV cache)")
     shapes, flags = [shapes[i] for i in keep], [flags[i] for i in keep]
@@ -262,7 +266,7 @@ def from_config(path: str, params: float | None) -> ModelShape:
         params = layers * (attn + mlp) + emb
     return ModelShape(cfg.get("_name_or_path") or path, len(keep), kv, head_dim, float(params), sliding,
                       cfg.get("sliding_window") if sliding else None, tuple(flags), global_shape, shared,
-                      layers - shared - len(keep))
+                      layers - shared - len(keep), sum(t in RECURRENT_LAYER_TYPES for t in types))
 
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
@@ -842,8 +846,9 @@ def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows
     if model.kv_shared_layers:
         print(f"{model.kv_shared_layers} more layers attend over those layers' caches (KV sharing) and keep none")
     if model.kv_free_layers:
-        print(f"{model.kv_free_layers} more layers (a hybrid's) keep a recurrent state of fixed size per sequence "
-              "or no mixer, and no KV cache: their states are not counted here")
+        print(f"{model.kv_free_layers} more layers (a hybrid's) keep a recurrent state or no mixer, and no KV cache")
+    if model.recurrent_layers:
+        print(f"{model.recurrent_layers} layers keep a recurrent state of fixed size per sequence, not counted here")
     print(f"context {args.context:,} tokens x batch {args.batch}\n")
     print(f"{'scheme':14s} {'bits/el':>7s} {'KB/token':>9s} {'KV cache GB':>12s} {'fits':>5s} "
           f"{'longest ctx (b=1)':>18s} {'seqs @ ctx':>11s} {'paged':>6s}")

@@ -21,13 +21,13 @@ sequence length (dynamic NTK, Phi-3's LongRoPE) in the cache (RKVCache re-reads 
 length_dependent), not in the report's simulations. Also run and tested: Granite, OLMo 2 and 3,
 dots.llm1, CodeGen (GPT-J's pairs), Cohere 2 MoE, PhiMoE (its mask slides without the module naming the
 window). Not supported, each refused by name: ALiBi (Falcon, BLOOM, MPT), encoder-decoder models,
-bidirectional attention, chunked attention (Llama 4), attention beside a Mamba mixer in one layer
-(Falcon-H1's "hybrid" layers), multi-head latent attention, values of another head_dim than the keys
-(MiMo-V2-Flash), DiffLlama's differential attention, Doge's dynamic mask. KV cache sharing between layers
-(Gemma 3n, Gemma 4's small models): a shared layer attends over the cache of the layer it reuses
-(kv_sources), which alone stores it. Hybrid models (Qwen3-Next, Qwen3.5, OLMo Hybrid, Jamba, Granite 4,
-Nemotron-H, LFM2): their recurrent and MLP-only layers (KV_FREE_LAYER_TYPES) keep no KV cache (modules[i]
-None), their attention layers do.
+bidirectional attention, chunked attention (Llama 4), attention blocks shared by several layers (Zamba 2),
+multi-head latent attention, values of another head_dim than the keys (MiMo-V2-Flash), DiffLlama's
+differential attention, Doge's dynamic mask. KV cache sharing between layers (Gemma 3n, Gemma 4's small
+models): a shared layer attends over the cache of the layer it reuses (kv_sources), which alone stores it.
+Hybrid models (Qwen3-Next, Qwen3.5, OLMo Hybrid, Jamba, Granite 4, Nemotron-H, LFM2): their recurrent and
+MLP-only layers (KV_FREE_LAYER_TYPES) keep no KV cache (modules[i] None), their attention layers do;
+Falcon-H1's layers keep both (the "hybrid" type).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ NO_ROPE = "no_rope"  # the rope type of a layer that rotates nothing (NoPE): its
 # LFM2's short convolutions) in transformers' own cache layers, or no mixer at all (Nemotron-H's MLP layers)
 # ("mamba": Granite 4's and Bamba's config.json name, which their config classes read as "linear_attention")
 KV_FREE_LAYER_TYPES = ("linear_attention", "conv", "mamba", "mlp", "moe")
+# layer types that keep a recurrent state: without a KV cache, or beside one (Falcon-H1's "hybrid")
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid")
 
 
 class UnsupportedModelFeature(NotImplementedError):
@@ -77,6 +79,7 @@ class ModelAttention:
     # the layer whose cache each layer attends over: itself, or, for a KV-shared layer (Gemma 3n, Gemma 4's
     # small models), the earlier layer of its type that stores the keys and values it reuses (empty: itself)
     kv_sources: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()  # every layer's type, as the config names it (full_attention: none given)
 
     def attends(self, layer: int) -> bool:
         """Whether `layer` is an attention layer (else a hybrid's recurrent or MLP-only layer: no KV cache)."""
@@ -183,8 +186,9 @@ def inspect(model) -> ModelAttention:
         _refuse(kind, "chunked local attention (attention_chunk_size)")
     given = getattr(cfg, "layer_types", None)
     layer_types = list(given or ["full_attention"] * cfg.num_hidden_layers)
-    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"} - set(KV_FREE_LAYER_TYPES))
-    if other:  # (Falcon-H1's and Zamba 2's "hybrid": attention beside a Mamba mixer in one layer; GLM's indexed)
+    # ("hybrid": attention beside a Mamba mixer in one layer, Falcon-H1; its cache layer keeps both)
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention", "hybrid"} - set(KV_FREE_LAYER_TYPES))
+    if other:  # (a sliding "hybrid_sliding"; GLM's indexed attention; DeepSeek-V4's compressed layers)
         _refuse(kind, f"layers of type {other} (attention whose cache is not one KV cache a layer)")
     if getattr(cfg, "kv_lora_rank", None):  # (keys of two parts, a RoPE part shared by the heads)
         _refuse(kind, "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3-style MLA)")
@@ -251,7 +255,7 @@ def inspect(model) -> ModelAttention:
                           modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),
                           softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
                           length_dependent=length_dependent,
-                          learned_sinks=learned_sinks(modules), kv_sources=sources)
+                          learned_sinks=learned_sinks(modules), kv_sources=sources, layer_types=tuple(layer_types))
 
 
 def check_attention_interface(model, implementation: str) -> None:
@@ -271,15 +275,19 @@ def refuse_cacheless_layers(att: ModelAttention, what: str) -> None:
     if any(att.source(i) != i for i in range(att.layers)):
         _refuse(att.model_type, f"{what} for a model whose layers share KV caches (Gemma 3n, Gemma 4's small models: "
                                 "a uniform scheme serves it)")
-    refuse_recurrent_layers(att, f"{what} (a uniform scheme serves it)")
+    cacheless = [i for i in range(att.layers) if not att.attends(i)]
+    if cacheless:
+        _refuse(att.model_type, f"{what} for a hybrid model whose layers {cacheless} keep a recurrent state or no "
+                                "mixer, not a KV cache (a uniform scheme serves it)")
 
 
 def refuse_recurrent_layers(att: ModelAttention, what: str) -> None:
-    """Refuse `what` for a hybrid model (some layers keep a recurrent state or no mixer, not a KV cache)."""
-    recurrent = [i for i in range(att.layers) if not att.attends(i)]
+    """Refuse `what` for a hybrid model (some layers keep a recurrent state, beside a KV cache or not, or
+    no mixer)."""
+    recurrent = [i for i in range(att.layers) if not att.attends(i) or att.layer_types[i] in RECURRENT_LAYER_TYPES]
     if recurrent:
         _refuse(att.model_type, f"{what} for a hybrid model whose layers {recurrent} keep a recurrent state or no "
-                                "mixer, not a KV cache")
+                                "mixer")
 
 
 def kv_sources(kind: str, modules, layouts) -> tuple[int, ...]:

@@ -40,6 +40,7 @@ try:
         Cache,
         CacheLayerMixin,
         DummyLayer,
+        LinearAttentionLayer,
         get_layer_types_and_kwargs,
     )
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -269,6 +270,10 @@ class RKVLayer(CacheLayerMixin):
         return self.cache.capacity
 
     def reset(self) -> None:
+        self.forget_step()
+
+    def forget_step(self) -> None:
+        """Forget a step awaiting the fused attention (the cache keeps what it holds)."""
         self.awaiting = set()
         self.chunk = None
         self.value = None
@@ -278,6 +283,24 @@ class RKVLayer(CacheLayerMixin):
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("torch_rkv: RKVCache cannot be cropped")
+
+
+class RKVHybridLayer(RKVLayer, LinearAttentionLayer):
+    """A layer of attention beside a recurrent mixer (Falcon-H1's "hybrid" type): the attention's keys and
+    values in RKVLayer's quantized cache, the mixer's conv and recurrent states as transformers'
+    LinearAttentionLayer keeps them (its LinearAttentionAndFullAttentionLayer pairs them the same way)."""
+
+    def __init__(self, *args, number_of_states: int = 1, **kwargs):
+        RKVLayer.__init__(self, *args, **kwargs)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if not args:  # (the mixer's states, by keyword; the attention's buffers are preallocated)
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        RKVLayer.reset(self)
+        LinearAttentionLayer.reset(self)
 
 
 class RKVCache(Cache):
@@ -315,12 +338,12 @@ class RKVCache(Cache):
             shape = (att.layer_kv_heads[i], att.layer_head_dims[i])
             kinds.setdefault((window, att.rope_types[i], schemes[i], shape), []).append(i)
         layers: list = [DummyLayer() for _ in range(att.layers)]  # (as transformers' own caches hold shared layers)
-        if not all(att.attends(i) for i in range(att.layers)):  # a hybrid: its recurrent (and MLP-only) layers as
-            # transformers' DynamicCache builds them (their conv / recurrent states are small and stay exact)
-            types, kwargs = get_layer_types_and_kwargs(models.text_config(model))
-            for i in range(att.layers):
-                if not att.attends(i):
-                    layers[i] = DYNAMIC_LAYER_TYPE_MAPPING[types[i]](**kwargs[i])
+        # a hybrid's recurrent (and MLP-only) layers as transformers' DynamicCache builds them: their conv and
+        # recurrent states are small and stay exact
+        types, type_kwargs = get_layer_types_and_kwargs(models.text_config(model))
+        for i in range(att.layers):
+            if not att.attends(i):
+                layers[i] = DYNAMIC_LAYER_TYPE_MAPPING[types[i]](**type_kwargs[i])
         self.caches: list[QuantizedKVCache] = []
         tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # one per (table, length): kinds share them
         for (window, rope_type, scheme, (kv_heads, head_dim)), ids in kinds.items():
@@ -335,9 +358,11 @@ class RKVCache(Cache):
                                      sliding_window=window, softcap=att.softcap, model_layers=ids)
             self.caches.append(cache)
             for j, i in enumerate(ids):
-                layers[i] = RKVLayer(cache, j, att.windows[i], att.learned_sinks,
-                                     att.model_type in models.WINDOW_IN_MASK_ONLY,
-                                     readers=[r for r in range(att.layers) if att.source(r) == i])
+                # (attention beside a recurrent mixer in one layer: both states in one layer, Falcon-H1)
+                kind, extra = (RKVHybridLayer, type_kwargs[i]) if types[i] == "hybrid" else (RKVLayer, {})
+                layers[i] = kind(cache, j, att.windows[i], att.learned_sinks,
+                                 att.model_type in models.WINDOW_IN_MASK_ONLY,
+                                 readers=[r for r in range(att.layers) if att.source(r) == i], **extra)
         super().__init__(layers=layers)
         # a length-dependent RoPE (dynamic NTK, LongRoPE): the pre-RoPE caches follow the table the model's
         # rotary module chose for this forward (update)
@@ -400,4 +425,4 @@ class RKVCache(Cache):
         they hold)."""
         for layer in self.layers:
             if isinstance(layer, RKVLayer):
-                layer.reset()
+                layer.forget_step()
