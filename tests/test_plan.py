@@ -450,6 +450,9 @@ def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypa
     path.write_text(json.dumps({**common, "model_type": "jamba", "attn_layer_period": 4, "attn_layer_offset": 2}))
     with pytest.raises(ValueError, match=r"names a hybrid's layers in \['attn_layer_period'\]"):
         plan.from_config(str(path), 1e6)
+    path.write_text(json.dumps({**common, "model_type": "falcon_h1", "mamba_d_ssm": 64}))  # (no layer keys at all)
+    with pytest.raises(ValueError, match=r"names a hybrid's layers in \['mamba_d_ssm'\]"):
+        plan.from_config(str(path), 1e6)
 
 
 def test_gpt_2_style_configs_and_multi_query_attention(tmp_path):

@@ -170,9 +170,10 @@ GPT2_NAMES = {"num_attention_heads": "n_head", "num_hidden_layers": "n_layer", "
 
 
 # config.json keys in which hybrid families name their recurrent layers instead of layer_types (Jamba, Bamba,
-# Nemotron-H, Qwen3-Next, Granite 4's older configs)
+# Nemotron-H, Qwen3-Next, Granite 4's older configs; and the recurrent mixers' own fields, which Falcon-H1's config
+# names beside no layer types at all)
 HYBRID_KEYS = ("attn_layer_period", "attn_layer_indices", "hybrid_override_pattern", "full_attention_interval",
-               "layers_block_type")
+               "layers_block_type", "mamba_d_state", "mamba_d_ssm", "ssm_state_size", "linear_num_value_heads")
 
 
 def layer_types_of(cfg: dict) -> list[str]:

@@ -21,7 +21,7 @@ sequence length (dynamic NTK, Phi-3's LongRoPE) in the cache (RKVCache re-reads 
 length_dependent), not in the report's simulations. Also run and tested: Granite, OLMo 2 and 3,
 dots.llm1, CodeGen (GPT-J's pairs), Cohere 2 MoE, PhiMoE (its mask slides without the module naming the
 window). Not supported, each refused by name: ALiBi (Falcon, BLOOM, MPT), encoder-decoder models,
-bidirectional attention, chunked attention (Llama 4), attention blocks shared by several layers (Zamba 2),
+bidirectional attention, chunked attention (Llama 4), other families' "hybrid" layers (Zamba 2, Zaya),
 multi-head latent attention, values of another head_dim than the keys (MiMo-V2-Flash), DiffLlama's
 differential attention, Doge's dynamic mask. KV cache sharing between layers (Gemma 3n, Gemma 4's small
 models): a shared layer attends over the cache of the layer it reuses (kv_sources), which alone stores it.
@@ -51,7 +51,10 @@ NO_ROPE = "no_rope"  # the rope type of a layer that rotates nothing (NoPE): its
 # ("mamba": Granite 4's and Bamba's config.json name, which their config classes read as "linear_attention")
 KV_FREE_LAYER_TYPES = ("linear_attention", "conv", "mamba", "mlp", "moe")
 # layer types that keep a recurrent state: without a KV cache, or beside one (Falcon-H1's "hybrid")
-RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid")
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding")
+# families whose "hybrid" layers are attention beside a recurrent mixer, each its own module (others that name the
+# type, Zaya's attention with a convolution inside, Zamba 2's shared blocks, are refused)
+_HYBRID_LAYERS = ("falcon_h1",)
 
 
 class UnsupportedModelFeature(NotImplementedError):
@@ -187,7 +190,8 @@ def inspect(model) -> ModelAttention:
     given = getattr(cfg, "layer_types", None)
     layer_types = list(given or ["full_attention"] * cfg.num_hidden_layers)
     # ("hybrid": attention beside a Mamba mixer in one layer, Falcon-H1; its cache layer keeps both)
-    other = sorted(set(layer_types) - {"full_attention", "sliding_attention", "hybrid"} - set(KV_FREE_LAYER_TYPES))
+    served = {"full_attention", "sliding_attention"} | ({"hybrid"} if kind in _HYBRID_LAYERS else set())
+    other = sorted(set(layer_types) - served - set(KV_FREE_LAYER_TYPES))
     if other:  # (a sliding "hybrid_sliding"; GLM's indexed attention; DeepSeek-V4's compressed layers)
         _refuse(kind, f"layers of type {other} (attention whose cache is not one KV cache a layer)")
     if getattr(cfg, "kv_lora_rank", None):  # (keys of two parts, a RoPE part shared by the heads)
@@ -271,20 +275,19 @@ def check_attention_interface(model, implementation: str) -> None:
 
 def refuse_cacheless_layers(att: ModelAttention, what: str) -> None:
     """Refuse `what`, a per-layer computation that takes every layer for a cache of its own, for a model
-    some of whose layers keep none: layers that share KV caches, or a hybrid's recurrent layers."""
+    some of whose layers keep none: layers that share KV caches, or a hybrid's (or whose layers keep a
+    recurrent state beside their cache: untested there)."""
     if any(att.source(i) != i for i in range(att.layers)):
         _refuse(att.model_type, f"{what} for a model whose layers share KV caches (Gemma 3n, Gemma 4's small models: "
                                 "a uniform scheme serves it)")
-    cacheless = [i for i in range(att.layers) if not att.attends(i)]
-    if cacheless:
-        _refuse(att.model_type, f"{what} for a hybrid model whose layers {cacheless} keep a recurrent state or no "
-                                "mixer, not a KV cache (a uniform scheme serves it)")
+    refuse_recurrent_layers(att, f"{what} (a uniform scheme serves it)")
 
 
 def refuse_recurrent_layers(att: ModelAttention, what: str) -> None:
     """Refuse `what` for a hybrid model (some layers keep a recurrent state, beside a KV cache or not, or
     no mixer)."""
-    recurrent = [i for i in range(att.layers) if not att.attends(i) or att.layer_types[i] in RECURRENT_LAYER_TYPES]
+    types = att.layer_types or ("full_attention",) * att.layers
+    recurrent = [i for i in range(att.layers) if not att.attends(i) or types[i] in RECURRENT_LAYER_TYPES]
     if recurrent:
         _refuse(att.model_type, f"{what} for a hybrid model whose layers {recurrent} keep a recurrent state or no "
                                 "mixer")

@@ -298,7 +298,7 @@ class RKVHybridLayer(RKVLayer, LinearAttentionLayer):
         if not args:  # (the mixer's states, by keyword; the attention's buffers are preallocated)
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # (the mixer's states; the quantized cache is RKVCache.reset's)
         RKVLayer.reset(self)
         LinearAttentionLayer.reset(self)
 
