@@ -208,7 +208,8 @@ def inspect(model) -> ModelAttention:
         _refuse(kind, "a model whose attention modules are not one self-attention per attention layer (none found, "
                       "cross-attention layers, or no layer_idx)")
     # every layer's module; None where the layer keeps no KV cache (a hybrid's recurrent or MLP-only layers)
-    modules: tuple = tuple(next((m for m in found if m.layer_idx == i), None) for i in range(len(layer_types)))
+    by_layer = {m.layer_idx: m for m in found}
+    modules: tuple = tuple(by_layer.get(i) for i in range(len(layer_types)))
     if any(getattr(m, "is_causal", True) is False for m in modules):  # (EmbeddingGemma, Gemma 4's "all", a BERT
         # without is_decoder: the fused kernels attend causally)
         _refuse(kind, "bidirectional attention (attention modules with is_causal False)")
