@@ -2,6 +2,7 @@
 here from its transformers config with the family's structure (GQA, qkv bias, q/k norms, fused qkv,
 partial rotary, GPT-J's interleaved pairs); no download."""
 
+import json
 import re
 
 import pytest
@@ -749,6 +750,64 @@ def test_hybrid_models_keep_kv_caches_in_their_attention_layers_alone(name):
     assert cache.get_seq_length(attends.index(True)) == 0
 
 
+# hybrid families whose recurrent states the planner counts beyond those above (Mamba 2 groups of 2; their
+# recurrent layers' states only, through transformers' own cache)
+MORE_STATES = {
+    "bamba": ("BambaConfig", "BambaForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_indices": [1], "mamba_n_groups": 2,
+        **MAMBA2}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, **LINEAR, "linear_conv_kernel_dim": 3}),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"],
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "num_dense_layers": 0}),
+}
+
+
+def held_states(cache) -> int:
+    """Bytes of the recurrent layers' states a cache holds (transformers' LinearAttentionLayer's)."""
+    return sum(t.nbytes for layer in cache.layers if hasattr(layer, "conv_states")
+               for states in (layer.conv_states, layer.recurrent_states) for t in states.values() if t is not None)
+
+
+@pytest.mark.parametrize("name", list(MORE_STATES))
+def test_more_hybrid_families_recurrent_states_are_what_the_plan_counts(name, tmp_path):
+    """As below, for the families whose states the planner knows beyond the tested hybrids (Mamba 2 groups of
+    two, a kernel of 3, MoE variants), against transformers' own cache."""
+    from torch_rkv import plan
+
+    config_cls, model_cls, kw = MORE_STATES[name]
+    model = build(config_cls, model_cls, **kw).to(torch.bfloat16)
+    model.config.to_json_file(tmp_path / "config.json")
+    shape = plan.from_config(str(tmp_path / "config.json"), 1e6)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt(20, batch=2), cache=cache, use_cache=True)
+    assert shape.recurrent_layers == 1 and held_states(cache) > 0
+    assert 2 * shape.state_bytes(torch.bfloat16) == held_states(cache)
+
+
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_hybrid_models_recurrent_states_are_what_the_plan_counts(name, tmp_path):
+    """plan --config counts every recurrent layer's state per sequence (torch_rkv.recurrent: each family's
+    mixer dimensions from its config keys), whatever the scheme: exactly the bytes the cache holds after a
+    forward of a bfloat16 model (convolution windows in bfloat16, states in float32)."""
+    from torch_rkv import plan
+
+    model = hybrid(name).to(torch.bfloat16)
+    model.config.to_json_file(tmp_path / "config.json")
+    shape = plan.from_config(str(tmp_path / "config.json"), 1e6)
+    cache = RKVCache(model, S.recommended(4).replace(k_block_tokens=16), capacity=64, batch=2)
+    with torch.no_grad():
+        model(prompt(20, batch=2), cache=cache, use_cache=True)
+    held = held_states(cache)
+    assert shape.recurrent_layers == sum(hasattr(layer, "conv_states") for layer in cache.layers)
+    assert held > 0 and 2 * shape.state_bytes(torch.bfloat16) == held
+    assert plan.kv_bytes(shape, cache.schemes[HYBRID_ATTENTION.get(name, (False, True)).index(True)], 64, 2,
+                         torch.bfloat16) == cache.nbytes() + held
+
+
 @pytest.mark.parametrize("name", list(HYBRID_ROTARY))
 def test_hybrid_models_rotary_table_and_pairing_are_their_own(name):
     """The first attention layer's keys, as test_the_rotary_table_and_pairing_are_the_models_own reads layer 0's
@@ -804,11 +863,66 @@ def test_hybrid_models_attend_over_a_second_turn_chunk(name):
     assert err <= logprob_bound(8, TINY_SENSITIVITY), err
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "jamba", "lara_mini", "falcon_h1", "gemma3n"])
+def test_localization_rewinds_a_hybrids_recurrent_states(name):
+    """The report's localization asks every question over one prefill of its document, rolled back after each:
+    the attention layers drop the question's keys, and the recurrent layers, whose states cannot be cropped,
+    take back the document's. So each question, asked again or after another, sees what it sees after a fresh
+    prefill of the document, and about what one forward of both sees (LaraMini's sliding layer keeps every
+    key; its mask limits it. Jamba's cached Mamba steps are 1e-3 off its full forward without a cache). Gemma
+    3n's KV-shared layers keep no cache to drop."""
+    from torch_rkv.eval import localization
+
+    model = windowed(name) if name in KV_SHARED else hybrid(name)
+    doc, questions = prompt(40), [prompt(6, seed=seed) for seed in (2, 3)]
+
+    def after_document(q):
+        cache = localization.document_cache(model)
+        model(doc, cache=cache, use_cache=True)
+        return model(q, cache=cache, use_cache=True).logits[0]
+
+    cache = localization.document_cache(model)
+    with torch.no_grad():
+        model(doc, cache=cache, use_cache=True)
+        states = localization.recurrent_states(cache)
+        assert len(states) == sum(hasattr(layer, "conv_states") for layer in cache.layers)
+        assert bool(states) == (name not in KV_SHARED)
+        for q in questions + questions:
+            got = model(q, cache=cache, use_cache=True).logits[0]
+            localization.rewind(cache, 40, states)
+            torch.testing.assert_close(got, after_document(q), rtol=0, atol=1e-6)
+            one = model(torch.cat([doc, q], dim=1)).logits[0, 40:]
+            torch.testing.assert_close(got, one, rtol=0, atol=2e-3 if name == "jamba" else 1e-4)
+
+
+@pytest.mark.slow
+def test_the_report_runs_on_a_hybrid_model_less_its_per_layer_rows(smollm2_alice, tmp_path, capsys):
+    """`report --model` of a hybrid (a tiny Qwen3.5 with SmolLM2's tokenizer) runs every section but the
+    per-layer rows, which it leaves out and says why: the localization rewinds the recurrent states, the
+    decode protocol and chunked prefill serve it through RKVCache."""
+    from torch_rkv.__main__ import main
+
+    _, tok, _ = smollm2_alice
+    model = hybrid("qwen3_5", vocab_size=len(tok), max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    out = tmp_path / "report.json"
+    assert main(["report", "--model", str(tmp_path / "model"), "--quick", "--tokens", "512", "--out",
+                 str(tmp_path / "plots"), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "left out: torch_rkv: the per-layer rows" in printed and "whose layers [0] keep a recurrent" in printed
+    results = json.loads(out.read_text())
+    assert results["options"]["alloc_targets"] == [] and results["allocation"] == []
+    assert {x["scheme"] for x in results["localization"]} == {"full precision", "per-token-2", "rkv-2"}
+    (decoded,) = results["decode_protocol"]
+    assert abs(decoded["relative_difference"]) < 1e-4 and results["chunked_prefill"]
+
+
 def test_per_layer_fits_and_the_report_refuse_hybrid_models_by_name():
     """The sensitivity profile and the calibrated levels measure every layer's cache: a hybrid's recurrent
-    layers have none, so they refuse it by name (a uniform scheme serves it). The report refuses it before any
-    row runs (its localization rolls a document's cache back, which a recurrent state cannot), and a model of
-    recurrent layers alone is refused by inspect."""
+    layers have none, so they refuse it by name (a uniform scheme serves it). The report asked for its per-layer
+    rows refuses it before any row runs, and a model of recurrent layers alone is refused by inspect."""
     from torch_rkv.eval import levels, sensitivity
     from torch_rkv.eval.report import Options, Report
 

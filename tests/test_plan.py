@@ -397,14 +397,15 @@ def test_kv_shared_layers_keep_no_cache_in_the_plan(tmp_path):
         plan.from_config(str(tmp_path / "config.json"), 1e6)
 
 
-def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypatch):
+def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypatch, capsys):
     """Hybrid models name their recurrent layers in keys of their own family's (as published, no layer_types):
-    only the attention layers count bytes, so plan's contiguous bytes are what RKVCache allocates (Qwen3-Next's
-    full_attention_interval, LFM2's layer_types); the vLLM pool's arithmetic and a per-layer allocation, which
-    do not count recurrent states, refuse it by name. Without transformers' config class, a config's own
-    layer_types are read (Granite 4's "mamba" too), and family keys are refused rather than counted as
-    attention."""
+    only the attention layers count KV bytes, so plan's contiguous bytes are what RKVCache allocates (Qwen3-Next's
+    full_attention_interval, LFM2's layer_types) plus the recurrent states; the vLLM pool's arithmetic and a
+    per-layer allocation, which do not count recurrent states, refuse it by name. Without transformers' config
+    class, a config's own layer_types are read (Granite 4's "mamba" too) and its states are not counted, and
+    family keys are refused rather than counted as attention."""
     transformers = pytest.importorskip("transformers")
+    from torch_rkv.__main__ import main
     from torch_rkv.integrations.transformers import RKVCache
 
     path = tmp_path / "config.json"
@@ -431,7 +432,18 @@ def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypa
             for scheme in (S.recommended(4), S.per_token(2)):
                 for context in (8, 300):
                     cache = RKVCache(model.eval(), scheme, capacity=context, batch=2, dtype=torch.float16)
-                    assert plan.kv_bytes(shape, scheme, context, 2) == cache.nbytes()
+                    # (the recurrent states: checked against a forward's in tests/test_families.py)
+                    assert plan.kv_bytes(shape, scheme, context, 2) == cache.nbytes() + 2 * shape.state_bytes()
+        assert shape.state_bytes() > 0
+        stateless = dataclasses.replace(shape, state=None)  # (a paged cache holds them once a sequence too)
+        assert plan.paged_sequence_bytes(shape, S.recommended(4), 300) == \
+            plan.paged_sequence_bytes(stateless, S.recommended(4), 300) + shape.state_bytes()
+        assert main(["plan", "--config", str(path), "--params", "1e6", "--schemes", "rkv-2", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["model"]["state_bytes"] == shape.state_bytes() and out["rows"][1]["kv_bytes"] == \
+            plan.kv_bytes(shape, S.recommended(2), 131072, 1)
+        assert main(["plan", "--config", str(path), "--params", "1e6", "--schemes", "rkv-2"]) == 0
+        assert f"{shape.state_bytes() / 2**20:.1f} MiB a sequence" in capsys.readouterr().out
     with pytest.raises(ValueError, match="does not count a hybrid model's recurrent layers"):
         plan.VllmEngine().pool(shape, [S.recommended(4)] * 4)
     with pytest.raises(ValueError, match="does not count a hybrid model's recurrent layers"):
@@ -447,6 +459,7 @@ def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypa
     path.write_text(json.dumps({**common, "model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"] * 4}))
     shape = plan.from_config(str(path), 1e6)
     assert (shape.layers, shape.kv_free_layers, shape.recurrent_layers) == (4, 4, 4)
+    assert shape.state is None and shape.state_bytes() == 0  # (its mixer's defaults are the config class's)
     path.write_text(json.dumps({**common, "model_type": "jamba", "attn_layer_period": 4, "attn_layer_offset": 2}))
     with pytest.raises(ValueError, match=r"names a hybrid's layers in \['attn_layer_period'\]"):
         plan.from_config(str(path), 1e6)

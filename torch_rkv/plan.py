@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -21,6 +21,7 @@ from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV
 from .integrations.vllm_pool import VllmPool, preferred_block_size
 from .integrations.vllm_slots import check_drafts
 from .layout import CacheLayout, PageLayout, binding_window, default_page_size
+from .recurrent import RecurrentState, state_of
 from .scheme import Scheme
 
 GIB = 1024**3
@@ -49,8 +50,10 @@ class ModelShape:
     # layers beyond `layers` of a hybrid model that keep a recurrent state of fixed size per sequence (Mamba,
     # gated DeltaNet, short convolutions) or no mixer: no KV cache
     kv_free_layers: int = 0
-    # layers (of all) that keep a recurrent state, beside a KV cache or not (Falcon-H1's keep both): not counted
+    # layers (of all) that keep a recurrent state, beside a KV cache or not (Falcon-H1's keep both), and one such
+    # layer's state per sequence (None: a family whose mixers torch_rkv does not know; then not counted)
     recurrent_layers: int = 0
+    state: RecurrentState | None = None
 
     def __post_init__(self):
         if not 0 <= self.sliding_layers <= self.layers or (self.sliding_layers > 0) != bool(self.sliding_window):
@@ -103,6 +106,10 @@ class ModelShape:
 
     def weight_bytes(self, bits: float) -> float:
         return self.params * bits / 8
+
+    def state_bytes(self, dtype=torch.float16) -> int:
+        """The recurrent states one sequence holds, every layer (0 where unknown: `state` None)."""
+        return self.recurrent_layers * self.state.nbytes(dtype) if self.state else 0
 
 
 # public config facts (config.json of each release)
@@ -176,37 +183,54 @@ HYBRID_KEYS = ("attn_layer_period", "attn_layer_indices", "hybrid_override_patte
                "layers_block_type", "mamba_d_state", "mamba_d_ssm", "ssm_state_size", "linear_num_value_heads")
 
 
-def layer_types_of(cfg: dict) -> list[str]:
+def text_config_of(cfg: dict):
+    """The config's (text part's) transformers config, its defaults filled in; raises where transformers is
+    missing or does not know or cannot build it."""
+    from transformers import AutoConfig
+
+    built = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    return built.get_text_config(decoder=True)
+
+
+def layer_types_of(cfg: dict, built=None, error: Exception | None = None) -> list[str]:
     """Each layer's type in a config (its text part), as transformers names them: a hybrid's recurrent or
     MLP-only layers keep no KV cache (KV_FREE_LAYER_TYPES). Hybrid families name them in keys of their
     own (Jamba's attn_layer_period, Nemotron-H's hybrid_override_pattern, Qwen3-Next's
-    full_attention_interval, ...), which their transformers config reads into layer_types: that config is
-    asked when transformers is installed and builds it; else the config's own layer_types."""
-    types = cfg.get("layer_types")
-    try:
-        from transformers import AutoConfig
-
-        built = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
-        types = getattr(built.get_text_config(decoder=True), "layer_types", None) or types
-    except Exception as e:  # (no transformers; no or an unknown model_type; a config its class cannot build:
-        # EXAONE 4's letter pattern without layer_types)
-        family_keys = sorted(set(cfg) & set(HYBRID_KEYS))
-        if types is None and family_keys:
-            raise ValueError(f"plan: the config names a hybrid's layers in {family_keys}, which only its transformers "
-                             f"config class reads, and that failed ({type(e).__name__}: {e}); pip install a "
-                             f"transformers that knows {cfg.get('model_type')!r}") from e
+    full_attention_interval, ...), which their transformers config (`built`, text_config_of) reads into
+    layer_types; without it (`error`: why), the config's own layer_types."""
+    types = getattr(built, "layer_types", None) or cfg.get("layer_types")
+    family_keys = sorted(set(cfg) & set(HYBRID_KEYS))
+    if built is None and cfg.get("layer_types") is None and family_keys:
+        raise ValueError(f"plan: the config names a hybrid's layers in {family_keys}, which only its transformers "
+                         f"config class reads, and that failed ({type(error).__name__}: {error}); pip install a "
+                         f"transformers that knows {cfg.get('model_type')!r}") from error
     return list(types or ["full_attention"] * cfg["num_hidden_layers"])
+
+
+def _special_floats(obj: dict):
+    """transformers' config.json spells infinities and NaN as {"__float__": "Infinity"} (Granite 4's
+    time_step_limit): its config classes take them as floats."""
+    if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
+        return float(obj["__float__"])
+    return obj
 
 
 def from_config(path: str, params: float | None) -> ModelShape:
     """A transformers config.json: layers (and which of them slide, sliding_layers_of), KV heads,
     head_dim; parameters from --params or estimated from the config (embeddings + attention + gated MLP)."""
     with open(path) as f:
-        cfg = json.load(f)
+        cfg = json.load(f, object_hook=_special_floats)
     cfg = cfg.get("text_config", cfg)
     for name, gpt2 in GPT2_NAMES.items():  # (GPT-2-style configs: GPT-BigCode, GPT-J, ...)
         if name not in cfg and gpt2 in cfg:
             cfg[name] = cfg[gpt2]
+    built = error = None
+    try:
+        built = text_config_of(cfg)
+    except Exception as e:  # (no transformers; no or an unknown model_type; a config its class cannot build:
+        error = e           # EXAONE 4's letter pattern without layer_types)
+    if "num_hidden_layers" not in cfg and built is not None:  # (Nemotron-H's, saved by transformers 5: its
+        cfg["num_hidden_layers"] = built.num_hidden_layers    # layers_block_type alone)
     heads = cfg["num_attention_heads"]
     # multi-query attention as a flag (GPT-BigCode; Falcon, by default, unless new_decoder_architecture: then its
     # num_kv_heads), as transformers' configs derive num_key_value_heads
@@ -244,10 +268,11 @@ def from_config(path: str, params: float | None) -> ModelShape:
     for i, o in per_layer.items():
         shapes[i] = (o.get("num_key_value_heads", kv), o.get("head_dim", head_dim))
     # a hybrid's recurrent and MLP-only layers keep no KV cache
-    types = layer_types_of(cfg)
+    types = layer_types_of(cfg, built, error)
     keep = [i for i, t in enumerate(types[: layers - shared]) if t not in KV_FREE_LAYER_TYPES]
     if not keep:
         raise ValueError(f"plan: {path} has no attention layer (a recurrent model keeps no KV cache)")
+    recurrent = sum(t in RECURRENT_LAYER_TYPES for t in types)
     shapes, flags = [shapes[i] for i in keep], [flags[i] for i in keep]
     sliding = sum(flags)
     kinds = {f: {sh for sh, g in zip(shapes, flags) if g == f} for f in (True, False)}
@@ -267,26 +292,28 @@ def from_config(path: str, params: float | None) -> ModelShape:
         params = layers * (attn + mlp) + emb
     return ModelShape(cfg.get("_name_or_path") or path, len(keep), kv, head_dim, float(params), sliding,
                       cfg.get("sliding_window") if sliding else None, tuple(flags), global_shape, shared,
-                      layers - shared - len(keep), sum(t in RECURRENT_LAYER_TYPES for t in types))
+                      layers - shared - len(keep), recurrent, state_of(built) if recurrent and built else None)
 
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
-    """Exact KV-cache bytes of every layer for `batch` sequences of `context` tokens. A sliding layer's
+    """Exact KV-cache bytes of every layer for `batch` sequences of `context` tokens, and a hybrid's
+    recurrent states (ModelShape.state_bytes: in full precision, whatever the scheme). A sliding layer's
     cache is its ring (CacheLayout with sliding_window: the same bytes at any context longer than the
     window; RKVCache's binding_window). scheme None: a full-precision cache in `dtype` (the baseline),
     min(context, window) tokens in a sliding layer."""
     full_kv, full_dim = model.full_shape
+    states = batch * model.state_bytes(dtype)
     if scheme is None:
         def fp(tokens, kv_heads=model.kv_heads, head_dim=model.head_dim):
             return 2 * batch * kv_heads * tokens * head_dim * torch.finfo(dtype).bits // 8
 
         sliding = fp(min(context, model.sliding_window)) if model.sliding_layers else 0
-        return model.full_layers * fp(context, full_kv, full_dim) + model.sliding_layers * sliding
+        return model.full_layers * fp(context, full_kv, full_dim) + model.sliding_layers * sliding + states
     full = CacheLayout(scheme, batch, full_kv, full_dim, context, dtype).nbytes() if model.full_layers else 0
     window = binding_window(model.sliding_window or 0, context)
     sliding = CacheLayout(scheme, batch, model.kv_heads, model.head_dim, context, dtype,
                           sliding_window=window).nbytes() if model.sliding_layers else 0
-    return model.full_layers * full + model.sliding_layers * sliding
+    return model.full_layers * full + model.sliding_layers * sliding + states
 
 
 def bytes_per_token(model: ModelShape, scheme: Scheme | None) -> float:
@@ -330,8 +357,8 @@ def paged_sequence_bytes(model: ModelShape, scheme: Scheme | None, context: int,
                          dtype=torch.float16) -> int:
     """Exact bytes one sequence of `context` tokens holds in a paged cache, every layer: its pages (the
     last one partial: page rounding included), their page counts and its side slot of full-precision
-    rows (PagedQuantizedKVCache, from PageLayout). scheme None: a full-precision paged cache in `dtype`
-    (pages of 16 tokens, vLLM's default).
+    rows (PagedQuantizedKVCache, from PageLayout), and a hybrid's recurrent states. scheme None: a
+    full-precision paged cache in `dtype` (pages of 16 tokens, vLLM's default).
 
     A sliding layer holds at most ceil((W + P) / P) pages of P tokens: its newest W tokens straddle at
     most ceil(W / P) + 1 pages, and pages wholly before the window are never read again, so an engine
@@ -343,7 +370,7 @@ def paged_sequence_bytes(model: ModelShape, scheme: Scheme | None, context: int,
         return -(-layer_context // p)
 
     sliding = min(pages(context), pages(model.sliding_window + p)) if model.sliding_layers else 0
-    total = 0
+    total = model.state_bytes(dtype)
     for layers, held, (kv_heads, head_dim) in ((model.full_layers, pages(context), model.full_shape),
                                                (model.sliding_layers, sliding, (model.kv_heads, model.head_dim))):
         if scheme is None:
@@ -749,7 +776,8 @@ def main(args) -> int:
                                allocation[0].schemes())
             serving["serve"] = serve(serving, os.path.abspath(args.out) if args.out else ALLOCATION_PLACEHOLDER)
     if args.json:
-        out = {"model": model.__dict__, "rows": rows}  # (with --vllm: one GPU's share of the KV heads)
+        # (with --vllm: one GPU's share of the KV heads)
+        out = {"model": {**asdict(model), "state_bytes": model.state_bytes()}, "rows": rows}
         if engine is not None:
             out["tensor_parallel_size"] = engine.tensor_parallel
         if allocation:
@@ -848,8 +876,14 @@ def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows
         print(f"{model.kv_shared_layers} more layers attend over those layers' caches (KV sharing) and keep none")
     if model.kv_free_layers:
         print(f"{model.kv_free_layers} more layers (a hybrid's) keep a recurrent state or no mixer, and no KV cache")
-    if model.recurrent_layers:
-        print(f"{model.recurrent_layers} layers keep a recurrent state of fixed size per sequence, not counted here")
+    if model.state:
+        print(f"{model.recurrent_layers} layers keep a recurrent state of fixed size, in full precision: "
+              f"{model.state_bytes() / 2**20:.1f} MiB a sequence (convolution windows in fp16, states in float32, "
+              "as transformers keeps them), counted in every row")
+    elif model.recurrent_layers:
+        print(f"{model.recurrent_layers} layers keep a recurrent state of fixed size per sequence, not counted here "
+              ""
+              "(the shape of its state: from the transformers config class of a family torch_rkv.recurrent knows)")
     print(f"context {args.context:,} tokens x batch {args.batch}\n")
     print(f"{'scheme':14s} {'bits/el':>7s} {'KB/token':>9s} {'KV cache GB':>12s} {'fits':>5s} "
           f"{'longest ctx (b=1)':>18s} {'seqs @ ctx':>11s} {'paged':>6s}")

@@ -4,7 +4,7 @@ A long document (haystack text with numbered articles inserted at several depths
 penalty rate) is followed by a question about one article: "What is the penalty rate under Article 37?".
 The metrics are the log-probability of the right rate and whether greedy decoding reproduces it
 exactly, for several needle depths and context lengths, with full precision as the reference. Each
-document is run once; every question reuses its keys and values (cropped back after each). Several
+document is run once; every question reuses its cache (rolled back after each: rewind). Several
 documents per length (different haystack slices, articles and depths) give enough needles for the exact
 rate's binomial interval (wilson) to say something: 6 needles a length cannot tell 2 of 6 from 5 of 6.
 """
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
+from ..integrations.models import RECURRENT_LAYER_TYPES
 from .data import bos_text
 from .simulate import Simulation, install
 
@@ -83,21 +85,55 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 def evaluate(model, tok, doc: Document, simulation: Simulation | None) -> list[dict]:
     """Per needle: log p(right rate), exact greedy match, and the greedy answer."""
     install(model, simulation)
-    # every layer keeps every key (no config: no sliding-window layers that drop old ones), so a key's
-    # index is its position for the simulation; the model's mask still limits what a window layer sees
-    cache = DynamicCache()
+    cache = document_cache(model)
     model(doc.ids, cache=cache, use_cache=True)
     n = doc.ids.shape[1]
+    states = recurrent_states(cache)
     out = []
     for needle in doc.needles:
         q = tok(QUESTION.format(k=needle.article), return_tensors="pt", add_special_tokens=False).input_ids
         a = tok(ANSWER.format(r=needle.rate), return_tensors="pt", add_special_tokens=False).input_ids
         seq = torch.cat([q, a], dim=1)
         logits = model(seq, cache=cache, use_cache=True).logits[0, q.shape[1] - 1 : -1].float()
-        cache.crop(-(cache.get_seq_length() - n))  # drop the question again (negative: tokens to remove)
+        rewind(cache, n, states)
         target = a[0]
         logp = F.log_softmax(logits, dim=-1).gather(1, target[:, None]).sum().item()
         greedy = logits.argmax(-1)
         out.append({"length": doc.length, "depth": needle.depth, "article": needle.article, "logprob": logp,
                     "exact": bool(torch.equal(greedy, target)), "answer": tok.decode(greedy)})
     return out
+
+
+def document_cache(model) -> DynamicCache:
+    """A cache whose attention layers keep every key (a sliding layer's too: a key's index is then its position
+    for the simulation; the model's mask still limits what a window layer sees), and whose recurrent layers (a
+    hybrid's) keep their states in transformers' own layer classes, which its config names."""
+    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    if not set(types) & set(RECURRENT_LAYER_TYPES):
+        return DynamicCache()  # (no config: every layer a DynamicLayer, appended as the model updates it)
+    cache = DynamicCache(config=model.config)
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
+    return cache
+
+
+def recurrent_states(cache: DynamicCache) -> list[tuple]:
+    """A copy of every recurrent layer's state (and its token count), which rewind puts back."""
+    return [(layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+             {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
+             layer.cumulative_length_linear.clone())
+            for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def rewind(cache: DynamicCache, tokens: int, states: list[tuple]) -> None:
+    """Back to the document's first `tokens` tokens after a question: the attention layers drop the question's
+    keys and values; the recurrent layers, whose states cannot be cropped, take back those saved after the
+    document (recurrent_states). Falcon-H1's layers hold both."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:  # (a KV-shared layer keeps none)
+            DynamicLayer.crop(layer, tokens - DynamicLayer.get_seq_length(layer))
+    for layer, conv, recurrent, count in states:
+        for i, t in conv.items():
+            layer.conv_states[i].copy_(t)
+        for i, t in recurrent.items():
+            layer.recurrent_states[i].copy_(t)
+        layer.cumulative_length_linear.copy_(count)

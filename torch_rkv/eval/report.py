@@ -22,7 +22,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -134,6 +134,30 @@ class Options:
                    alloc_targets=(2.5, 3.0, 3.5), split_targets=(3.0, 3.5), chunk_sizes=(256, 1024),
                    second_text="asyoulik.txt", second_windows=8, peers=True)
 
+    def named_schemes(self) -> tuple:
+        """Every scheme a row names beside the families' (localization, long context, decode, chunks, second text)."""
+        return self.loc_schemes + self.long_schemes + self.decode_schemes + self.chunk_schemes + self.second_schemes
+
+    def uses_profile(self) -> bool:
+        """Whether a row needs the model's per-layer sensitivity profile (an allocation, a split)."""
+        return bool(self.alloc_targets or self.split_targets
+                    or any(name.startswith(PER_LAYER) for name in self.named_schemes()))
+
+    def per_layer(self) -> bool:
+        """Whether a row measures or fits every layer's own cache: the profile's rows and the calibrated levels."""
+        return self.uses_profile() or CALIBRATED_LEVELS in self.families or \
+            any(name.startswith(NON_UNIFORM) for name in self.named_schemes())
+
+    def without_per_layer(self) -> "Options":
+        """These options less the per_layer rows (for a model whose layers do not all keep a KV cache)."""
+        def uniform(names):
+            return tuple(n for n in names if not n.startswith(PER_LAYER + (NON_UNIFORM,)))
+
+        return replace(self, alloc_targets=(), split_targets=(),
+                       families=tuple(f for f in self.families if f != CALIBRATED_LEVELS),
+                       **{k: uniform(getattr(self, k)) for k in ("loc_schemes", "long_schemes", "decode_schemes",
+                                                                  "chunk_schemes", "second_schemes")})
+
     @classmethod
     def quick(cls) -> "Options":
         return cls(tokens=1024, bits=(4, 2), families=("per-token (baseline)", "KIVI (per-channel post-RoPE)",
@@ -157,14 +181,9 @@ class Report:
         from ..integrations import models
 
         self.attention = models.inspect(model)  # an unsupported model feature stops here, named
-        # refused before any row runs, rather than an hour into the run: the localization rolls a document's
-        # cache back after each question, which a hybrid's recurrent state cannot (RKVCache serves such a model);
-        # the per-layer rows measure each layer's own cache
-        models.refuse_recurrent_layers(self.attention, "the report (its localization rolls a document's cache back "
-                                                       "after each question)")
-        named = opts.loc_schemes + opts.long_schemes + opts.decode_schemes + opts.chunk_schemes + opts.second_schemes
-        if (opts.alloc_targets or opts.split_targets or CALIBRATED_LEVELS in opts.families
-                or any(name.startswith(PER_LAYER + (NON_UNIFORM,)) for name in named)):
+        # refused before any row runs, rather than an hour into the run: the per-layer rows measure each layer's
+        # own cache (main drops them for such a model, and says so)
+        if opts.per_layer():
             models.refuse_cacheless_layers(self.attention, "the report's per-layer rows (alloc_targets, "
                                                            "split_targets, calibrated levels)")
         self.head_dim = self.attention.head_dim
@@ -238,9 +257,7 @@ class Report:
         levels = tuple(o.alloc_levels)
         stored = sensitivity.stored_profile(self.model, levels, sensitivity.CALIBRATION_TEXT, o.alloc_tokens)
         cached = stored is not None and stored.covers(levels)
-        named = o.loc_schemes + o.long_schemes + o.decode_schemes + o.chunk_schemes
-        used = o.alloc_targets or o.split_targets or any(name.startswith(PER_LAYER) for name in named)
-        calibration = 0 if cached or not used else \
+        calibration = 0 if cached or not o.uses_profile() else \
             (len(levels) - 1) * (2 * self.attention.layers + 1) * fwd(o.alloc_tokens)
         loc_docs = sum(fwd(length + 64) * o.loc_documents for length in o.loc_lengths)
         work = [fwd(n),
@@ -797,14 +814,27 @@ def main(args) -> int:
         print(f"torch_rkv report: --tokens {opts.tokens} exceeds the model's {model.config.max_position_embeddings}",
               file=sys.stderr)
         return 2
+    left_out = ""
+    if opts.per_layer():  # (a model some of whose layers keep no KV cache of their own: its other rows run)
+        from ..integrations import models
+
+        try:
+            models.refuse_cacheless_layers(models.inspect(model), "the per-layer rows")
+        except models.UnsupportedModelFeature as e:
+            opts, left_out = opts.without_per_layer(), f"left out: {e}"
+            print(f"torch_rkv report: {left_out}", flush=True)
     torch.manual_seed(0)
     report = Report(model, tok, text, opts, log=lambda s: print(s, flush=True))
     results = report.run()
+    if left_out:
+        results["left_out"] = left_out
     results["options"] = {k: v for k, v in asdict(opts).items() if k != "timings"}
     results["timings_s"] = {**opts.timings, "total": round(time.time() - start, 1)}
     results["machine"] = {"python": platform.python_version(), "torch": torch.__version__,
                           "threads": torch.get_num_threads()}
     print(format_tables(results))
+    if left_out:
+        print(f"\n{left_out}")
     print(f"\nplots: {', '.join(results['plots'].values())}")
     print(f"total {results['timings_s']['total']:.0f} s: " +
           ", ".join(f"{k} {v:.0f} s" for k, v in opts.timings.items()))

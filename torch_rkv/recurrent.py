@@ -1,0 +1,80 @@
+"""The fixed-size state a hybrid model's recurrent layer keeps per sequence, beside the attention layers' KV
+caches, as transformers' mixers allocate it (LinearAttentionLayer's conv_states and recurrent_states).
+
+It does not grow with the context, but every sequence holds one per recurrent layer: for Qwen3-Next-80B, 36
+gated-DeltaNet layers of 2.1 MB each, 78 MB a sequence, 15% of what a 128K-token sequence holds at rkv-2. The
+planner adds it to every row. Shapes are the mixers' own (each family names its dimensions in keys of its own),
+so only the families below are known; tests/test_families.py checks each against the states a forward allocates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """One layer's state for one sequence, in elements."""
+
+    conv: int  # the causal convolution's window of the last kernel-size inputs, kept in the model dtype
+    recurrent: int  # the SSM or delta-rule state, kept in float32 (the mixers compute it in float32)
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        size = torch.finfo(dtype).bits // 8
+        return self.conv * size + self.recurrent * max(size, 4)
+
+
+def _gated_delta_net(c) -> RecurrentState:
+    # a convolution over the concatenated q, k, v projections; a key_dim x value_dim state per value head
+    conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    return RecurrentState(conv * c.linear_conv_kernel_dim,
+                          c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)
+
+
+def _mamba(c) -> RecurrentState:
+    # Mamba 1: a convolution over the expanded channels, d_state per channel
+    inner = c.mamba_expand * c.hidden_size
+    return RecurrentState(inner * c.mamba_d_conv, inner * c.mamba_d_state)
+
+
+def _mamba2(inner: int, heads: int, head_dim: int, groups: int, d_state: int, kernel: int) -> RecurrentState:
+    # Mamba 2: a convolution over x, B and C (groups x d_state each); a head_dim x d_state state per head
+    return RecurrentState((inner + 2 * groups * d_state) * kernel, heads * head_dim * d_state)
+
+
+def _mamba2_named(c, inner: int | None = None) -> RecurrentState:
+    # Bamba's, Granite 4's and Falcon-H1's names (Falcon-H1 may set the inner width, mamba_d_ssm)
+    return _mamba2(inner or int(c.mamba_expand * c.hidden_size), c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups,
+                   c.mamba_d_state, c.mamba_d_conv)
+
+
+def _short_conv(c) -> RecurrentState:
+    # LFM2: a gated convolution over the hidden state, no recurrence
+    return RecurrentState(c.hidden_size * c.conv_L_cache, 0)
+
+
+# model_type (of the text config) -> one recurrent layer's state; a family's recurrent layers share one mixer
+MIXERS = {
+    "qwen3_next": _gated_delta_net,
+    "qwen3_5_text": _gated_delta_net,
+    "qwen3_5_moe_text": _gated_delta_net,
+    "olmo_hybrid": _gated_delta_net,
+    "lara_mini": _gated_delta_net,
+    "jamba": _mamba,
+    "bamba": _mamba2_named,
+    "granitemoehybrid": _mamba2_named,
+    "falcon_h1": lambda c: _mamba2_named(c, c.mamba_d_ssm),
+    "nemotron_h": lambda c: _mamba2(c.mamba_num_heads * c.mamba_head_dim, c.mamba_num_heads, c.mamba_head_dim,
+                                    c.n_groups, c.ssm_state_size, c.conv_kernel),
+    "lfm2": _short_conv,
+    "lfm2_moe": _short_conv,
+}
+
+
+def state_of(config) -> RecurrentState | None:
+    """One recurrent layer's state per sequence, for a transformers text config; None for a family whose
+    mixers are not known here (the caller says it is not counted)."""
+    mixer = MIXERS.get(getattr(config, "model_type", None))
+    return mixer(config) if mixer else None
