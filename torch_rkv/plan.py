@@ -98,7 +98,7 @@ class ModelShape:
         layers or a hybrid's recurrent layers."""
         if self.kv_shared_layers:
             raise ValueError(f"plan: {what} does not count KV caches shared between layers ({self.name}: "
-                             f"{self.kv_shared_layers} layers reuse earlier ones')")
+                             f"{self.kv_shared_layers} layers reuse earlier ones)")
         if self.kv_free_layers or self.recurrent_layers:
             raise ValueError(f"plan: {what} does not count a hybrid model's recurrent layers ({self.name}: "
                              f"{self.recurrent_layers} layers keep a recurrent state, {self.kv_free_layers} no KV "
@@ -292,7 +292,8 @@ def from_config(path: str, params: float | None) -> ModelShape:
         params = layers * (attn + mlp) + emb
     return ModelShape(cfg.get("_name_or_path") or path, len(keep), kv, head_dim, float(params), sliding,
                       cfg.get("sliding_window") if sliding else None, tuple(flags), global_shape, shared,
-                      layers - shared - len(keep), recurrent, state_of(built) if recurrent and built else None)
+                      layers - shared - len(keep), recurrent,
+                      state_of(built) if recurrent and built is not None else None)
 
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
@@ -882,7 +883,6 @@ def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows
               "as transformers keeps them), counted in every row")
     elif model.recurrent_layers:
         print(f"{model.recurrent_layers} layers keep a recurrent state of fixed size per sequence, not counted here "
-              ""
               "(the shape of its state: from the transformers config class of a family torch_rkv.recurrent knows)")
     print(f"context {args.context:,} tokens x batch {args.batch}\n")
     print(f"{'scheme':14s} {'bits/el':>7s} {'KB/token':>9s} {'KV cache GB':>12s} {'fits':>5s} "

@@ -107,7 +107,9 @@ def evaluate(model, tok, doc: Document, simulation: Simulation | None) -> list[d
 def document_cache(model) -> DynamicCache:
     """A cache whose attention layers keep every key (a sliding layer's too: a key's index is then its position
     for the simulation; the model's mask still limits what a window layer sees), and whose recurrent layers (a
-    hybrid's) keep their states in transformers' own layer classes, which its config names."""
+    hybrid's) keep their states in transformers' own layer classes, which its config names. (A layer type that
+    pairs a sliding window with a recurrent state, "hybrid_sliding", stays transformers' ring: models.inspect
+    refuses it.)"""
     types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
     if not set(types) & set(RECURRENT_LAYER_TYPES):
         return DynamicCache()  # (no config: every layer a DynamicLayer, appended as the model updates it)

@@ -186,6 +186,9 @@ class Report:
         if opts.per_layer():
             models.refuse_cacheless_layers(self.attention, "the report's per-layer rows (alloc_targets, "
                                                            "split_targets, calibrated levels)")
+        if opts.loc_lengths or opts.chunk_sizes:  # (each question, each chunk: several tokens over the cache)
+            models.refuse_chunks_over_state(self.attention.model_type, "the report's localization and chunked "
+                                                                       "prefill rows (loc_lengths, chunk_sizes)")
         self.head_dim = self.attention.head_dim
         self.text = text
         all_ids = data.encode(tok, text)
@@ -294,9 +297,9 @@ class Report:
         r["long_context"] = self._timed("long context", self.long_context) if o.long_tokens else []
         r["allocation"] = self._timed("allocation", self.allocation) if self.allocated_names() else []
         r["second_text"] = self._timed("second text", self.second_text) if o.second_text else []
-        r["localization"] = self._timed("localization", self.localization)
+        r["localization"] = self._timed("localization", self.localization) if o.loc_lengths else []
         r["decode_protocol"] = self._timed("decode protocol", self.decode_protocol)
-        r["chunked_prefill"] = self._timed("chunked prefill", self.chunked_prefill)
+        r["chunked_prefill"] = self._timed("chunked prefill", self.chunked_prefill) if o.chunk_sizes else []
         r["peers"] = self._timed("peers", self.peers) if o.peers else []
         r["plots"] = self._timed("plots", self.plots)
         return r
@@ -814,15 +817,26 @@ def main(args) -> int:
         print(f"torch_rkv report: --tokens {opts.tokens} exceeds the model's {model.config.max_position_embeddings}",
               file=sys.stderr)
         return 2
-    left_out = ""
-    if opts.per_layer():  # (a model some of whose layers keep no KV cache of their own: its other rows run)
-        from ..integrations import models
+    # rows a model cannot run are left out, each named, and the others run: the per-layer rows of a model some of
+    # whose layers keep no KV cache of their own, the rows that put several tokens over a recurrent state that
+    # its mixer would drop (Jamba's)
+    from ..integrations import models
 
+    attention, left_out = models.inspect(model), []
+    for wanted, refuse, without in (
+            (opts.per_layer(), lambda: models.refuse_cacheless_layers(attention, "the per-layer rows"),
+             Options.without_per_layer),
+            (opts.loc_lengths or opts.chunk_sizes,
+             lambda: models.refuse_chunks_over_state(attention.model_type, "the localization and chunked prefill "
+                                                                           "rows"),
+             lambda o: replace(o, loc_lengths=(), chunk_sizes=()))):
         try:
-            models.refuse_cacheless_layers(models.inspect(model), "the per-layer rows")
+            if wanted:
+                refuse()
         except models.UnsupportedModelFeature as e:
-            opts, left_out = opts.without_per_layer(), f"left out: {e}"
-            print(f"torch_rkv report: {left_out}", flush=True)
+            opts = without(opts)
+            left_out.append(f"left out: {e}")
+            print(f"torch_rkv report: {left_out[-1]}", flush=True)
     torch.manual_seed(0)
     report = Report(model, tok, text, opts, log=lambda s: print(s, flush=True))
     results = report.run()
@@ -834,7 +848,7 @@ def main(args) -> int:
                           "threads": torch.get_num_threads()}
     print(format_tables(results))
     if left_out:
-        print(f"\n{left_out}")
+        print("\n" + "\n".join(left_out))
     print(f"\nplots: {', '.join(results['plots'].values())}")
     print(f"total {results['timings_s']['total']:.0f} s: " +
           ", ".join(f"{k} {v:.0f} s" for k, v in opts.timings.items()))

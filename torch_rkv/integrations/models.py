@@ -55,6 +55,9 @@ RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid", "hybrid_
 # families whose "hybrid" layers are attention beside a recurrent mixer, each its own module (others that name the
 # type, Zaya's attention with a convolution inside, Zamba 2's shared blocks, are refused)
 _HYBRID_LAYERS = ("falcon_h1",)
+# families whose recurrent mixer scans several tokens over a state it already holds from a zero state
+# (transformers 5.25's Jamba: mamba_scan_forward, its TODO): a chunk after the first is silently wrong there
+CHUNKS_DROP_STATE = ("jamba",)
 
 
 class UnsupportedModelFeature(NotImplementedError):
@@ -282,6 +285,15 @@ def refuse_cacheless_layers(att: ModelAttention, what: str) -> None:
         _refuse(att.model_type, f"{what} for a model whose layers share KV caches (Gemma 3n, Gemma 4's small models: "
                                 "a uniform scheme serves it)")
     refuse_recurrent_layers(att, f"{what} (a uniform scheme serves it)")
+
+
+def refuse_chunks_over_state(model_type: str, what: str) -> None:
+    """Refuse `what`, a forward of several tokens over a cached recurrent state, for a family whose mixer
+    then scans from a zero state (CHUNKS_DROP_STATE); one token a step (decoding) reads the state."""
+    if model_type in CHUNKS_DROP_STATE:
+        _refuse(model_type, f"{what}: its Mamba layers scan several tokens over a cached state from a zero state "
+                            "(transformers' mamba_scan_forward), so only the first forward over the cache may take "
+                            "several tokens")
 
 
 def refuse_recurrent_layers(att: ModelAttention, what: str) -> None:

@@ -303,6 +303,23 @@ class RKVHybridLayer(RKVLayer, LinearAttentionLayer):
         LinearAttentionLayer.reset(self)
 
 
+class OneTokenOverStateLayer(LinearAttentionLayer):
+    """A recurrent layer of a family whose mixer scans several tokens over a cached state from a zero state
+    (models.refuse_chunks_over_state: Jamba's): such a forward is refused by name before the layer's state
+    changes; a prefill into an empty state and one token a step read it right."""
+
+    def __init__(self, model_type: str, **kwargs):
+        super().__init__(**kwargs)
+        self.model_type = model_type
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        if self.has_previous_state[state_idx] and conv_states.shape[-1] > 1:
+            what = f"a forward of {conv_states.shape[-1]} tokens over a cached recurrent state (chunked prefill, a " \
+                   "second turn)"
+            models.refuse_chunks_over_state(self.model_type, what)
+        return super().update_conv_state(conv_states, state_idx, **kwargs)
+
+
 class RKVCache(Cache):
     """A transformers Cache storing every layer's keys and values in torch_rkv's quantized format.
 
@@ -343,7 +360,11 @@ class RKVCache(Cache):
         types, type_kwargs = get_layer_types_and_kwargs(models.text_config(model))
         for i in range(att.layers):
             if not att.attends(i):
-                layers[i] = DYNAMIC_LAYER_TYPE_MAPPING[types[i]](**type_kwargs[i])
+                kind = DYNAMIC_LAYER_TYPE_MAPPING[types[i]]
+                if kind is LinearAttentionLayer and att.model_type in models.CHUNKS_DROP_STATE:
+                    layers[i] = OneTokenOverStateLayer(att.model_type, **type_kwargs[i])
+                else:
+                    layers[i] = kind(**type_kwargs[i])
         self.caches: list[QuantizedKVCache] = []
         tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # one per (table, length): kinds share them
         for (window, rope_type, scheme, (kv_heads, head_dim)), ids in kinds.items():

