@@ -460,6 +460,10 @@ def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypa
     shape = plan.from_config(str(path), 1e6)
     assert (shape.layers, shape.kv_free_layers, shape.recurrent_layers) == (4, 4, 4)
     assert shape.state is None and shape.state_bytes() == 0  # (its mixer's defaults are the config class's)
+    path.write_text(json.dumps({**common, "model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"] * 4,
+                                "per_layer_config": {"2": {"mamba_d_state": 32}}}))
+    with pytest.raises(ValueError, match=r"overrides \['mamba_d_state'\] per layer"):
+        plan.from_config(str(path), 1e6)
     path.write_text(json.dumps({**common, "model_type": "jamba", "attn_layer_period": 4, "attn_layer_offset": 2}))
     with pytest.raises(ValueError, match=r"names a hybrid's layers in \['attn_layer_period'\]"):
         plan.from_config(str(path), 1e6)

@@ -22,6 +22,7 @@ from .integrations.vllm_pool import VllmPool, preferred_block_size
 from .integrations.vllm_slots import check_drafts
 from .layout import CacheLayout, PageLayout, binding_window, default_page_size
 from .recurrent import RecurrentState, state_of
+from .recurrent import reads as recurrent_state_reads
 from .scheme import Scheme
 
 GIB = 1024**3
@@ -273,6 +274,10 @@ def from_config(path: str, params: float | None) -> ModelShape:
     if not keep:
         raise ValueError(f"plan: {path} has no attention layer (a recurrent model keeps no KV cache)")
     recurrent = sum(t in RECURRENT_LAYER_TYPES for t in types)
+    overridden = sorted({k for o in per_layer.values() for k in o if recurrent_state_reads(k)})
+    if recurrent and overridden:
+        raise ValueError(f"plan: {path} overrides {overridden} per layer (per_layer_config); the planner counts one "
+                         "recurrent state shape for every recurrent layer")
     shapes, flags = [shapes[i] for i in keep], [flags[i] for i in keep]
     sliding = sum(flags)
     kinds = {f: {sh for sh, g in zip(shapes, flags) if g == f} for f in (True, False)}

@@ -73,6 +73,16 @@ MIXERS = {
 }
 
 
+# the config keys the mixers' shapes are read from (a config that overrides them per layer has several shapes)
+STATE_KEYS = ("hidden_size", "conv_L_cache", "n_groups", "ssm_state_size", "conv_kernel")
+STATE_KEY_PREFIXES = ("linear_", "mamba_")
+
+
+def reads(key: str) -> bool:
+    """Whether some family's state shape is read from config key `key`."""
+    return key in STATE_KEYS or key.startswith(STATE_KEY_PREFIXES)
+
+
 def state_of(config) -> RecurrentState | None:
     """One recurrent layer's state per sequence, for a transformers text config; None for a family whose
     mixers are not known here (the caller says it is not counted)."""
