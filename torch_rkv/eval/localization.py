@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-from ..integrations.models import RECURRENT_LAYER_TYPES
+from ..integrations.models import RECURRENT_LAYER_TYPES, text_config
 from .data import bos_text
 from .simulate import Simulation, install
 
@@ -110,7 +110,7 @@ def document_cache(model) -> DynamicCache:
     hybrid's) keep their states in transformers' own layer classes, which its config names. (A layer type that
     pairs a sliding window with a recurrent state, "hybrid_sliding", stays transformers' ring: models.inspect
     refuses it.)"""
-    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    types = getattr(text_config(model), "layer_types", None) or ()
     if not set(types) & set(RECURRENT_LAYER_TYPES):
         return DynamicCache()  # (no config: every layer a DynamicLayer, appended as the model updates it)
     cache = DynamicCache(config=model.config)

@@ -158,6 +158,35 @@ class Options:
                        **{k: uniform(getattr(self, k)) for k in ("loc_schemes", "long_schemes", "decode_schemes",
                                                                   "chunk_schemes", "second_schemes")})
 
+    def without_chunks(self) -> "Options":
+        """These options less the rows that put several tokens over a filled cache (localization, chunks)."""
+        return replace(self, loc_lengths=(), chunk_sizes=())
+
+    def unrunnable(self, attention) -> list:
+        """(refusal, the options without those rows) for each group of rows the model of `attention` (its
+        models.ModelAttention) cannot run: the per-layer rows of a model some of whose layers keep no KV cache
+        of their own; the rows that put several tokens over a recurrent state its mixer would drop (Jamba's)."""
+        from ..integrations import models
+
+        def per_layer():
+            models.refuse_cacheless_layers(attention, "the report's per-layer rows (alloc_targets, split_targets, "
+                                                      "calibrated levels)")
+
+        def chunks():  # (each question, each chunk: several tokens over the cache)
+            models.refuse_chunks_over_state(attention.model_type, "the report's localization and chunked prefill "
+                                                                  "rows (loc_lengths, chunk_sizes)")
+
+        checks = ((self.per_layer(), Options.without_per_layer, per_layer),
+                  (self.loc_lengths or self.chunk_sizes, Options.without_chunks, chunks))
+        out = []
+        for wanted, without, refuse in checks:
+            try:
+                if wanted:
+                    refuse()
+            except models.UnsupportedModelFeature as e:
+                out.append((e, without))
+        return out
+
     @classmethod
     def quick(cls) -> "Options":
         return cls(tokens=1024, bits=(4, 2), families=("per-token (baseline)", "KIVI (per-channel post-RoPE)",
@@ -181,14 +210,10 @@ class Report:
         from ..integrations import models
 
         self.attention = models.inspect(model)  # an unsupported model feature stops here, named
-        # refused before any row runs, rather than an hour into the run: the per-layer rows measure each layer's
-        # own cache (main drops them for such a model, and says so)
-        if opts.per_layer():
-            models.refuse_cacheless_layers(self.attention, "the report's per-layer rows (alloc_targets, "
-                                                           "split_targets, calibrated levels)")
-        if opts.loc_lengths or opts.chunk_sizes:  # (each question, each chunk: several tokens over the cache)
-            models.refuse_chunks_over_state(self.attention.model_type, "the report's localization and chunked "
-                                                                       "prefill rows (loc_lengths, chunk_sizes)")
+        # rows the model cannot run are refused before any row runs, rather than an hour into the run (main
+        # leaves them out, and says so)
+        for refusal, _ in opts.unrunnable(self.attention)[:1]:
+            raise refusal
         self.head_dim = self.attention.head_dim
         self.text = text
         all_ids = data.encode(tok, text)
@@ -817,26 +842,14 @@ def main(args) -> int:
         print(f"torch_rkv report: --tokens {opts.tokens} exceeds the model's {model.config.max_position_embeddings}",
               file=sys.stderr)
         return 2
-    # rows a model cannot run are left out, each named, and the others run: the per-layer rows of a model some of
-    # whose layers keep no KV cache of their own, the rows that put several tokens over a recurrent state that
-    # its mixer would drop (Jamba's)
+    # rows a model cannot run are left out, each named, and the others run (Options.unrunnable)
     from ..integrations import models
 
-    attention, left_out = models.inspect(model), []
-    for wanted, refuse, without in (
-            (opts.per_layer(), lambda: models.refuse_cacheless_layers(attention, "the per-layer rows"),
-             Options.without_per_layer),
-            (opts.loc_lengths or opts.chunk_sizes,
-             lambda: models.refuse_chunks_over_state(attention.model_type, "the localization and chunked prefill "
-                                                                           "rows"),
-             lambda o: replace(o, loc_lengths=(), chunk_sizes=()))):
-        try:
-            if wanted:
-                refuse()
-        except models.UnsupportedModelFeature as e:
-            opts = without(opts)
-            left_out.append(f"left out: {e}")
-            print(f"torch_rkv report: {left_out[-1]}", flush=True)
+    left_out = []
+    for refusal, without in opts.unrunnable(models.inspect(model)):
+        opts = without(opts)
+        left_out.append(f"left out: {refusal}")
+        print(f"torch_rkv report: {left_out[-1]}", flush=True)
     torch.manual_seed(0)
     report = Report(model, tok, text, opts, log=lambda s: print(s, flush=True))
     results = report.run()
