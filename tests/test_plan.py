@@ -215,12 +215,49 @@ def test_gpt_oss_config_gives_the_preset(tmp_path):
         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088,
         "num_local_experts": 32, "experts_per_token": 4, "sliding_window": 128, "max_position_embeddings": 131072,
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)]}))
-    shape, preset = plan.from_config(str(path), 20.9e9), plan.MODELS["gpt-oss-20b"]
-    fields = ("layers", "kv_heads", "head_dim", "params", "sliding_layers", "sliding_window", "sliding")
+    shape, preset = plan.from_config(str(path), None), plan.MODELS["gpt-oss-20b"]
+    fields = ("layers", "kv_heads", "head_dim", "sliding_layers", "sliding_window", "sliding")
     assert [getattr(shape, f) for f in fields] == [getattr(preset, f) for f in fields]
+    assert abs(shape.params / preset.params - 1) < 0.001 and shape.params_how == "counted by transformers"  # experts
     rkv3 = S.by_name("rkv-3")
     dense = plan.ModelShape("dense", 24, 8, 64, 20.9e9)
     assert 0.5 < plan.kv_bytes(preset, rkv3, 131072, 1) / plan.kv_bytes(dense, rkv3, 131072, 1) < 0.51
+
+
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "tie_word_embeddings": False}
+
+
+def test_a_mixture_of_experts_counts_every_expert(tmp_path, capsys):
+    """Mixtral-8x7B's config: every expert's weights sit in GPU memory, 46.7B of them (its model card), not the
+    7.2B of one MLP a layer that a dense estimate gives; at 4-bit weights on 80 GB, that is 20 GB more of
+    weights and so fewer sequences."""
+    from torch_rkv.__main__ import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MIXTRAL))
+    shape = plan.from_config(str(path), None)
+    assert abs(shape.params / 46.7e9 - 1) < 0.001
+    assert main(["plan", "--config", str(path), "--schemes", "rkv-3"]) == 0
+    out = capsys.readouterr().out
+    assert "46.70B weights (counted by transformers) = 23.4 GB" in out
+    budget = 80 * plan.GB - shape.weight_bytes(4) - 4 * plan.GB
+    assert f"{plan.most_sequences(shape, S.by_name('rkv-3'), budget, 131072):,d}" in out.split("rkv-3")[1]
+
+
+@pytest.mark.parametrize("extra, named", [({"num_local_experts": 8}, "experts"),
+                                          ({"vision_config": {}}, "vision_config")])
+def test_weights_a_dense_estimate_would_miss_are_refused_by_name(tmp_path, extra, named):
+    """Where transformers cannot build the config (here an unknown model_type), the plan estimates a dense
+    decoder's weights; a mixture of experts or a vision tower would be missed, so it asks for --params."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**MIXTRAL, "model_type": "not_a_model", **extra}))
+    with pytest.raises(ValueError, match=f"{named}.*give --params"):
+        plan.from_config(str(path), None)
+    assert plan.from_config(str(path), 46.7e9).params_how == "--params"
+    path.write_text(json.dumps({**MIXTRAL, "model_type": "not_a_model", "num_local_experts": 1}))
+    assert plan.from_config(str(path), None).params_how.startswith("estimated")
 
 
 def test_smollm3_config_gives_the_preset(tmp_path):

@@ -55,6 +55,7 @@ class ModelShape:
     # layer's state per sequence (None: a family whose mixers torch_rkv does not know; then not counted)
     recurrent_layers: int = 0
     state: RecurrentState | None = None
+    params_how: str = ""  # where `params` came from, where a config gave the shape (printed beside it)
 
     def __post_init__(self):
         if not 0 <= self.sliding_layers <= self.layers or (self.sliding_layers > 0) != bool(self.sliding_window):
@@ -216,12 +217,55 @@ def _special_floats(obj: dict):
     return obj
 
 
+def params_of(cfg: dict) -> int:
+    """Every weight of the transformers model a config.json describes (experts, a hybrid's mixers, a vision
+    tower, an untied head), counted on an instance built on the meta device: no memory, no download. Raises
+    where transformers is missing or cannot build it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    built = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    error = None
+    for auto in (AutoModelForImageTextToText, AutoModelForCausalLM):  # (a VL model's whole, then a decoder's)
+        try:
+            with torch.device("meta"):
+                model = auto.from_config(built)
+        except ValueError as e:  # (this mapping does not know the config's class)
+            error = e
+            continue
+        return sum(p.numel() for p in model.parameters())  # (tied weights once)
+    raise error
+
+
+# config keys of a mixture of experts (their value: experts a layer), whose weights a dense estimate misses
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def estimate_params(path: str, cfg: dict, whole: dict, shape: tuple[int, int], recurrent: int,
+                    error: Exception) -> int:
+    """A dense decoder's weights from its config (embeddings + attention of `shape`, KV heads x head_dim, + a
+    gated MLP), where transformers cannot count them (params_of failed: `error`); refuses, by name, a model
+    whose other weights it would miss."""
+    experts = {k: cfg[k] for k in EXPERT_KEYS if (cfg.get(k) or 0) > 1}
+    missed = ([f"experts ({experts})"] if experts else []) + ([f"{recurrent} recurrent layers"] if recurrent else [])
+    missed += [f"a {k}" for k in ("vision_config", "audio_config") if k in whole]
+    if missed:
+        raise ValueError(f"plan: {path} has {', '.join(missed)}, whose weights only transformers can count, and that "
+                         f"failed ({type(error).__name__}: {error}); give --params")
+    hidden = cfg["hidden_size"]
+    attn = hidden * shape[1] * (cfg["num_attention_heads"] * 2 + shape[0] * 2)
+    mlp = 3 * hidden * (cfg.get("intermediate_size") or 4 * hidden)
+    emb = cfg.get("vocab_size", 0) * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    return cfg["num_hidden_layers"] * (attn + mlp) + emb
+
+
 def from_config(path: str, params: float | None) -> ModelShape:
     """A transformers config.json: layers (and which of them slide, sliding_layers_of), KV heads,
-    head_dim; parameters from --params or estimated from the config (embeddings + attention + gated MLP)."""
+    head_dim; parameters from --params, else counted by transformers (params_of), else estimated for a dense
+    decoder (estimate_params)."""
     with open(path) as f:
-        cfg = json.load(f, object_hook=_special_floats)
-    cfg = cfg.get("text_config", cfg)
+        whole = json.load(f, object_hook=_special_floats)
+    cfg = whole.get("text_config", whole)
     for name, gpt2 in GPT2_NAMES.items():  # (GPT-2-style configs: GPT-BigCode, GPT-J, ...)
         if name not in cfg and gpt2 in cfg:
             cfg[name] = cfg[gpt2]
@@ -289,16 +333,17 @@ def from_config(path: str, params: float | None) -> ModelShape:
         (kv, head_dim), global_shape = next(iter(kinds[True])), next(iter(kinds[False]))
     elif kinds[False] or kinds[True]:
         kv, head_dim = next(iter(kinds[False] or kinds[True]))
+    how = "--params"
     if params is None:
-        inter = cfg.get("intermediate_size") or 4 * hidden
-        attn = hidden * head_dim * (heads * 2 + kv * 2)
-        mlp = 3 * hidden * inter
-        emb = cfg.get("vocab_size", 0) * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
-        params = layers * (attn + mlp) + emb
+        try:
+            params, how = params_of(whole), "counted by transformers"
+        except Exception as e:  # (no transformers, or a config it cannot build)
+            params = estimate_params(path, cfg, whole, (kv, head_dim), recurrent, e)
+            how = "estimated: embeddings, attention, MLP"
     return ModelShape(cfg.get("_name_or_path") or path, len(keep), kv, head_dim, float(params), sliding,
                       cfg.get("sliding_window") if sliding else None, tuple(flags), global_shape, shared,
                       layers - shared - len(keep), recurrent,
-                      state_of(built) if recurrent and built is not None else None)
+                      state_of(built) if recurrent and built is not None else None, how)
 
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
@@ -671,7 +716,8 @@ def plan(model: ModelShape, gpu_bytes: float, weight_bytes: float, reserve_bytes
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3-70b", help=f"a preset ({', '.join(MODELS)}) or use --config")
     p.add_argument("--config", help="config.json of any transformers model")
-    p.add_argument("--params", type=float, help="number of weights (with --config; default: estimated)")
+    p.add_argument("--params", type=float, help="number of weights (with --config; default: counted by "
+                   "transformers on the meta device, else estimated for a dense decoder)")
     p.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB (1e9 bytes)")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--weight-bits", type=float, default=4.0, help="bits per weight (default 4)")
@@ -870,7 +916,8 @@ def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows
               f"{budget / GB:.1f} GB for the KV cache (--budget-gb)")
     else:
         print(f"{model.name}: {model.layers} layers x {model.kv_heads} KV heads x head_dim {model.head_dim}, "
-              f"{model.params / 1e9:.2f}B weights = {weight / GB:.1f} GB; GPU {args.gpu_gb:.0f} GB, reserve "
+              f"{model.params / 1e9:.2f}B weights{f' ({model.params_how})' if model.params_how else ''} = "
+              f"{weight / GB:.1f} GB; GPU {args.gpu_gb:.0f} GB, reserve "
               f"{args.reserve_gb:.0f} GB -> {budget / GB:.1f} GB for the KV cache")
     if model.sliding_layers:
         print(f"{model.sliding_layers} of {model.layers} layers slide: each keeps only its newest "
