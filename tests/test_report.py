@@ -538,3 +538,29 @@ def test_the_whole_report_runs_and_prints(smollm2_alice, tmp_path):
     assert "runs of 128 tokens" in table and ("ratio intervals overlapping" in table or "no ratio is bounded" in table)
     percents = [int(line[1:4]) for line in lines]  # "[ 37% 1:02 ETA 1:45] ..."
     assert percents == sorted(percents) and "ETA" in lines[-1]
+
+
+def test_calibration_caches_tell_models_and_texts_of_one_name_apart(tmp_path, monkeypatch):
+    """A sensitivity profile or codebook cached for one model is never read for another saved under the same
+    name (a fine-tune, a changed RoPE scaling, another dtype): the key carries a fingerprint of the config and
+    weights. An edited calibration file is another text."""
+    from torch_rkv.allocate import Sensitivity
+    from torch_rkv.eval import levels, sensitivity
+
+    monkeypatch.setenv("TORCH_RKV_CACHE", str(tmp_path))
+    base, tuned, scaled = tiny_llama(), tiny_llama(), tiny_llama()
+    with torch.no_grad():
+        tuned.model.layers[1].self_attn.q_proj.weight.mul_(1.01)  # (one tensor of a fine-tune)
+    scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    keys = [sensitivity.model_key(m) for m in (base, tiny_llama(), tuned, scaled, tiny_llama().to(torch.bfloat16))]
+    assert keys[0] == keys[1] and len(set(keys)) == 4 and keys[0].startswith("llama-3l-")
+    text = tmp_path / "calibration.txt"
+    text.write_text("one text")
+    path = sensitivity.profile_path(base, str(text), 64, (2, 3))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(Sensitivity("", "", 64, (2, 3), 10.0).to_json())
+    assert sensitivity.stored_profile(base, (2, 3), str(text), 64) is not None
+    assert sensitivity.stored_profile(tuned, (2, 3), str(text), 64) is None
+    assert levels.codebook_path(base, str(text), 64, False) != levels.codebook_path(tuned, str(text), 64, False)
+    text.write_text("another text")
+    assert sensitivity.stored_profile(base, (2, 3), str(text), 64) is None

@@ -25,7 +25,7 @@ from ..ops.quant import quantize
 from ..reference import rope_pairs
 from ..scheme import Scheme, recommended
 from . import data, perplexity
-from .sensitivity import CALIBRATION_TEXT, CALIBRATION_TOKENS, calibration_ids, model_key, simulations_for
+from .sensitivity import CALIBRATION_TEXT, CALIBRATION_TOKENS, calibration_ids, model_key, simulations_for, text_key
 from .simulate import Simulation
 
 WIDTHS = (2, 3, 4)
@@ -138,7 +138,7 @@ def calibrate(model, ids: torch.Tensor, widths: tuple[int, ...] = WIDTHS, pin_en
 
 
 def codebook_path(model, text: str, tokens: int, pin_ends: bool, weighting: str = "attention") -> Path:
-    return (data.cache_dir() / "calibration" / f"levels-{model_key(model)}-{Path(text).name}-{tokens}-{weighting}"
+    return (data.cache_dir() / "calibration" / f"levels-{model_key(model)}-{text_key(text)}-{tokens}-{weighting}"
             f"{'-pinned' if pin_ends else ''}.json")
 
 

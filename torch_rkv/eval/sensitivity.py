@@ -4,12 +4,14 @@ For each base level b above the lowest: the next-token distributions with every 
 once per (layer, side) with only that side of that layer at b - 1 (2 x layers simulated forward passes
 per base), recording how far they moved (KL divergence, the solver's cost) and the perplexity change. The
 calibration text is lcet10.txt by default (the Canterbury corpus's other long prose text), never an
-evaluation text. Profiles are cached in the cache directory, keyed by model, text, tokens and lowest
-level.
+evaluation text. Profiles are cached in the cache directory, keyed by model (its name and a fingerprint of
+its config and weights), text, tokens and lowest level.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import sys
 from pathlib import Path
@@ -40,14 +42,45 @@ def simulations_for(model, positions: int, layer_rope: Optional[dict] = None) ->
 
 
 def model_key(model) -> str:
-    """A file-name key for a model: its name or path, and its layer count."""
+    """A file-name key for a model: its name or path, its layer count, and its fingerprint (a fine-tune saved
+    under its base model's name, or one whose RoPE scaling was changed, never reads the other's profile)."""
     name = getattr(model.config, "name_or_path", "") or model.config.model_type
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name.rstrip("/")).name or name) + f"-{model.config.num_hidden_layers}l"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name.rstrip("/")).name or name)
+    return f"{name}-{model.config.num_hidden_layers}l-{fingerprint(model)}"
+
+
+# config entries that name or date a checkpoint rather than describe the model
+UNDESCRIPTIVE = ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash")
+SAMPLES = 1024  # weights hashed a tensor, evenly strided
+
+
+@torch.no_grad()
+def fingerprint(model) -> str:
+    """12 hex digits of a hash of the model's config and weights: each tensor's name, shape, dtype and SAMPLES
+    elements strided over it (a fine-tune moves them all; hashing every byte of an 8B model would take seconds
+    on every cache hit). Offloaded (meta) tensors count by their shape."""
+    h = hashlib.blake2b(digest_size=6)
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in UNDESCRIPTIVE}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        if p.device.type != "meta" and p.numel():
+            flat = p.detach().reshape(-1)
+            h.update(flat[:: max(1, flat.numel() // SAMPLES)][:SAMPLES].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def text_key(text: str) -> str:
+    """A file-name key for a calibration text: a corpus text's name, or a file's name and a hash of its bytes
+    (an edited file is another text). The same lookup as calibration_ids: a file first."""
+    if not Path(text).exists():
+        return Path(text).name
+    return f"{Path(text).name}-{hashlib.blake2b(Path(text).read_bytes(), digest_size=4).hexdigest()}"
 
 
 def profile_path(model, text: str, tokens: int, levels: tuple[int, ...]) -> Path:
     """Keyed by the lowest level too: it sets the window every layer_scheme of the profile keeps."""
-    return data.cache_dir() / "calibration" / f"{model_key(model)}-{Path(text).name}-{tokens}-from{min(levels)}.json"
+    return data.cache_dir() / "calibration" / f"{model_key(model)}-{text_key(text)}-{tokens}-from{min(levels)}.json"
 
 
 @torch.no_grad()
