@@ -246,6 +246,35 @@ def test_a_mixture_of_experts_counts_every_expert(tmp_path, capsys):
     assert f"{plan.most_sequences(shape, S.by_name('rkv-3'), budget, 131072):,d}" in out.split("rkv-3")[1]
 
 
+def test_weights_are_the_checkpoints_bytes_beside_the_config(tmp_path, capsys):
+    """With --config in a checkpoint's directory, the weights take what the checkpoint holds, as an engine
+    loads it (an fp8 checkpoint of Mixtral: 47 GB, not the 23 GB 4-bit weights would take): a sharded one's
+    index total_size, else its files' sizes. --weight-bits and --weight-gb override it; without a checkpoint
+    the default 4 bits hold, and the output names which."""
+    from torch_rkv.__main__ import main
+
+    def rows(*extra):
+        assert main(["plan", "--config", str(tmp_path / "config.json"), "--schemes", "rkv-3", *extra]) == 0
+        out = capsys.readouterr().out
+        return out.splitlines()[0], [line for line in out.splitlines() if line.startswith(("fp16", "rkv-3"))]
+
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
+    head, default = rows()
+    assert "= 23.4 GB (4-bit; --weight-bits sets it)" in head and default == rows("--weight-bits", "4")[1]
+    fp8 = 46_702_792_704 + 1_000_000  # (scales)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": fp8},
+                                                                       "weight_map": {}}))
+    head, indexed = rows()
+    assert f"= {fp8 / 1e9:.1f} GB (the checkpoint's model.safetensors.index.json)" in head
+    assert indexed == rows("--weight-gb", str(fp8 / 1e9))[1] != default
+    assert rows("--weight-bits", "4")[1] == default
+    (tmp_path / "model.safetensors.index.json").unlink()
+    for i, size in enumerate((3000, 5000)):
+        (tmp_path / f"model-0000{i}.safetensors").write_bytes(b"\0" * size)
+    assert "= 0.0 GB (the checkpoint's model-00000.safetensors, model-00001.safetensors)" in rows()[0]
+    assert plan.checkpoint_weight_bytes(str(tmp_path / "config.json"))[0] == 8000
+
+
 @pytest.mark.parametrize("extra, named", [({"num_local_experts": 8}, "experts"),
                                           ({"vision_config": {}}, "vision_config")])
 def test_weights_a_dense_estimate_would_miss_are_refused_by_name(tmp_path, extra, named):

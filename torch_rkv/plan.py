@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -720,7 +721,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "transformers on the meta device, else estimated for a dense decoder)")
     p.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB (1e9 bytes)")
     weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--weight-bits", type=float, default=4.0, help="bits per weight (default 4)")
+    weights.add_argument("--weight-bits", type=float, help="bits per weight (default: with --config, the bytes of the "
+                         "checkpoint beside it, as loaded; else 4)")
     weights.add_argument("--weight-gb", type=float, help="weight memory in GB instead of --weight-bits")
     p.add_argument("--reserve-gb", type=float, default=4.0, help="activations, workspace, fragmentation (GB)")
     p.add_argument("--context", type=int, default=131072)
@@ -768,7 +770,7 @@ def main(args) -> int:
         model = MODELS[args.model.lower()]
     else:
         raise SystemExit(f"torch_rkv plan: unknown model {args.model!r}; use one of {', '.join(MODELS)} or --config")
-    weight = args.weight_gb * GB if args.weight_gb is not None else model.weight_bytes(args.weight_bits)
+    weight, weighed = weights_of(model, args)
     schemes: list[tuple[str, Scheme | None]] = [(name, None) for name in VLLM_CACHES] if args.vllm else [("fp16", None)]
     for spec in args.schemes:
         schemes.append((spec, S.by_name(spec)))
@@ -841,9 +843,9 @@ def main(args) -> int:
         print(json.dumps(out, indent=1))
         return 0
     if engine is not None:
-        print_vllm(model, engine, budget, args, rows)
+        print_vllm(model, engine, weight, weighed, budget, args, rows)
     else:
-        print_contiguous(model, weight, budget, args, rows)
+        print_contiguous(model, weight, weighed, budget, args, rows)
     if allocation:
         print_allocation(model, budget, args, profile, allocation, engine, split, serving)
     return 0
@@ -854,21 +856,60 @@ MODEL_PLACEHOLDER = "MODEL"  # vllm serve's model (a Hugging Face id or director
 ALLOCATION_PLACEHOLDER = "ALLOCATION.json"  # TORCH_RKV_ALLOCATION where plan writes no --out file
 
 
+DEFAULT_WEIGHT_BITS = 4.0  # the article's example: a 70B-class model in 4-bit weights on one 80 GB GPU
+# what a checkpoint's weights take, as saved (its dtype or quantization: fp8, AWQ, MXFP4, ...): a sharded
+# one's index gives the bytes of every tensor (metadata.total_size); else the files' sizes
+CHECKPOINT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+CHECKPOINT_FILES = (".safetensors", ".bin")
+
+
+def checkpoint_weight_bytes(config_path: str) -> tuple[int, str] | None:
+    """(bytes, where from) of the weights in the checkpoint beside a config.json, which an engine loads as they
+    are saved; None where the directory holds none."""
+    folder = Path(config_path).resolve().parent
+    for name in CHECKPOINT_INDEXES:
+        if (folder / name).exists():
+            total = json.loads((folder / name).read_text()).get("metadata", {}).get("total_size")
+            if total:
+                return int(total), name
+    files = sorted(f for f in folder.iterdir() if f.name.endswith(CHECKPOINT_FILES) and f.is_file())
+    if files:
+        names = ", ".join(f.name for f in files[:2]) + (", ..." if len(files) > 2 else "")
+        return sum(f.stat().st_size for f in files), names
+    return None
+
+
+def weights_of(model: ModelShape, args) -> tuple[float, str]:
+    """(bytes, how) of the weights on the GPU: --weight-gb, --weight-bits, the checkpoint beside --config
+    (the bytes an engine loads, whatever its dtype or quantization), or DEFAULT_WEIGHT_BITS."""
+    if args.weight_gb is not None:
+        return args.weight_gb * GB, "--weight-gb"
+    if args.weight_bits is not None:
+        return model.weight_bytes(args.weight_bits), f"{args.weight_bits:g}-bit"
+    found = checkpoint_weight_bytes(args.config) if args.config else None
+    if found is not None:
+        return float(found[0]), f"the checkpoint's {found[1]}"
+    return model.weight_bytes(DEFAULT_WEIGHT_BITS), f"{DEFAULT_WEIGHT_BITS:g}-bit; --weight-bits sets it"
+
+
 def model_path(args) -> str:
     """What `vllm serve` loads: the directory of --config when it holds the weights too, or
     MODEL_PLACEHOLDER (a config.json on its own)."""
-    folder = os.path.dirname(os.path.abspath(args.config)) if args.config else None
-    weights = folder and any(name.endswith((".safetensors", ".bin", ".safetensors.index.json"))
-                             for name in os.listdir(folder))
-    return folder if weights else MODEL_PLACEHOLDER
+    if args.config and checkpoint_weight_bytes(args.config) is not None:
+        return os.path.dirname(os.path.abspath(args.config))
+    return MODEL_PLACEHOLDER
 
 
-def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows: list[dict]) -> None:
+def print_vllm(model: ModelShape, engine: VllmEngine, weight: float, weighed: str, budget: float, args,
+               rows: list[dict]) -> None:
     tp = engine.tensor_parallel
     print(f"{model.name} in vLLM on {engine.device}: {model.layers} layers x {model.kv_heads} KV heads"
           f"{f' a GPU (tensor parallel {tp})' if tp > 1 else ''} x head_dim {model.head_dim}, {args.dtype}, "
           f"max_num_seqs {engine.max_num_seqs}; {budget / GB:.2f} GB{' a GPU' if tp > 1 else ''} for the KV pages "
           "and the plugin's side pool")
+    if args.budget_gb is None:
+        print(f"weights {weight / GB:.1f} GB ({weighed}){f', {weight / tp / GB:.1f} GB a GPU' if tp > 1 else ''}; "
+              f"GPU {args.gpu_gb:.0f} GB, reserve {args.reserve_gb:.0f} GB")
     if model.sliding_layers:
         if engine.windows(model):
             groups = engine.pool(model, None).groups
@@ -910,15 +951,18 @@ def print_vllm(model: ModelShape, engine: VllmEngine, budget: float, args, rows:
     print(f"\nserve {best['scheme']} ({why}{where}):\n  " + shell_command(best["serve"], path))
 
 
-def print_contiguous(model: ModelShape, weight: float, budget: float, args, rows: list[dict]) -> None:
+def print_contiguous(model: ModelShape, weight: float, weighed: str, budget: float, args, rows: list[dict]) -> None:
     if args.budget_gb is not None:
         print(f"{model.name}: {model.layers} layers x {model.kv_heads} KV heads x head_dim {model.head_dim}; "
               f"{budget / GB:.1f} GB for the KV cache (--budget-gb)")
     else:
         print(f"{model.name}: {model.layers} layers x {model.kv_heads} KV heads x head_dim {model.head_dim}, "
               f"{model.params / 1e9:.2f}B weights{f' ({model.params_how})' if model.params_how else ''} = "
-              f"{weight / GB:.1f} GB; GPU {args.gpu_gb:.0f} GB, reserve "
+              f"{weight / GB:.1f} GB ({weighed}); GPU {args.gpu_gb:.0f} GB, reserve "
               f"{args.reserve_gb:.0f} GB -> {budget / GB:.1f} GB for the KV cache")
+        if budget <= 0:
+            print("the weights and the reserve alone take more than the GPU, so no cache fits (--weight-bits: the "
+                  "weights as they will be served)")
     if model.sliding_layers:
         print(f"{model.sliding_layers} of {model.layers} layers slide: each keeps only its newest "
               f"{model.sliding_window:,} tokens (a fixed-size cache); {model.full_layers} attend to the whole context")
