@@ -556,3 +556,14 @@ def test_gpt_2_style_configs_and_multi_query_attention(tmp_path):
         cfg = transformers.FalconConfig(num_attention_heads=4, hidden_size=128, num_hidden_layers=2, **extra)
         path.write_text(json.dumps({k: v for k, v in cfg.to_dict().items() if k != "num_key_value_heads"}))
         assert cfg.num_key_value_heads == want == plan.from_config(str(path), None).kv_heads, extra
+
+
+@pytest.mark.parametrize("model_type, kind", [("llama4_text", "chunked_attention"),
+                                              ("qwen4_exp_text", "indexed_attention")])
+def test_layer_types_the_planner_does_not_model_are_refused_by_name(tmp_path, model_type, kind):
+    """Llama 4's chunked local attention (each layer keeps only its current chunk) and indexed sparse attention
+    (an indexer's keys beside the cache): counted as full attention, their bytes would be wrong."""
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"layers of type \\['{kind}'\\], whose caches the planner does not model"):
+        plan.from_config(str(tmp_path / "config.json"), 1e6)

@@ -219,6 +219,13 @@ def _special_floats(obj: dict):
     return obj
 
 
+# layer types (transformers' names) whose bytes the planner counts: attention over the whole context or a
+# sliding window (Granite 4's "attention" an older name of the first), Falcon-H1's attention beside a mixer,
+# and a hybrid's layers without a KV cache. Others (Llama 4's chunked attention, sparse and compressed
+# attention with caches of their own shapes) are refused by name.
+PLANNED_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "hybrid", *KV_FREE_LAYER_TYPES)
+
+
 def params_of(cfg: dict) -> int:
     """Every weight of the transformers model a config.json describes (experts, a hybrid's mixers, a vision
     tower, an untied head), counted on an instance built on the meta device: no memory, no download. Raises
@@ -316,6 +323,11 @@ def from_config(path: str, params: float | None) -> ModelShape:
         shapes[i] = (o.get("num_key_value_heads", kv), o.get("head_dim", head_dim))
     # a hybrid's recurrent and MLP-only layers keep no KV cache
     types = layer_types_of(cfg, built, error)
+    unmodelled = sorted(set(types) - set(PLANNED_LAYER_TYPES))
+    if unmodelled:
+        raise ValueError(f"plan: {path} has layers of type {unmodelled}, whose caches the planner does not model (it "
+                         f"counts {', '.join(PLANNED_LAYER_TYPES)}); counted as full attention, their bytes would be "
+                         "wrong")
     keep = [i for i, t in enumerate(types[: layers - shared]) if t not in KV_FREE_LAYER_TYPES]
     if not keep:
         raise ValueError(f"plan: {path} has no attention layer (a recurrent model keeps no KV cache)")
