@@ -243,36 +243,58 @@ def test_a_mixture_of_experts_counts_every_expert(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "46.70B weights (counted by transformers) = 23.4 GB" in out
     budget = 80 * plan.GB - shape.weight_bytes(4) - 4 * plan.GB
-    assert f"{plan.most_sequences(shape, S.by_name('rkv-3'), budget, 131072):,d}" in out.split("rkv-3")[1]
+    row = next(line.split() for line in out.splitlines() if line.startswith("rkv-3"))
+    assert row[6] == f"{plan.most_sequences(shape, S.by_name('rkv-3'), budget, 131072):,d}"  # (seqs @ ctx)
 
 
 def test_weights_are_the_checkpoints_bytes_beside_the_config(tmp_path, capsys):
-    """With --config in a checkpoint's directory, the weights take what the checkpoint holds, as an engine
-    loads it (an fp8 checkpoint of Mixtral: 47 GB, not the 23 GB 4-bit weights would take): a sharded one's
-    index total_size, else its files' sizes. --weight-bits and --weight-gb override it; without a checkpoint
-    the default 4 bits hold, and the output names which."""
+    """With --config in a checkpoint's folder, the weights take what an engine loads from it (an fp8 checkpoint
+    of Mixtral: 47 GB, not the 23 GB of 4-bit weights): its safetensors shards' tensors as saved, float32 ones
+    cast to --dtype (a Trainer's save); else its index's total_size. A Trainer's optimizer.bin and PyTorch's
+    files beside safetensors ones do not count, and a Hugging Face snapshot's config.json, a link into blobs/,
+    is read in its own folder. --weight-bits and --weight-gb override it; without a checkpoint the default 4
+    bits hold, and the output names which."""
+    safetensors = pytest.importorskip("safetensors.torch")
     from torch_rkv.__main__ import main
 
+    folder = tmp_path / "snapshots" / "abc"
+    folder.mkdir(parents=True)
+    config = folder / "config.json"
+
     def rows(*extra):
-        assert main(["plan", "--config", str(tmp_path / "config.json"), "--schemes", "rkv-3", *extra]) == 0
+        assert main(["plan", "--config", str(config), "--schemes", "rkv-3", *extra]) == 0
         out = capsys.readouterr().out
         return out.splitlines()[0], [line for line in out.splitlines() if line.startswith(("fp16", "rkv-3"))]
 
-    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
+    (tmp_path / "blob").write_text(json.dumps(MIXTRAL))
+    config.symlink_to(tmp_path / "blob")
     head, default = rows()
     assert "= 23.4 GB (4-bit; --weight-bits sets it)" in head and default == rows("--weight-bits", "4")[1]
     fp8 = 46_702_792_704 + 1_000_000  # (scales)
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": fp8},
-                                                                       "weight_map": {}}))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": fp8},
+                                                                     "weight_map": {}}))
     head, indexed = rows()
     assert f"= {fp8 / 1e9:.1f} GB (the checkpoint's model.safetensors.index.json)" in head
     assert indexed == rows("--weight-gb", str(fp8 / 1e9))[1] != default
     assert rows("--weight-bits", "4")[1] == default
-    (tmp_path / "model.safetensors.index.json").unlink()
-    for i, size in enumerate((3000, 5000)):
-        (tmp_path / f"model-0000{i}.safetensors").write_bytes(b"\0" * size)
-    assert "= 0.0 GB (the checkpoint's model-00000.safetensors, model-00001.safetensors)" in rows()[0]
-    assert plan.checkpoint_weight_bytes(str(tmp_path / "config.json"))[0] == 8000
+    (tmp_path / "blob").write_text(json.dumps({**MIXTRAL, "dtype": "float32"}))  # (a float32 save, indexed)
+    assert plan.checkpoint_weight_bytes(str(config)) == (fp8 // 2, "model.safetensors.index.json, float32 cast "
+                                                                   "to bfloat16")
+    (tmp_path / "blob").write_text(json.dumps(MIXTRAL))
+    # shards: an fp8-like uint8 tensor as saved, a float32 one (1000 weights) at --dtype's 2 bytes, a float16 one
+    safetensors.save_file({"a": torch.zeros(3000, dtype=torch.uint8), "b": torch.zeros(1000)},
+                          str(folder / "model-00001-of-00002.safetensors"))
+    safetensors.save_file({"c": torch.zeros(500, dtype=torch.float16)},
+                          str(folder / "model-00002-of-00002.safetensors"))
+    (folder / "optimizer.bin").write_bytes(b"\0" * 10**6)
+    (folder / "pytorch_model.bin").write_bytes(b"\0" * 10**6)
+    assert plan.checkpoint_weight_bytes(str(config)) == (3000 + 2000 + 1000, "model-00001-of-00002.safetensors, "
+                                                                             "model-00002-of-00002.safetensors")
+    assert plan.checkpoint_weight_bytes(str(config), torch.float32)[0] == 3000 + 4000 + 1000
+    assert "= 0.0 GB (the checkpoint's model-00001-of-00002.safetensors, model-00002" in rows()[0]
+    (folder / "model-00002-of-00002.safetensors").write_bytes(b"")  # (a truncated download)
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors has no readable safetensors header"):
+        plan.checkpoint_weight_bytes(str(config))
 
 
 @pytest.mark.parametrize("extra, named", [({"num_local_experts": 8}, "experts"),

@@ -432,7 +432,7 @@ def test_plan_vllm_prints_the_command_that_serves_its_plan(tmp_path, capsys):
                                   "hidden_size": 576, "model_type": "llama", "vocab_size": 49152,
                                   "intermediate_size": 1536}))
     assert "vllm serve MODEL" in run_plan(capsys, "--config", str(config), "--budget-gb", "2", "--schemes", "rkv-3")
-    (config.parent / "model.safetensors").write_bytes(b"")
+    (config.parent / "model.safetensors.index.json").write_text("{}")  # (the index: the weights' names)
     assert f"vllm serve {config.parent} " in run_plan(capsys, "--config", str(config), "--budget-gb", "2",
                                                       "--schemes", "rkv-3")
 
@@ -480,7 +480,7 @@ def test_a_recurrent_hybrids_capacity_is_what_vllm_logged(tmp_path, monkeypatch,
     got = []
     for name in (None, "rkv-8", "rkv-4", "rkv-2"):
         pool = engine.pool(shape, None if name is None else [S.by_name(name)] * shape.layers)
-        assert pool.page(shape.layers) == pool.layer_pages[0] >= pool.state_bytes > 0
+        assert pool.layer_pages[0] >= pool.state_bytes > 0 and len(pool.groups) > 1
         got.append((pool.capacity(GIB, 512)[0], pool.block_size))
     assert got == LOGGED_RECURRENT[family]
 
@@ -515,6 +515,30 @@ def test_recurrent_states_in_vllms_layout_follow_its_options(tmp_path, monkeypat
     assert cuda.pool(qwen, rkv4 * 2).state_blocks == 2 and cuda.pool(nemotron, rkv4).state_blocks == 3
     assert replace(cuda, prefix_caching=False).pool(nemotron, rkv4).state_blocks == 1
     assert replace(cuda, prefix_caching=False, speculative_tokens=2).pool(nemotron, rkv4).state_blocks == 3
+
+
+def test_a_recurrent_hybrids_pool_on_cuda_and_over_tensor_parallel_ranks(tmp_path):
+    """The tiny Nemotron-H (1 attention layer of 2 KV heads x 64, 1 Mamba 2 layer: 256 channels and 1 group of
+    B and C of 16 each, 4 taps, 4 heads of 64 x 16) in vLLM's own bf16 cache on CUDA, counted by hand:
+    - state: (256 + 2 x 16) x 3 taps x 2 B + 4 x 64 x 16 x 4 B (float32: Nemotron-H's) = 1728 + 16384 = 18112;
+    - an attention token 2 x 2 x 64 x 2 B = 512, kernel blocks of 16: blocks of 16 x ceil(18112 / 8192) = 48;
+    - a block: one page of each group (attention, recurrent), 48 x 512 = 24576 B; 1 GiB holds 43690;
+    - a request of 512 tokens: 11 attention blocks and 3 recurrent (prefix caching, a Mamba 2 checkpoint).
+    Over 2 ranks each holds 1 KV head (256 B a token) and its share of the state, the one group replicated:
+    (256 + 2 x 2 x 16) / 2 x 3 x 2 + 2 x 64 x 16 x 4 = 960 + 8192 = 9152, blocks of 48 again, 12288 B a block.
+    More groups (8 here) must divide among the ranks, as vLLM's MambaMixer2 asserts."""
+    shape = tiny_hybrid_shape(tmp_path, "nemotron_h")
+    cuda = plan.VllmEngine(torch.bfloat16, "cuda")
+    pool = cuda.pool(shape, None)
+    assert (pool.state_bytes, pool.block_size, pool.block_bytes, pool.blocks(GIB)) == (18112, 48, 24576, 43690)
+    assert pool.request_blocks(512) == 11 + 3 and pool.capacity(GIB, 512)[0] == int(43690 / 14 * 512)
+    tp2 = replace(cuda, tensor_parallel=2)
+    pool = tp2.pool(tp2.rank(shape), None)
+    assert (pool.state_bytes, pool.block_size, pool.block_bytes, pool.blocks(GIB)) == (9152, 48, 12288, 87381)
+    eight = replace(shape.state, groups=8, channels=256 + 8 * 32)
+    assert eight.vllm_bytes(torch.bfloat16, torch.float32, ranks=4) > 0
+    with pytest.raises(ValueError, match="16 tensor-parallel ranks do not divide a mamba2 layer's 8 groups"):
+        eight.vllm_bytes(torch.bfloat16, torch.float32, ranks=16)
 
 
 def test_plan_vllm_plans_a_recurrent_hybrid(tmp_path, capsys):

@@ -636,9 +636,13 @@ class VllmEngine:
     def hybrid_state(self, model: ModelShape) -> RecurrentState:
         """A hybrid's recurrent layer, where the plugin serves its family and vLLM's pool is modelled: its
         recurrent layers each a Mamba spec of vLLM's, every other layer attention or an MLP alone."""
-        if model.family not in VLLM_HYBRIDS or model.state is None:
+        if model.family not in VLLM_HYBRIDS:
             raise ValueError(f"plan --vllm: {model.name} is a hybrid of family {model.family or 'unknown'!r}; the "
                              f"plugin serves {', '.join(VLLM_HYBRIDS)} (give --config with such a model's config.json)")
+        if model.state is None:
+            raise ValueError(f"plan --vllm: {model.name}'s recurrent layers' state is unknown (its config was not "
+                             "read by transformers' config class: install a transformers that knows "
+                             f"{model.family!r})")
         return model.state
 
     def state_ssm_dtype(self, state: RecurrentState) -> torch.dtype:
@@ -789,7 +793,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and the tokens and concurrency vLLM reports for requests of --context tokens; with --sensitivity, "
                    "the allocation whose pages and side pool fit (serve it with TORCH_RKV_ALLOCATION)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="with --vllm: the model dtype (vLLM's own cache and the plugin's full-precision rows)")
+                   help="the model dtype: a float32 checkpoint's weights are held in it; with --vllm, vLLM's own "
+                   "cache and the plugin's full-precision rows too")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="with --vllm: where vLLM runs (its "
                    "default block size: 16 tokens on CUDA, 128 on CPU)")
     p.add_argument("--block-size", type=int, help="with --vllm: vLLM's block size in tokens (default: the one vLLM "
@@ -825,7 +830,10 @@ def main(args) -> int:
         model = MODELS[args.model.lower()]
     else:
         raise SystemExit(f"torch_rkv plan: unknown model {args.model!r}; use one of {', '.join(MODELS)} or --config")
-    weight, weighed = weights_of(model, args)
+    try:
+        weight, weighed = weights_of(model, args)
+    except ValueError as e:
+        raise SystemExit(f"torch_rkv {e}")
     schemes: list[tuple[str, Scheme | None]] = [(name, None) for name in VLLM_CACHES] if args.vllm else [("fp16", None)]
     for spec in args.schemes:
         schemes.append((spec, S.by_name(spec)))
@@ -915,36 +923,82 @@ ALLOCATION_PLACEHOLDER = "ALLOCATION.json"  # TORCH_RKV_ALLOCATION where plan wr
 
 
 DEFAULT_WEIGHT_BITS = 4.0  # the article's example: a 70B-class model in 4-bit weights on one 80 GB GPU
-# what a checkpoint's weights take, as saved (its dtype or quantization: fp8, AWQ, MXFP4, ...): a sharded
-# one's index gives the bytes of every tensor (metadata.total_size); else the files' sizes
-CHECKPOINT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-CHECKPOINT_FILES = (".safetensors", ".bin")
+# a checkpoint's weights: its safetensors shards, else the index naming them, else PyTorch's files (never a
+# Trainer's optimizer.bin or training_args.bin, nor PyTorch's files beside safetensors ones)
+SAFETENSORS, SAFETENSORS_INDEX = "model*.safetensors", "model.safetensors.index.json"
+TORCH_FILES, TORCH_INDEX = "pytorch_model*.bin", "pytorch_model.bin.index.json"
+WIDE_FLOATS = {"F32": 4, "F64": 8}  # safetensors dtypes an engine casts to the model dtype as it loads
 
 
-def checkpoint_weight_bytes(config_path: str) -> tuple[int, str] | None:
-    """(bytes, where from) of the weights in the checkpoint beside a config.json, which an engine loads as they
-    are saved; None where the directory holds none."""
-    folder = Path(config_path).resolve().parent
-    for name in CHECKPOINT_INDEXES:
-        if (folder / name).exists():
-            total = json.loads((folder / name).read_text()).get("metadata", {}).get("total_size")
-            if total:
-                return int(total), name
-    files = sorted(f for f in folder.iterdir() if f.name.endswith(CHECKPOINT_FILES) and f.is_file())
-    if files:
-        names = ", ".join(f.name for f in files[:2]) + (", ..." if len(files) > 2 else "")
-        return sum(f.stat().st_size for f in files), names
-    return None
+def safetensors_bytes(path: Path, dtype: torch.dtype) -> int:
+    """The bytes a safetensors file's tensors take loaded in `dtype` (its header: each tensor's dtype and
+    offsets): quantized and 16-bit tensors as saved, wider floats cast to `dtype`."""
+    try:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    except (OSError, ValueError) as e:  # (a truncated download, say)
+        raise ValueError(f"plan: {path} has no readable safetensors header ({type(e).__name__}: {e}); give "
+                         "--weight-gb or --weight-bits") from e
+    total = 0
+    for name, t in header.items():
+        if name != "__metadata__":
+            size = t["data_offsets"][1] - t["data_offsets"][0]
+            wide = WIDE_FLOATS.get(t["dtype"])
+            total += size // wide * min(wide, dtype.itemsize) if wide else size
+    return total
+
+
+def checkpoint_folder(config_path: str) -> Path:
+    """The folder of a config.json, as given (a Hugging Face snapshot's config.json links into blobs/, which
+    holds no names)."""
+    return Path(config_path).absolute().parent
+
+
+def holds_weights(config_path: str) -> bool:
+    """Whether the folder of a config.json holds a checkpoint's weights (or their index)."""
+    folder = checkpoint_folder(config_path)
+    return any(next(folder.glob(pattern), None) for pattern in (SAFETENSORS, SAFETENSORS_INDEX, TORCH_FILES,
+                                                                 TORCH_INDEX))
+
+
+def checkpoint_weight_bytes(config_path: str, dtype: torch.dtype = torch.bfloat16) -> tuple[int, str] | None:
+    """(bytes, where from) of the weights in the checkpoint beside a config.json, as an engine running the model
+    in `dtype` holds them: as saved (an fp8, AWQ or bf16 checkpoint), but a float32 save (a Trainer's) cast to
+    `dtype`. From the safetensors shards' headers; else from the index's total_size or PyTorch's files' sizes,
+    scaled where the config's dtype is float32; None where the folder holds no weights."""
+    folder = checkpoint_folder(config_path)
+    shards = sorted(folder.glob(SAFETENSORS))
+    if shards:
+        names = ", ".join(f.name for f in shards[:2]) + (", ..." if len(shards) > 2 else "")
+        return sum(safetensors_bytes(f, dtype) for f in shards), names
+    total, where = None, None
+    for index, files in ((SAFETENSORS_INDEX, None), (TORCH_INDEX, None), (None, TORCH_FILES)):
+        if index and (folder / index).exists():
+            total, where = json.loads((folder / index).read_text()).get("metadata", {}).get("total_size"), index
+        elif files and sorted(folder.glob(files)):
+            found = sorted(folder.glob(files))
+            total, where = sum(f.stat().st_size for f in found), ", ".join(f.name for f in found[:2])
+        if total:
+            break
+    if not total:
+        return None
+    with open(config_path) as f:
+        cfg = json.load(f, object_hook=_special_floats)
+    saved = cfg.get("dtype") or cfg.get("torch_dtype") or cfg.get("text_config", {}).get("dtype")
+    if saved == "float32" and "quantization_config" not in cfg:
+        total = total // 4 * min(4, dtype.itemsize)
+        where += f", float32 cast to {str(dtype).removeprefix('torch.')}"
+    return int(total), where
 
 
 def weights_of(model: ModelShape, args) -> tuple[float, str]:
     """(bytes, how) of the weights on the GPU: --weight-gb, --weight-bits, the checkpoint beside --config
-    (the bytes an engine loads, whatever its dtype or quantization), or DEFAULT_WEIGHT_BITS."""
+    (the bytes an engine loads in --dtype, whatever its quantization), or DEFAULT_WEIGHT_BITS."""
     if args.weight_gb is not None:
         return args.weight_gb * GB, "--weight-gb"
     if args.weight_bits is not None:
         return model.weight_bytes(args.weight_bits), f"{args.weight_bits:g}-bit"
-    found = checkpoint_weight_bytes(args.config) if args.config else None
+    found = checkpoint_weight_bytes(args.config, getattr(torch, args.dtype)) if args.config else None
     if found is not None:
         return float(found[0]), f"the checkpoint's {found[1]}"
     return model.weight_bytes(DEFAULT_WEIGHT_BITS), f"{DEFAULT_WEIGHT_BITS:g}-bit; --weight-bits sets it"
@@ -953,8 +1007,8 @@ def weights_of(model: ModelShape, args) -> tuple[float, str]:
 def model_path(args) -> str:
     """What `vllm serve` loads: the directory of --config when it holds the weights too, or
     MODEL_PLACEHOLDER (a config.json on its own)."""
-    if args.config and checkpoint_weight_bytes(args.config) is not None:
-        return os.path.dirname(os.path.abspath(args.config))
+    if args.config and holds_weights(args.config):
+        return str(checkpoint_folder(args.config))
     return MODEL_PLACEHOLDER
 
 

@@ -50,7 +50,11 @@ class RecurrentState:
     def vllm_bytes(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype, ranks: int = 1, drafts: int = 0) -> int:
         """vLLM 0.32's layout on one of `ranks` tensor-parallel ranks (MambaStateShapeCalculator): the
         window keeps kernel - 1 taps and one more per speculative draft, in conv_dtype; the channels and
-        heads are sharded over the ranks, Mamba 2's groups first replicated up to the ranks."""
+        heads are sharded over the ranks, Mamba 2's one group first replicated to each rank (more groups must
+        divide among them)."""
+        if self.groups > 1 and self.groups % ranks:  # (MambaMixer2 asserts it: one group, or a multiple)
+            raise ValueError(f"plan --vllm: {ranks} tensor-parallel ranks do not divide a {self.mixer} layer's "
+                             f"{self.groups} groups (n_groups), which vLLM takes only when there is one")
         groups = self.groups + (ranks - self.groups if self.groups and self.groups % ranks else 0)
         channels = self.channels + (groups - self.groups) * self.group_channels
         if channels % ranks or self.heads % ranks:

@@ -40,8 +40,9 @@ from .vllm_slots import INITIAL_SLOTS, pool_slots, slot_limit
 
 # vLLM's default block sizes: on CPU platforms/cpu.py's, on CUDA CacheConfig.DEFAULT_BLOCK_SIZE
 DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
-# the smallest kernel block of vLLM's own attention backends (CPU_ATTN's multiples of 32; FlashAttention's and
-# FlashInfer's 16), to which a hybrid's block size is aligned
+# the smallest kernel block of vLLM's own attention backends (CPU_ATTN's multiples of 32; FlashAttention 2/3's and
+# FlashInfer's 16: H100, A100), to which a hybrid's block size is aligned. (On Blackwell, FlashAttention 4's
+# head_dim-256 kernel takes pages of 128 tokens: vLLM would round a planned block up to a multiple of that.)
 OWN_KERNEL_BLOCK = {"cpu": 32, "cuda": 16}
 
 
