@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from torch_rkv import plan
+from torch_rkv import plan, weights
 from torch_rkv import scheme as S
 from torch_rkv.cache import BUFFERS, QuantizedKVCache
 from torch_rkv.layout import binding_window
@@ -278,7 +278,7 @@ def test_weights_are_the_checkpoints_bytes_beside_the_config(tmp_path, capsys):
     assert indexed == rows("--weight-gb", str(fp8 / 1e9))[1] != default
     assert rows("--weight-bits", "4")[1] == default
     (tmp_path / "blob").write_text(json.dumps({**MIXTRAL, "dtype": "float32"}))  # (a float32 save, indexed)
-    assert plan.checkpoint_weight_bytes(str(config)) == (fp8 // 2, "model.safetensors.index.json, float32 cast "
+    assert weights.checkpoint_weight_bytes(str(config)) == (fp8 // 2, "model.safetensors.index.json, float32 cast "
                                                                    "to bfloat16")
     (tmp_path / "blob").write_text(json.dumps(MIXTRAL))
     # shards: an fp8-like uint8 tensor as saved, a float32 one (1000 weights) at --dtype's 2 bytes, a float16 one
@@ -288,13 +288,13 @@ def test_weights_are_the_checkpoints_bytes_beside_the_config(tmp_path, capsys):
                           str(folder / "model-00002-of-00002.safetensors"))
     (folder / "optimizer.bin").write_bytes(b"\0" * 10**6)
     (folder / "pytorch_model.bin").write_bytes(b"\0" * 10**6)
-    assert plan.checkpoint_weight_bytes(str(config)) == (3000 + 2000 + 1000, "model-00001-of-00002.safetensors, "
+    assert weights.checkpoint_weight_bytes(str(config)) == (3000 + 2000 + 1000, "model-00001-of-00002.safetensors, "
                                                                              "model-00002-of-00002.safetensors")
-    assert plan.checkpoint_weight_bytes(str(config), torch.float32)[0] == 3000 + 4000 + 1000
+    assert weights.checkpoint_weight_bytes(str(config), torch.float32)[0] == 3000 + 4000 + 1000
     assert "= 0.0 GB (the checkpoint's model-00001-of-00002.safetensors, model-00002" in rows()[0]
     (folder / "model-00002-of-00002.safetensors").write_bytes(b"")  # (a truncated download)
     with pytest.raises(ValueError, match="model-00002-of-00002.safetensors has no readable safetensors header"):
-        plan.checkpoint_weight_bytes(str(config))
+        weights.checkpoint_weight_bytes(str(config))
 
 
 @pytest.mark.parametrize("extra, named", [({"num_local_experts": 8}, "experts"),

@@ -11,7 +11,6 @@ import json
 import os
 import shlex
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -25,6 +24,14 @@ from .layout import CacheLayout, PageLayout, binding_window, default_page_size
 from .recurrent import RecurrentState, state_of
 from .recurrent import reads as recurrent_state_reads
 from .scheme import Scheme
+from .weights import (
+    checkpoint_folder,
+    checkpoint_weight_bytes,
+    estimate_params,
+    holds_weights,
+    params_of,
+    special_floats,
+)
 
 GIB = 1024**3
 GB = 1000**3
@@ -211,14 +218,6 @@ def layer_types_of(cfg: dict, built=None, error: Exception | None = None) -> lis
     return list(types or ["full_attention"] * cfg["num_hidden_layers"])
 
 
-def _special_floats(obj: dict):
-    """transformers' config.json spells infinities and NaN as {"__float__": "Infinity"} (Granite 4's
-    time_step_limit): its config classes take them as floats."""
-    if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
-        return float(obj["__float__"])
-    return obj
-
-
 # layer types (transformers' names) whose bytes the planner counts: attention over the whole context or a
 # sliding window (Granite 4's "attention" an older name of the first), Falcon-H1's attention beside a mixer,
 # and a hybrid's layers without a KV cache. Others (Llama 4's chunked attention, sparse and compressed
@@ -226,54 +225,12 @@ def _special_floats(obj: dict):
 PLANNED_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "hybrid", *KV_FREE_LAYER_TYPES)
 
 
-def params_of(cfg: dict) -> int:
-    """Every weight of the transformers model a config.json describes (experts, a hybrid's mixers, a vision
-    tower, an untied head), counted on an instance built on the meta device: no memory, no download. Raises
-    where transformers is missing or cannot build it."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    built = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
-    error = None
-    for auto in (AutoModelForImageTextToText, AutoModelForCausalLM):  # (a VL model's whole, then a decoder's)
-        try:
-            with torch.device("meta"):
-                model = auto.from_config(built)
-        except ValueError as e:  # (this mapping does not know the config's class)
-            error = e
-            continue
-        return sum(p.numel() for p in model.parameters())  # (tied weights once)
-    raise error
-
-
-# config keys of a mixture of experts (their value: experts a layer), whose weights a dense estimate misses
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
-def estimate_params(path: str, cfg: dict, whole: dict, shape: tuple[int, int], recurrent: int,
-                    error: Exception) -> int:
-    """A dense decoder's weights from its config (embeddings + attention of `shape`, KV heads x head_dim, + a
-    gated MLP), where transformers cannot count them (params_of failed: `error`); refuses, by name, a model
-    whose other weights it would miss."""
-    experts = {k: cfg[k] for k in EXPERT_KEYS if (cfg.get(k) or 0) > 1}
-    missed = ([f"experts ({experts})"] if experts else []) + ([f"{recurrent} recurrent layers"] if recurrent else [])
-    missed += [f"a {k}" for k in ("vision_config", "audio_config") if k in whole]
-    if missed:
-        raise ValueError(f"plan: {path} has {', '.join(missed)}, whose weights only transformers can count, and that "
-                         f"failed ({type(error).__name__}: {error}); give --params")
-    hidden = cfg["hidden_size"]
-    attn = hidden * shape[1] * (cfg["num_attention_heads"] * 2 + shape[0] * 2)
-    mlp = 3 * hidden * (cfg.get("intermediate_size") or 4 * hidden)
-    emb = cfg.get("vocab_size", 0) * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
-    return cfg["num_hidden_layers"] * (attn + mlp) + emb
-
-
 def from_config(path: str, params: float | None) -> ModelShape:
     """A transformers config.json: layers (and which of them slide, sliding_layers_of), KV heads,
     head_dim; parameters from --params, else counted by transformers (params_of), else estimated for a dense
     decoder (estimate_params)."""
     with open(path) as f:
-        whole = json.load(f, object_hook=_special_floats)
+        whole = json.load(f, object_hook=special_floats)
     cfg = whole.get("text_config", whole)
     for name, gpt2 in GPT2_NAMES.items():  # (GPT-2-style configs: GPT-BigCode, GPT-J, ...)
         if name not in cfg and gpt2 in cfg:
@@ -923,74 +880,6 @@ ALLOCATION_PLACEHOLDER = "ALLOCATION.json"  # TORCH_RKV_ALLOCATION where plan wr
 
 
 DEFAULT_WEIGHT_BITS = 4.0  # the article's example: a 70B-class model in 4-bit weights on one 80 GB GPU
-# a checkpoint's weights: its safetensors shards, else the index naming them, else PyTorch's files (never a
-# Trainer's optimizer.bin or training_args.bin, nor PyTorch's files beside safetensors ones)
-SAFETENSORS, SAFETENSORS_INDEX = "model*.safetensors", "model.safetensors.index.json"
-TORCH_FILES, TORCH_INDEX = "pytorch_model*.bin", "pytorch_model.bin.index.json"
-WIDE_FLOATS = {"F32": 4, "F64": 8}  # safetensors dtypes an engine casts to the model dtype as it loads
-
-
-def safetensors_bytes(path: Path, dtype: torch.dtype) -> int:
-    """The bytes a safetensors file's tensors take loaded in `dtype` (its header: each tensor's dtype and
-    offsets): quantized and 16-bit tensors as saved, wider floats cast to `dtype`."""
-    try:
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    except (OSError, ValueError) as e:  # (a truncated download, say)
-        raise ValueError(f"plan: {path} has no readable safetensors header ({type(e).__name__}: {e}); give "
-                         "--weight-gb or --weight-bits") from e
-    total = 0
-    for name, t in header.items():
-        if name != "__metadata__":
-            size = t["data_offsets"][1] - t["data_offsets"][0]
-            wide = WIDE_FLOATS.get(t["dtype"])
-            total += size // wide * min(wide, dtype.itemsize) if wide else size
-    return total
-
-
-def checkpoint_folder(config_path: str) -> Path:
-    """The folder of a config.json, as given (a Hugging Face snapshot's config.json links into blobs/, which
-    holds no names)."""
-    return Path(config_path).absolute().parent
-
-
-def holds_weights(config_path: str) -> bool:
-    """Whether the folder of a config.json holds a checkpoint's weights (or their index)."""
-    folder = checkpoint_folder(config_path)
-    return any(next(folder.glob(pattern), None) for pattern in (SAFETENSORS, SAFETENSORS_INDEX, TORCH_FILES,
-                                                                 TORCH_INDEX))
-
-
-def checkpoint_weight_bytes(config_path: str, dtype: torch.dtype = torch.bfloat16) -> tuple[int, str] | None:
-    """(bytes, where from) of the weights in the checkpoint beside a config.json, as an engine running the model
-    in `dtype` holds them: as saved (an fp8, AWQ or bf16 checkpoint), but a float32 save (a Trainer's) cast to
-    `dtype`. From the safetensors shards' headers; else from the index's total_size or PyTorch's files' sizes,
-    scaled where the config's dtype is float32; None where the folder holds no weights."""
-    folder = checkpoint_folder(config_path)
-    shards = sorted(folder.glob(SAFETENSORS))
-    if shards:
-        names = ", ".join(f.name for f in shards[:2]) + (", ..." if len(shards) > 2 else "")
-        return sum(safetensors_bytes(f, dtype) for f in shards), names
-    total, where = None, None
-    for index, files in ((SAFETENSORS_INDEX, None), (TORCH_INDEX, None), (None, TORCH_FILES)):
-        if index and (folder / index).exists():
-            total, where = json.loads((folder / index).read_text()).get("metadata", {}).get("total_size"), index
-        elif files and sorted(folder.glob(files)):
-            found = sorted(folder.glob(files))
-            total, where = sum(f.stat().st_size for f in found), ", ".join(f.name for f in found[:2])
-        if total:
-            break
-    if not total:
-        return None
-    with open(config_path) as f:
-        cfg = json.load(f, object_hook=_special_floats)
-    saved = cfg.get("dtype") or cfg.get("torch_dtype") or cfg.get("text_config", {}).get("dtype")
-    if saved == "float32" and "quantization_config" not in cfg:
-        total = total // 4 * min(4, dtype.itemsize)
-        where += f", float32 cast to {str(dtype).removeprefix('torch.')}"
-    return int(total), where
-
-
 def weights_of(model: ModelShape, args) -> tuple[float, str]:
     """(bytes, how) of the weights on the GPU: --weight-gb, --weight-bits, the checkpoint beside --config
     (the bytes an engine loads in --dtype, whatever its quantization), or DEFAULT_WEIGHT_BITS."""
