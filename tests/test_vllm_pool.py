@@ -459,6 +459,10 @@ LOGGED_RECURRENT = {
 }
 
 
+# ... and with enable_prefix_caching False: vLLM's own cache and rkv-4
+LOGGED_WITHOUT_PREFIX_CACHING = {"qwen3_next": [419_328, 511_232], "granitemoehybrid": [1_677_721, 3_408_554]}
+
+
 def tiny_hybrid_shape(tmp_path, family: str) -> plan.ModelShape:
     transformers = pytest.importorskip("transformers")
     from tiny_models import TINY_HYBRIDS
@@ -483,6 +487,11 @@ def test_a_recurrent_hybrids_capacity_is_what_vllm_logged(tmp_path, monkeypatch,
         assert pool.layer_pages[0] >= pool.state_bytes > 0 and len(pool.groups) > 1
         got.append((pool.capacity(GIB, 512)[0], pool.block_size))
     assert got == LOGGED_RECURRENT[family]
+    if family in LOGGED_WITHOUT_PREFIX_CACHING:  # (1 block a request in the recurrent groups)
+        engine = replace(engine, prefix_caching=False)
+        got = [engine.pool(shape, None if name is None else [S.by_name(name)] * shape.layers).capacity(GIB, 512)[0]
+               for name in (None, "rkv-4")]
+        assert got == LOGGED_WITHOUT_PREFIX_CACHING[family]
 
 
 def test_recurrent_states_in_vllms_layout_follow_its_options(tmp_path, monkeypatch):
