@@ -249,11 +249,12 @@ def test_a_mixture_of_experts_counts_every_expert(tmp_path, capsys):
 
 def test_weights_are_the_checkpoints_bytes_beside_the_config(tmp_path, capsys):
     """With --config in a checkpoint's folder, the weights take what an engine loads from it (an fp8 checkpoint
-    of Mixtral: 47 GB, not the 23 GB of 4-bit weights): its safetensors shards' tensors as saved, float32 ones
-    cast to --dtype (a Trainer's save); else its index's total_size. A Trainer's optimizer.bin and PyTorch's
-    files beside safetensors ones do not count, and a Hugging Face snapshot's config.json, a link into blobs/,
-    is read in its own folder. --weight-bits and --weight-gb override it; without a checkpoint the default 4
-    bits hold, and the output names which."""
+    of Mixtral: 47 GB, not the 23 GB of 4-bit weights): its safetensors shards' 8-bit and integer tensors as
+    saved, floats at --dtype (a Trainer's float32 save); else (a shard missing) its index's total_size, scaled
+    from the config's dtype. A Trainer's optimizer.bin and PyTorch's files beside safetensors ones do not
+    count, an unreadable shard (a Git LFS pointer) or index is refused by name, and a Hugging Face snapshot's
+    config.json, a link into blobs/, is read in its own folder. --weight-bits and --weight-gb override it;
+    without a checkpoint the default 4 bits hold, and the output names which."""
     safetensors = pytest.importorskip("safetensors.torch")
     from torch_rkv.__main__ import main
 
@@ -278,8 +279,10 @@ def test_weights_are_the_checkpoints_bytes_beside_the_config(tmp_path, capsys):
     assert indexed == rows("--weight-gb", str(fp8 / 1e9))[1] != default
     assert rows("--weight-bits", "4")[1] == default
     (tmp_path / "blob").write_text(json.dumps({**MIXTRAL, "dtype": "float32"}))  # (a float32 save, indexed)
-    assert weights.checkpoint_weight_bytes(str(config)) == (fp8 // 2, "model.safetensors.index.json, float32 cast "
-                                                                   "to bfloat16")
+    assert weights.checkpoint_weight_bytes(str(config)) == (fp8 // 2, "model.safetensors.index.json, 32-bit "
+                                                                   "floats held in bfloat16")
+    (tmp_path / "blob").write_text(json.dumps({**MIXTRAL, "dtype": "bfloat16"}))  # (served in float32: doubled)
+    assert weights.checkpoint_weight_bytes(str(config), torch.float32)[0] == fp8 * 2
     (tmp_path / "blob").write_text(json.dumps(MIXTRAL))
     # shards: an fp8-like uint8 tensor as saved, a float32 one (1000 weights) at --dtype's 2 bytes, a float16 one
     safetensors.save_file({"a": torch.zeros(3000, dtype=torch.uint8), "b": torch.zeros(1000)},
@@ -290,11 +293,24 @@ def test_weights_are_the_checkpoints_bytes_beside_the_config(tmp_path, capsys):
     (folder / "pytorch_model.bin").write_bytes(b"\0" * 10**6)
     assert weights.checkpoint_weight_bytes(str(config)) == (3000 + 2000 + 1000, "model-00001-of-00002.safetensors, "
                                                                              "model-00002-of-00002.safetensors")
-    assert weights.checkpoint_weight_bytes(str(config), torch.float32)[0] == 3000 + 4000 + 1000
+    assert weights.checkpoint_weight_bytes(str(config), torch.float32)[0] == 3000 + 4000 + 2000
     assert "= 0.0 GB (the checkpoint's model-00001-of-00002.safetensors, model-00002" in rows()[0]
-    (folder / "model-00002-of-00002.safetensors").write_bytes(b"")  # (a truncated download)
-    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors has no readable safetensors header"):
+    # the index names a shard that is not there (a partial download): its total_size, and where it is said
+    (folder / "model.safetensors.index.json").write_text(json.dumps({
+        "metadata": {"total_size": fp8}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                        "z": "model-00003-of-00003.safetensors"}}))
+    assert weights.checkpoint_weight_bytes(str(config)) == (fp8, "model.safetensors.index.json (1 shards not here)")
+    (folder / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not a checkpoint index"):
         weights.checkpoint_weight_bytes(str(config))
+    (folder / "model.safetensors.index.json").unlink()
+    for broken in (b"", b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 5\n"):  # (an LFS pointer)
+        (folder / "model-00002-of-00002.safetensors").write_bytes(broken)
+        with pytest.raises(ValueError, match="model-00002-of-00002.safetensors has no readable safetensors header"):
+            weights.checkpoint_weight_bytes(str(config))
+    with pytest.raises(SystemExit, match="has no readable safetensors header"):
+        rows()
+    assert main(["plan", "--config", str(config), "--budget-gb", "2", "--schemes", "rkv-3"]) == 0  # (unread)
 
 
 @pytest.mark.parametrize("extra, named", [({"num_local_experts": 8}, "experts"),

@@ -484,7 +484,7 @@ def test_a_recurrent_hybrids_capacity_is_what_vllm_logged(tmp_path, monkeypatch,
     got = []
     for name in (None, "rkv-8", "rkv-4", "rkv-2"):
         pool = engine.pool(shape, None if name is None else [S.by_name(name)] * shape.layers)
-        assert pool.layer_pages[0] >= pool.state_bytes > 0 and len(pool.groups) > 1
+        assert pool.state_bytes > 0 and len(pool.groups) > 1  # (a group of recurrent layers)
         got.append((pool.capacity(GIB, 512)[0], pool.block_size))
     assert got == LOGGED_RECURRENT[family]
     if family in LOGGED_WITHOUT_PREFIX_CACHING:  # (1 block a request in the recurrent groups)
@@ -509,7 +509,7 @@ def test_recurrent_states_in_vllms_layout_follow_its_options(tmp_path, monkeypat
     assert qwen.state.vllm_bytes(bf16, f32, ranks=2, drafts=1) == 512 * 4 * 2 + 2 * 128 * 128 * 4
     # Mamba 2 of one group: 2 ranks replicate it (256 + 2 x 2 x 16 channels), then shard
     assert nemotron.state.vllm_bytes(bf16, f32, ranks=2) == (256 + 2 * 2 * 16) // 2 * 3 * 2 + 2 * 64 * 16 * 4
-    with pytest.raises(ValueError, match="3 tensor-parallel ranks do not divide"):
+    with pytest.raises(ValueError, match="3 tensor-parallel ranks \\(--tensor-parallel-size\\) do not divide"):
         nemotron.state.vllm_bytes(bf16, f32, ranks=3)
     cuda = plan.VllmEngine(torch.bfloat16, "cuda")
     assert (cuda.state_ssm_dtype(qwen.state), cuda.state_ssm_dtype(nemotron.state)) == (bf16, f32)
@@ -546,14 +546,16 @@ def test_a_recurrent_hybrids_pool_on_cuda_and_over_tensor_parallel_ranks(tmp_pat
     assert (pool.state_bytes, pool.block_size, pool.block_bytes, pool.blocks(GIB)) == (9152, 48, 12288, 87381)
     eight = replace(shape.state, groups=8, channels=256 + 8 * 32)
     assert eight.vllm_bytes(torch.bfloat16, torch.float32, ranks=4) > 0
-    with pytest.raises(ValueError, match="16 tensor-parallel ranks do not divide a mamba2 layer's 8 groups"):
+    with pytest.raises(ValueError, match="do not divide a mamba2 layer's 8 groups"):
         eight.vllm_bytes(torch.bfloat16, torch.float32, ranks=16)
 
 
-def test_plan_vllm_plans_a_recurrent_hybrid(tmp_path, capsys):
-    """plan --vllm --config of a hybrid: the states line, rows whose block sizes hold a state, and the serve
-    command with the engine options the plan assumed; families the plugin does not serve and per-layer
-    allocations on a hybrid are refused by name."""
+def test_plan_vllm_plans_a_recurrent_hybrid(tmp_path, monkeypatch, capsys):
+    """plan --vllm --config of a hybrid: the states line, rows whose block sizes hold a state (the tiny Granite
+    4's state of 36032 B on an AVX-512 BF16 CPU: 128 tokens of its own bf16 cache, 512 B each, hold it; fp8's
+    256 B a token take 256; rkv-4's 384), and the serve command with the engine options the plan assumed;
+    per-layer allocations on a hybrid are refused by name."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     shape = tiny_hybrid_shape(tmp_path, "granitemoehybrid")
     config = str(tmp_path / "config.json")
     out = run_plan(capsys, "--config", config, "--budget-gb", "1", "--context", "512", "--schemes", "rkv-4",
@@ -563,9 +565,7 @@ def test_plan_vllm_plans_a_recurrent_hybrid(tmp_path, capsys):
     assert "--no-enable-prefix-caching --mamba-ssm-cache-dtype float32" in out
     rows = json.loads(run_plan(capsys, "--config", config, "--budget-gb", "1", "--context", "512", "--json",
                                "--schemes", "rkv-4", "--device", "cpu"))["rows"]
-    engine = plan.VllmEngine(torch.bfloat16, "cpu", max_num_batched_tokens=2048)
-    assert [r["block_size"] for r in rows] == [engine.pool(shape, None).block_size,
-                                               engine.pool(shape, None, torch.float8_e4m3fn).block_size,
-                                               engine.pool(shape, [S.by_name("rkv-4")]).block_size]
+    assert [r["block_size"] for r in rows] == [128, 256, 384] and shape.state.vllm_bytes(torch.bfloat16,
+                                                                                       torch.float32) == 36032
     with pytest.raises(SystemExit, match="does not serve on a hybrid model"):
         run_plan(capsys, "--config", config, "--budget-gb", "1", "--sensitivity", config)

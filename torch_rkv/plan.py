@@ -787,10 +787,12 @@ def main(args) -> int:
         model = MODELS[args.model.lower()]
     else:
         raise SystemExit(f"torch_rkv plan: unknown model {args.model!r}; use one of {', '.join(MODELS)} or --config")
-    try:
-        weight, weighed = weights_of(model, args)
-    except ValueError as e:
-        raise SystemExit(f"torch_rkv {e}")
+    weight, weighed = 0.0, "--budget-gb"
+    if args.budget_gb is None:
+        try:
+            weight, weighed = weights_of(model, args)
+        except ValueError as e:
+            raise SystemExit(f"torch_rkv {e}")
     schemes: list[tuple[str, Scheme | None]] = [(name, None) for name in VLLM_CACHES] if args.vllm else [("fp16", None)]
     for spec in args.schemes:
         schemes.append((spec, S.by_name(spec)))

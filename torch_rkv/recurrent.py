@@ -53,13 +53,15 @@ class RecurrentState:
         heads are sharded over the ranks, Mamba 2's one group first replicated to each rank (more groups must
         divide among them)."""
         if self.groups > 1 and self.groups % ranks:  # (MambaMixer2 asserts it: one group, or a multiple)
-            raise ValueError(f"plan --vllm: {ranks} tensor-parallel ranks do not divide a {self.mixer} layer's "
-                             f"{self.groups} groups (n_groups), which vLLM takes only when there is one")
+            raise ValueError(f"plan --vllm: {ranks} tensor-parallel ranks (--tensor-parallel-size) do not divide a "
+                             f"{self.mixer} layer's {self.groups} groups (n_groups), which vLLM takes only when there "
+                             "is one")
         groups = self.groups + (ranks - self.groups if self.groups and self.groups % ranks else 0)
         channels = self.channels + (groups - self.groups) * self.group_channels
         if channels % ranks or self.heads % ranks:
-            raise ValueError(f"plan --vllm: {ranks} tensor-parallel ranks do not divide a {self.mixer} layer's "
-                             f"{channels} convolution channels and {self.heads} heads, as vLLM shards them")
+            raise ValueError(f"plan --vllm: {ranks} tensor-parallel ranks (--tensor-parallel-size) do not divide a "
+                             f"{self.mixer} layer's {channels} convolution channels and {self.heads} heads, as vLLM "
+                             "shards them")
         conv = channels // ranks * (self.kernel - 1 + drafts)
         return conv * conv_dtype.itemsize + self.heads // ranks * self.head_state * ssm_dtype.itemsize
 

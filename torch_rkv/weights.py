@@ -63,25 +63,27 @@ def estimate_params(path: str, cfg: dict, whole: dict, shape: tuple[int, int], r
 # Trainer's optimizer.bin or training_args.bin, nor PyTorch's files beside safetensors ones)
 SAFETENSORS, SAFETENSORS_INDEX = "model*.safetensors", "model.safetensors.index.json"
 TORCH_FILES, TORCH_INDEX = "pytorch_model*.bin", "pytorch_model.bin.index.json"
-WIDE_FLOATS = {"F32": 4, "F64": 8}  # safetensors dtypes an engine casts to the model dtype as it loads
+# safetensors' floating dtypes of 16 bits or more, which an engine casts to the model dtype (--dtype) as it
+# loads them; 8-bit floats and integers (fp8, packed AWQ/GPTQ/MXFP4 codes) it keeps as saved
+CAST_FLOATS = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+CONFIG_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def safetensors_bytes(path: Path, dtype: torch.dtype) -> int:
     """The bytes a safetensors file's tensors take loaded in `dtype` (its header: each tensor's dtype and
-    offsets): quantized and 16-bit tensors as saved, wider floats cast to `dtype`."""
+    offsets): 8-bit and integer tensors as saved, wider floats cast to `dtype`."""
     try:
         with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    except (OSError, ValueError) as e:  # (a truncated download, say)
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= path.stat().st_size - 8:  # (a Git LFS pointer, a truncated download)
+                raise ValueError(f"a header of {length} bytes in a file of {path.stat().st_size}")
+            header = json.loads(f.read(length))
+        sizes = [(t["dtype"], t["data_offsets"][1] - t["data_offsets"][0]) for name, t in header.items()
+                 if name != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise ValueError(f"plan: {path} has no readable safetensors header ({type(e).__name__}: {e}); give "
                          "--weight-gb or --weight-bits") from e
-    total = 0
-    for name, t in header.items():
-        if name != "__metadata__":
-            size = t["data_offsets"][1] - t["data_offsets"][0]
-            wide = WIDE_FLOATS.get(t["dtype"])
-            total += size // wide * min(wide, dtype.itemsize) if wide else size
-    return total
+    return sum(size // CAST_FLOATS[kind] * dtype.itemsize if kind in CAST_FLOATS else size for kind, size in sizes)
 
 
 def checkpoint_folder(config_path: str) -> Path:
@@ -97,31 +99,45 @@ def holds_weights(config_path: str) -> bool:
                                                                  TORCH_INDEX))
 
 
+def _index(path: Path) -> dict:
+    try:
+        index = json.loads(path.read_text())
+        return {"total": int(index.get("metadata", {}).get("total_size") or 0),
+                "shards": set(index.get("weight_map", {}).values())}
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"plan: {path} is not a checkpoint index ({type(e).__name__}: {e}); give --weight-gb "
+                         "or --weight-bits") from e
+
+
 def checkpoint_weight_bytes(config_path: str, dtype: torch.dtype = torch.bfloat16) -> tuple[int, str] | None:
     """(bytes, where from) of the weights in the checkpoint beside a config.json, as an engine running the model
-    in `dtype` holds them: as saved (an fp8, AWQ or bf16 checkpoint), but a float32 save (a Trainer's) cast to
-    `dtype`. From the safetensors shards' headers; else from the index's total_size or PyTorch's files' sizes,
-    scaled where the config's dtype is float32; None where the folder holds no weights."""
+    in `dtype` holds them: 8-bit and integer tensors (fp8, AWQ, MXFP4) as saved, floats cast to `dtype` (a
+    float32 save, or a bf16 one served in float32). From the safetensors shards' headers, when every shard its
+    index names is there; else from the index's total_size or PyTorch's files' sizes, scaled from the config's
+    dtype where it has no quantization; None where the folder holds no weights."""
     folder = checkpoint_folder(config_path)
     shards = sorted(folder.glob(SAFETENSORS))
-    if shards:
+    named = _index(folder / SAFETENSORS_INDEX) if (folder / SAFETENSORS_INDEX).exists() else None
+    missing = sorted(named["shards"] - {f.name for f in shards}) if named else []
+    if shards and not missing:
         names = ", ".join(f.name for f in shards[:2]) + (", ..." if len(shards) > 2 else "")
         return sum(safetensors_bytes(f, dtype) for f in shards), names
-    total, where = None, None
-    for index, files in ((SAFETENSORS_INDEX, None), (TORCH_INDEX, None), (None, TORCH_FILES)):
-        if index and (folder / index).exists():
-            total, where = json.loads((folder / index).read_text()).get("metadata", {}).get("total_size"), index
-        elif files and sorted(folder.glob(files)):
-            found = sorted(folder.glob(files))
-            total, where = sum(f.stat().st_size for f in found), ", ".join(f.name for f in found[:2])
-        if total:
-            break
+    total, where = 0, None
+    if named and named["total"]:
+        total, where = named["total"], SAFETENSORS_INDEX + (f" ({len(missing)} shards not here)" if missing else "")
+    elif (folder / TORCH_INDEX).exists() and _index(folder / TORCH_INDEX)["total"]:
+        total, where = _index(folder / TORCH_INDEX)["total"], TORCH_INDEX
+    elif found := sorted(folder.glob(TORCH_FILES)):
+        total, where = sum(f.stat().st_size for f in found), ", ".join(f.name for f in found[:2])
     if not total:
+        if missing:
+            raise ValueError(f"plan: {folder / SAFETENSORS_INDEX} names shards that are not there ({missing[:3]}) "
+                             "and gives no total_size; give --weight-gb or --weight-bits")
         return None
     with open(config_path) as f:
         cfg = json.load(f, object_hook=special_floats)
-    saved = cfg.get("dtype") or cfg.get("torch_dtype") or cfg.get("text_config", {}).get("dtype")
-    if saved == "float32" and "quantization_config" not in cfg:
-        total = total // 4 * min(4, dtype.itemsize)
-        where += f", float32 cast to {str(dtype).removeprefix('torch.')}"
+    saved = CONFIG_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype") or cfg.get("text_config", {}).get("dtype"))
+    if saved and saved != dtype.itemsize and "quantization_config" not in cfg:
+        total = total // saved * dtype.itemsize
+        where += f", {saved * 8}-bit floats held in {str(dtype).removeprefix('torch.')}"
     return int(total), where
