@@ -569,3 +569,29 @@ def test_plan_vllm_plans_a_recurrent_hybrid(tmp_path, monkeypatch, capsys):
                                                                                        torch.float32) == 36032
     with pytest.raises(SystemExit, match="does not serve on a hybrid model"):
         run_plan(capsys, "--config", config, "--budget-gb", "1", "--sensitivity", config)
+
+
+def test_plan_vllm_leaves_out_the_pre_rope_rows_the_plugin_refuses(tmp_path, capsys):
+    """The plugin un-rotates pre-RoPE keys only for the families whose rotary tables it rebuilds
+    (PRE_ROPE_MODELS); for another (Phi-2 here, a VL model's decoder alike) plan --vllm leaves the pre-RoPE
+    rows out and says so, serves a post-RoPE scheme, and refuses an allocation of pre-RoPE schemes by name."""
+    transformers = pytest.importorskip("transformers")
+    transformers.PhiConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=512,
+                           vocab_size=512).save_pretrained(tmp_path)
+    config = str(tmp_path / "config.json")
+    from torch_rkv.__main__ import main
+
+    assert main(["plan", "--vllm", "--config", config, "--budget-gb", "1", "--context", "512", "--json", "--schemes",
+                 "kivi-2", "rkv-3", "rkv-2"]) == 0
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
+    assert [r["scheme"] for r in out["rows"]] == ["auto", "fp8", "kivi-2"] and out["left_out"] == ["rkv-3", "rkv-2"]
+    assert "left out: rkv-3, rkv-2 (pre-RoPE schemes, which the plugin serves for llama" in printed.err
+    with pytest.raises(SystemExit, match="does not serve for 'phi'"):
+        run_plan(capsys, "--config", config, "--budget-gb", "1", "--sensitivity", config)
+    llama = tmp_path / "llama"
+    transformers.LlamaConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=512,
+                             vocab_size=512).save_pretrained(llama)
+    out = json.loads(run_plan(capsys, "--config", str(llama / "config.json"), "--budget-gb", "1", "--json",
+                              "--schemes", "rkv-3"))
+    assert out["left_out"] == [] and out["rows"][-1]["scheme"] == "rkv-3"

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import shlex
+import sys
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
 from .integrations.models import KV_FREE_LAYER_TYPES, RECURRENT_LAYER_TYPES, sliding_by_layer_type, uses_sliding_window
-from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV, VLLM_HYBRIDS
+from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV, PRE_ROPE_MODELS, VLLM_HYBRIDS
 from .integrations.vllm_pool import OWN_KERNEL_BLOCK, VllmPool, block_multiple, hybrid_block_size, preferred_block_size
 from .integrations.vllm_slots import check_drafts
 from .layout import CacheLayout, PageLayout, binding_window, default_page_size
@@ -782,7 +783,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     if args.config:
-        model = from_config(args.config, args.params)
+        try:
+            model = from_config(args.config, args.params)
+        except ValueError as e:
+            raise SystemExit(f"torch_rkv {e}")
     elif args.model.lower() in MODELS:
         model = MODELS[args.model.lower()]
     else:
@@ -796,6 +800,13 @@ def main(args) -> int:
     schemes: list[tuple[str, Scheme | None]] = [(name, None) for name in VLLM_CACHES] if args.vllm else [("fp16", None)]
     for spec in args.schemes:
         schemes.append((spec, S.by_name(spec)))
+    left_out = [name for name, scheme in schemes if args.vllm and scheme is not None and scheme.pre_rope and
+                model.family and model.family not in PRE_ROPE_MODELS]
+    schemes = [(name, scheme) for name, scheme in schemes if name not in left_out]
+    if left_out:  # (the plugin refuses them: it rebuilds rotary tables for PRE_ROPE_MODELS alone)
+        why = (f"left out: {', '.join(left_out)} (pre-RoPE schemes, which the plugin serves for "
+               f"{', '.join(PRE_ROPE_MODELS)}, not {model.family!r}; post-RoPE ones serve any decoder)")
+        print(why, file=sys.stderr)
     if args.budget_gb is not None:  # the KV budget itself
         gpu, weight, reserve = args.budget_gb * GB, 0.0, 0.0
     else:
@@ -826,6 +837,9 @@ def main(args) -> int:
     split = args.split or (engine is not None and engine.pads_unequal_pages(model))
     if (args.split or args.out) and not args.sensitivity:
         raise SystemExit("torch_rkv plan: --split and --out choose a per-layer allocation, which needs --sensitivity")
+    if args.sensitivity and engine is not None and model.family and model.family not in PRE_ROPE_MODELS:
+        raise SystemExit(f"torch_rkv plan: --sensitivity with --vllm plans an allocation of pre-RoPE schemes, which "
+                         f"the plugin does not serve for {model.family!r} (only {', '.join(PRE_ROPE_MODELS)})")
     if args.sensitivity and engine is not None and (model.recurrent_layers or model.kv_free_layers):
         raise SystemExit(f"torch_rkv plan: --sensitivity with --vllm plans a per-layer allocation, which the plugin "
                          f"does not serve on a hybrid model ({model.name}: vLLM pads its pages to one size)")
@@ -856,7 +870,7 @@ def main(args) -> int:
             serving["serve"] = serve(serving, os.path.abspath(args.out) if args.out else ALLOCATION_PLACEHOLDER)
     if args.json:
         # (with --vllm: one GPU's share of the KV heads)
-        out = {"model": {**asdict(model), "state_bytes": model.state_bytes()}, "rows": rows}
+        out = {"model": {**asdict(model), "state_bytes": model.state_bytes()}, "rows": rows, "left_out": left_out}
         if engine is not None:
             out["tensor_parallel_size"] = engine.tensor_parallel
         if allocation:

@@ -31,6 +31,7 @@ from .models import LENGTH_DEPENDENT_ROPE, identity_rope
 from .vllm import (
     ALLOCATION_ENV,
     ENV,
+    PRE_ROPE_MODELS,
     TESTED_VLLM,
     VLLM_HYBRIDS,
     configured_layers,
@@ -582,10 +583,8 @@ class _Step:
 # float32. The MoE families have their dense family's attention. Of the hybrids: Qwen3-Next's partial table
 # (rope_parameters' partial_rotary_factor) and Falcon-H1's; Granite 4's only where position_embedding_type is
 # "rope" (its default: none), Nemotron-H's none.
-# Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name.
-PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
-                   "gemma", "gemma2", "gemma3_text", "gemma4_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3",
-                   "granite", "gpt_oss", "qwen3_next", "falcon_h1", "granitemoehybrid", "nemotron_h")
+# Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name
+# (PRE_ROPE_MODELS, in integrations/vllm.py, where plan --vllm reads it too).
 INTERLEAVED_MODELS = ("gptj", "cohere", "cohere2")
 
 
