@@ -26,6 +26,7 @@ from .recurrent import RecurrentState, state_of
 from .recurrent import reads as recurrent_state_reads
 from .scheme import Scheme
 from .weights import (
+    built_config,
     checkpoint_folder,
     checkpoint_weight_bytes,
     estimate_params,
@@ -105,13 +106,18 @@ class ModelShape:
                              f"layers have {self.global_shape[0]} x {self.global_shape[1]}, its sliding layers "
                              f"{self.kv_heads} x {self.head_dim}")
 
+    @property
+    def recurrent_hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state or no mixer, and no KV cache (a hybrid's)."""
+        return bool(self.kv_free_layers or self.recurrent_layers)
+
     def own_caches(self, what: str, counts_states: bool = False) -> None:
         """Refuse `what` (a computation whose engine gives every layer a cache) for a model with KV-shared
         layers, or (unless it counts_states) a hybrid's recurrent layers."""
         if self.kv_shared_layers:
             raise ValueError(f"plan: {what} does not count KV caches shared between layers ({self.name}: "
                              f"{self.kv_shared_layers} layers reuse earlier ones)")
-        if (self.kv_free_layers or self.recurrent_layers) and not counts_states:
+        if self.recurrent_hybrid and not counts_states:
             raise ValueError(f"plan: {what} does not count a hybrid model's recurrent layers ({self.name}: "
                              f"{self.recurrent_layers} layers keep a recurrent state, {self.kv_free_layers} no KV "
                              "cache)")
@@ -198,10 +204,7 @@ HYBRID_KEYS = ("attn_layer_period", "attn_layer_indices", "hybrid_override_patte
 def text_config_of(cfg: dict):
     """The config's (text part's) transformers config, its defaults filled in; raises where transformers is
     missing or does not know or cannot build it."""
-    from transformers import AutoConfig
-
-    built = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
-    return built.get_text_config(decoder=True)
+    return built_config(cfg).get_text_config(decoder=True)
 
 
 def layer_types_of(cfg: dict, built=None, error: Exception | None = None) -> list[str]:
@@ -579,7 +582,7 @@ class VllmEngine:
         pool = VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
                         None if schemes is None else tuple(schemes), block, self.windows(model),
                         self.in_flight_tokens, self.speculative_tokens, cache_dtype)
-        if not (model.recurrent_layers or model.kv_free_layers):
+        if not model.recurrent_hybrid:
             return pool
         state = self.hybrid_state(model)
         drafts = self.speculative_tokens
@@ -800,10 +803,11 @@ def main(args) -> int:
     schemes: list[tuple[str, Scheme | None]] = [(name, None) for name in VLLM_CACHES] if args.vllm else [("fp16", None)]
     for spec in args.schemes:
         schemes.append((spec, S.by_name(spec)))
-    left_out = [name for name, scheme in schemes if args.vllm and scheme is not None and scheme.pre_rope and
-                model.family and model.family not in PRE_ROPE_MODELS]
+    # (the plugin rebuilds rotary tables for PRE_ROPE_MODELS alone, and refuses pre-RoPE schemes for others)
+    unrotated = args.vllm and model.family and model.family not in PRE_ROPE_MODELS
+    left_out = [name for name, scheme in schemes if unrotated and scheme is not None and scheme.pre_rope]
     schemes = [(name, scheme) for name, scheme in schemes if name not in left_out]
-    if left_out:  # (the plugin refuses them: it rebuilds rotary tables for PRE_ROPE_MODELS alone)
+    if left_out:
         why = (f"left out: {', '.join(left_out)} (pre-RoPE schemes, which the plugin serves for "
                f"{', '.join(PRE_ROPE_MODELS)}, not {model.family!r}; post-RoPE ones serve any decoder)")
         print(why, file=sys.stderr)
@@ -837,10 +841,10 @@ def main(args) -> int:
     split = args.split or (engine is not None and engine.pads_unequal_pages(model))
     if (args.split or args.out) and not args.sensitivity:
         raise SystemExit("torch_rkv plan: --split and --out choose a per-layer allocation, which needs --sensitivity")
-    if args.sensitivity and engine is not None and model.family and model.family not in PRE_ROPE_MODELS:
+    if args.sensitivity and unrotated:
         raise SystemExit(f"torch_rkv plan: --sensitivity with --vllm plans an allocation of pre-RoPE schemes, which "
                          f"the plugin does not serve for {model.family!r} (only {', '.join(PRE_ROPE_MODELS)})")
-    if args.sensitivity and engine is not None and (model.recurrent_layers or model.kv_free_layers):
+    if args.sensitivity and engine is not None and model.recurrent_hybrid:
         raise SystemExit(f"torch_rkv plan: --sensitivity with --vllm plans a per-layer allocation, which the plugin "
                          f"does not serve on a hybrid model ({model.name}: vLLM pads its pages to one size)")
     if args.sensitivity:
@@ -896,6 +900,8 @@ ALLOCATION_PLACEHOLDER = "ALLOCATION.json"  # TORCH_RKV_ALLOCATION where plan wr
 
 
 DEFAULT_WEIGHT_BITS = 4.0  # the article's example: a 70B-class model in 4-bit weights on one 80 GB GPU
+
+
 def weights_of(model: ModelShape, args) -> tuple[float, str]:
     """(bytes, how) of the weights on the GPU: --weight-gb, --weight-bits, the checkpoint beside --config
     (the bytes an engine loads in --dtype, whatever its quantization), or DEFAULT_WEIGHT_BITS."""

@@ -56,7 +56,7 @@ class RecurrentState:
             raise ValueError(f"plan --vllm: {ranks} tensor-parallel ranks (--tensor-parallel-size) do not divide a "
                              f"{self.mixer} layer's {self.groups} groups (n_groups), which vLLM takes only when there "
                              "is one")
-        groups = self.groups + (ranks - self.groups if self.groups and self.groups % ranks else 0)
+        groups = ranks if self.groups == 1 else self.groups
         channels = self.channels + (groups - self.groups) * self.group_channels
         if channels % ranks or self.heads % ranks:
             raise ValueError(f"plan --vllm: {ranks} tensor-parallel ranks (--tensor-parallel-size) do not divide a "

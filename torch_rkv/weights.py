@@ -18,13 +18,21 @@ def special_floats(obj: dict):
     return obj
 
 
+def built_config(cfg: dict):
+    """The transformers config of a config.json's dict, its defaults filled in; raises where transformers is
+    missing or does not know or cannot build it."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+
+
 def params_of(cfg: dict) -> int:
     """Every weight of the transformers model a config.json describes (experts, a hybrid's mixers, a vision
     tower, an untied head), counted on an instance built on the meta device: no memory, no download. Raises
     where transformers is missing or cannot build it."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    built = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    built = built_config(cfg)
     error = None
     for auto in (AutoModelForImageTextToText, AutoModelForCausalLM):  # (a VL model's whole, then a decoder's)
         try:
@@ -99,6 +107,10 @@ def holds_weights(config_path: str) -> bool:
                                                                  TORCH_INDEX))
 
 
+def _names(files: list[Path]) -> str:
+    return ", ".join(f.name for f in files[:2]) + (", ..." if len(files) > 2 else "")
+
+
 def _index(path: Path) -> dict:
     try:
         index = json.loads(path.read_text())
@@ -120,15 +132,15 @@ def checkpoint_weight_bytes(config_path: str, dtype: torch.dtype = torch.bfloat1
     named = _index(folder / SAFETENSORS_INDEX) if (folder / SAFETENSORS_INDEX).exists() else None
     missing = sorted(named["shards"] - {f.name for f in shards}) if named else []
     if shards and not missing:
-        names = ", ".join(f.name for f in shards[:2]) + (", ..." if len(shards) > 2 else "")
-        return sum(safetensors_bytes(f, dtype) for f in shards), names
+        return sum(safetensors_bytes(f, dtype) for f in shards), _names(shards)
+    torch_index = _index(folder / TORCH_INDEX) if (folder / TORCH_INDEX).exists() else None
     total, where = 0, None
     if named and named["total"]:
         total, where = named["total"], SAFETENSORS_INDEX + (f" ({len(missing)} shards not here)" if missing else "")
-    elif (folder / TORCH_INDEX).exists() and _index(folder / TORCH_INDEX)["total"]:
-        total, where = _index(folder / TORCH_INDEX)["total"], TORCH_INDEX
+    elif torch_index and torch_index["total"]:
+        total, where = torch_index["total"], TORCH_INDEX
     elif found := sorted(folder.glob(TORCH_FILES)):
-        total, where = sum(f.stat().st_size for f in found), ", ".join(f.name for f in found[:2])
+        total, where = sum(f.stat().st_size for f in found), _names(found)
     if not total:
         if missing:
             raise ValueError(f"plan: {folder / SAFETENSORS_INDEX} names shards that are not there ({missing[:3]}) "
