@@ -436,8 +436,8 @@ def test_paged_bytes_equal_the_allocated_paged_cache(scheme, context):
 def test_gemma_4_config_counts_each_kind_of_layer_at_its_shape(tmp_path, scheme):
     """A Gemma 4 config.json (global layers of their own head_dim and, keys shared with values, KV heads):
     plan's contiguous bytes are what RKVCache allocates for the model, each kind of layer at its shape;
-    the paged count adds each kind's pages; one shape for every layer (a vLLM pool, an allocation) is
-    refused by name."""
+    the paged count adds each kind's pages; a vLLM pool keeps each layer's shape; a per-layer allocation (one
+    shape for every layer) is refused by name."""
     transformers = pytest.importorskip("transformers")
     from torch_rkv.integrations.transformers import RKVCache
 
@@ -465,14 +465,16 @@ def test_gemma_4_config_counts_each_kind_of_layer_at_its_shape(tmp_path, scheme)
         per_kind = [plan.paged_sequence_bytes(plan.ModelShape("k", n, kv, d, 1e6, *w), scheme, 300)
                     for n, kv, d, w in ((2, 1, 128, ()), (4, 2, 32, (4, 16)))]
         assert plan.paged_sequence_bytes(shape, scheme, 300) == sum(per_kind)
+        pool = plan.VllmEngine().pool(shape, [scheme] * 6)  # (vLLM's pages of each shape: test_vllm_pool.py)
+        assert pool.shapes == ((2, 32),) * 2 + ((1, 128),) + ((2, 32),) * 2 + ((1, 128),)
         with pytest.raises(ValueError, match="global layers have 1 x 128"):
-            plan.VllmEngine().pool(shape, [scheme] * 6)
+            plan.allocation_for_budget(shape, None, 1e9, 300, 2, engine=plan.VllmEngine())
 
 
 def test_kv_shared_layers_keep_no_cache_in_the_plan(tmp_path):
     """Gemma 4's small models (num_kv_shared_layers): the shared layers count no bytes, so plan's contiguous
-    bytes are what RKVCache allocates (its cache layers only); the vLLM pool's arithmetic and a per-layer
-    allocation, which do not count them, refuse the model by name."""
+    bytes are what RKVCache allocates (its cache layers only); vLLM's pool gives them no pages and the plugin no
+    side slots; a per-layer allocation, whose profile measures every layer, refuses the model by name."""
     transformers = pytest.importorskip("transformers")
     from torch_rkv.integrations.transformers import RKVCache
 
@@ -492,9 +494,13 @@ def test_kv_shared_layers_keep_no_cache_in_the_plan(tmp_path):
     unshared = dataclasses.replace(plan.from_config(str(tmp_path / "config.json"), 1e6), layers=6, sliding_layers=4,
                                    sliding=(True, True, False, True, True, False), kv_shared_layers=0)
     assert plan.kv_bytes(unshared, S.recommended(4), 300, 2) > plan.kv_bytes(shape, S.recommended(4), 300, 2)
+    pool = plan.VllmEngine().pool(shape, [S.recommended(4)] * 4)  # (vLLM gives the shared layers no pages)
+    assert pool.layers == 4 and pool.slot_bytes == sum(
+        plan.VllmEngine().pool(plan.ModelShape("k", n, kv, d, 1e6), [S.recommended(4)] * n).slot_bytes
+        for n, kv, d in ((3, 2, 32), (1, 2, 64)))  # (3 sliding layers and a global one keep caches)
     flat = dataclasses.replace(shape, global_shape=None)  # (past the one-shape refusal)
     with pytest.raises(ValueError, match="does not count KV caches shared between layers"):
-        plan.VllmEngine().pool(flat, [S.recommended(4)] * 4)
+        plan.allocation_for_budget(flat, None, 1e9, 300, 2, engine=plan.VllmEngine())
     cfg.num_kv_shared_layers = 6
     cfg.to_json_file(tmp_path / "config.json")
     with pytest.raises(ValueError, match="num_kv_shared_layers 6 of 6 layers"):
@@ -605,3 +611,4 @@ def test_layer_types_the_planner_does_not_model_are_refused_by_name(tmp_path, mo
     transformers.AutoConfig.for_model(model_type).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=f"layers of type \\['{kind}'\\], whose caches the planner does not model"):
         plan.from_config(str(tmp_path / "config.json"), 1e6)
+

@@ -79,8 +79,12 @@ def test_a_hybrid_models_capacity_is_what_vllm_logged():
     tokens, concurrency = pool.capacity(2 * GIB, 1024)
     assert (tokens, round(concurrency, 2)) == LOGGED_HYBRID
     assert pool.request_blocks(200) == 3 + 2  # (no more blocks than its own tokens take, and one)
-    with pytest.raises(ValueError, match="different windows and their pages differ"):
-        gemma2_pool(((4, 4), (2, 2)))  # vLLM pads the smaller page: not modelled
+    unequal = gemma2_pool(((4, 4), (2, 2)))  # vLLM brings the 2-bit page to the 4-bit one's bytes: here, padded
+    big, small = unequal.natural_pages
+    assert big % small and unequal.layer_pages == (big, big) and unequal.layer_tokens == (128, 128)
+    with pytest.raises(ValueError, match="layers of one window keep pages of different bytes"):
+        VllmPool(3, 2, 64, torch.float32, (S.by_name("rkv-4"), S.by_name("rkv-2"), S.by_name("rkv-4")), 128,
+                 windows=(64, 64, 0))  # (vLLM gives each its own spec and KV-cache groups: not modelled)
 
 
 def test_hybrid_groups_are_vllms():
@@ -595,3 +599,93 @@ def test_plan_vllm_leaves_out_the_pre_rope_rows_the_plugin_refuses(tmp_path, cap
     out = json.loads(run_plan(capsys, "--config", str(llama / "config.json"), "--budget-gb", "1", "--json",
                               "--schemes", "rkv-3"))
     assert out["left_out"] == [] and out["rows"][-1]["scheme"] == "rkv-3"
+
+
+# vLLM 0.32 on CPU logged these for tiny Gemma 4 models (tiny_models.TINY_GEMMA4: sliding layers of 2 KV heads x 64
+# beside global ones of 1 x 256; float32, 1 GiB, max_model_len 512): (family, a 7-layer pattern, scheme, engine
+# options, tokens, concurrency). vLLM's own pages double the sliding layers' tokens a block; the plugin's pages of
+# the two shapes, published to divide one size, do too (before, vLLM padded the sliding pages to the global ones:
+# rkv-4 logged 1,780,622 tokens, rkv-2 3,408,668)
+SEVEN = ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+LOGGED_GEMMA4 = [
+    ("gemma4", None, None, {}, 299_593, 585.14),
+    ("gemma4", None, "rkv-8", {}, 1_144_685, 2235.71),
+    ("gemma4", None, "rkv-4", {}, 2_191_286, 4279.86),
+    ("gemma4", None, "rkv-2", {}, 4_036_608, 7884.0),
+    ("gemma4_shared", None, None, {}, 299_593, 585.14),
+    ("gemma4_shared", None, "rkv-4", {}, 2_191_286, 4279.86),
+    ("gemma4", SEVEN, None, {}, 80_659, 157.54),
+    ("gemma4", SEVEN, "rkv-4", {}, 589_942, 1152.23),
+    ("gemma4", SEVEN, "rkv-2", {}, 1_086_779, 2122.62),
+    ("gemma4", None, None, {"max_num_batched_tokens": 128}, 349_525, 682.67),
+    ("gemma4", None, "rkv-4", {"max_num_batched_tokens": 128}, 2_556_501, 4993.17),
+    ("gemma4", None, None, {"tensor_parallel": 2}, 349_525, 682.67),  # (the global KV head on both ranks)
+    ("gemma4", None, "rkv-4", {"tensor_parallel": 2}, 2_485_504, 4854.5),
+]
+
+
+def tiny_gemma4_shape(tmp_path, family: str, layer_types=None) -> plan.ModelShape:
+    transformers = pytest.importorskip("transformers")
+    from tiny_models import TINY_GEMMA4
+
+    config_cls, _, kw = TINY_GEMMA4[family]
+    if layer_types is not None:
+        kw = {**kw, "num_hidden_layers": len(layer_types), "layer_types": layer_types}
+    getattr(transformers, config_cls)(vocab_size=512, **kw).save_pretrained(tmp_path)
+    return plan.from_config(str(tmp_path / "config.json"), 1e6)
+
+
+@pytest.mark.parametrize("family,layer_types,name,options,tokens,concurrency", LOGGED_GEMMA4)
+def test_gemma4s_capacity_is_what_vllm_logged(tmp_path, family, layer_types, name, options, tokens, concurrency):
+    """Gemma 4's layers of two shapes in vLLM's pool: every page brought to the largest, a smaller one holding
+    more tokens a block where it divides it; its KV-shared layers keep no pages; tensor parallelism shards the
+    sliding layers' KV heads and gives each rank the global layers' one."""
+    engine = plan.VllmEngine(torch.float32, "cpu", **options)
+    shape = engine.rank(tiny_gemma4_shape(tmp_path, family, layer_types))
+    pool = engine.pool(shape, None if name is None else [S.by_name(name)] * shape.layers)
+    got, c = pool.capacity(GIB, 512)
+    assert (got, round(c, 2)) == (tokens, concurrency)
+
+
+def test_gemma4s_side_pool_is_the_plugins(tmp_path):
+    """The plugin's side pool over layers of two shapes is each shape's slots (vLLM 0.32 logged its two
+    builders' pools for the tiny Gemma 4 at rkv-8: 50.3 and 100.5 MiB for 264 slots), and KV-shared layers keep
+    none."""
+    for family in ("gemma4", "gemma4_shared"):
+        shape = tiny_gemma4_shape(tmp_path / family, family)
+        pool = plan.VllmEngine(torch.float32, "cpu").pool(shape, [S.by_name("rkv-8")] * shape.layers)
+        assert shape.layers == 2 and round(pool.slot_bytes * 264 / 2**20, 1) == round(50.3 + 100.5, 1)
+
+
+@given(st.lists(st.integers(8, 4000), min_size=1, max_size=4), st.lists(st.integers(1, 60), min_size=4, max_size=4),
+       st.sampled_from([1, 2, 4]))
+def test_published_pages_divide_one_size_and_waste_no_more_than_padding(natural, layers, align):
+    """published_token_bytes: every kind's page a whole fraction of the largest published one, none below its own
+    bytes, the largest at most PAGE_ROUNDING above the largest own one, and the waste relative to each layer's
+    own bytes, summed over layers, no more than vLLM's padding every page to the largest."""
+    from torch_rkv.integrations.vllm_pool import PAGE_ROUNDING, published_token_bytes
+
+    own = {i: n * align for i, n in enumerate(natural)}
+    count = {i: layers[i] for i in own}
+    got = published_token_bytes(own, count, align)
+    top, size = max(own.values()), max(got.values())
+    assert all(size % p == 0 and p >= own[k] and p % align == 0 for k, p in got.items())
+    assert size <= top * (1 + PAGE_ROUNDING)
+
+    def waste(pages):
+        return sum(count[k] * (pages[k] - own[k]) / own[k] for k in own)
+
+    padded = {k: top if top % n else n for k, n in own.items()}
+    assert waste(got) <= waste(padded) + 1e-9
+
+
+def test_gemma4s_pages_are_published_to_divide_each_other():
+    """rkv-4's tiny-Gemma-4 pages in float32: 140 bytes a token in the sliding layers, 268 in the global ones (one
+    value scale per head breaks the 2x ratio of their elements); published at 140 and 280, so that vLLM doubles
+    the sliding layers' tokens a block instead of padding their pages to the global ones."""
+    from torch_rkv.integrations.vllm_pool import published_token_bytes
+
+    rkv4 = S.by_name("rkv-4")
+    own = {(2, 64): content_bytes(rkv4, 2, 64, torch.float32), (1, 256): content_bytes(rkv4, 1, 256, torch.float32)}
+    assert own == {(2, 64): 140, (1, 256): 268}
+    assert published_token_bytes(own, {(2, 64): 1, (1, 256): 1}, 4) == {(2, 64): 140, (1, 256): 280}

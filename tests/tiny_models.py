@@ -27,3 +27,18 @@ TINY_HYBRIDS = {
         "mamba_num_heads": 4, "mamba_head_dim": 64, "ssm_state_size": 16, "n_groups": 1,
         "tie_word_embeddings": False}),
 }
+
+# Gemma 4: global layers of their own head_dim (256 against 64) and KV heads (1: their keys are also their
+# values; pages of other bytes), rotated by a partial "proportional" table over the whole head; q/k/v norms
+# and a scale of 1
+TINY_GEMMA4 = {
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {
+        **TINY_SHAPE, "head_dim": 64, "global_head_dim": 256, "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True, "sliding_window": 64, "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": 512, "layer_types": ["sliding_attention", "full_attention"],
+        "tie_word_embeddings": True}),
+}
+# Gemma 4 with KV sharing (its E2B / E4B): layers 2 and 3 attend over layers 0's and 1's caches and keep none
+TINY_GEMMA4["gemma4_shared"] = ("Gemma4TextConfig", "Gemma4ForCausalLM", {
+    **TINY_GEMMA4["gemma4"][2], "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+    "layer_types": ["sliding_attention", "full_attention"] * 2})

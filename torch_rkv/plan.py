@@ -536,13 +536,18 @@ class VllmEngine:
         """What one GPU of the engine holds of the model: tensor parallelism shards the KV heads evenly,
         and gives every rank one when there are fewer heads than ranks (each head on tp / heads ranks:
         vLLM's QKVParallelLinear), so the pages and side rows of a rank are the model's with that many
-        heads. vLLM logs the engine's capacity, which is every rank's (each holds its heads of every
-        token)."""
-        tp, heads = self.tensor_parallel, model.kv_heads
-        if tp < 1 or (heads % tp if tp <= heads else tp % heads):
-            raise ValueError(f"plan --vllm: --tensor-parallel-size {tp} neither divides {model.name}'s {heads} KV "
-                             "heads nor is a multiple of them, which vLLM needs to shard or replicate them")
-        return replace(model, kv_heads=max(1, heads // tp))
+        heads (Gemma 4's global layers' heads too). vLLM logs the engine's capacity, which is every rank's
+        (each holds its heads of every token)."""
+        tp = self.tensor_parallel
+
+        def shard(heads: int) -> int:
+            if tp < 1 or (heads % tp if tp <= heads else tp % heads):
+                raise ValueError(f"plan --vllm: --tensor-parallel-size {tp} neither divides {model.name}'s {heads} "
+                                 "KV heads nor is a multiple of them, which vLLM needs to shard or replicate them")
+            return max(1, heads // tp)
+
+        glob = model.global_shape and (shard(model.global_shape[0]), model.global_shape[1])
+        return replace(model, kv_heads=shard(model.kv_heads), global_shape=glob)
 
     def block_for(self, scheme: Scheme | None) -> int:
         """The block size the engine runs with this scheme (every layer's: an allocation's share it)."""
@@ -576,14 +581,15 @@ class VllmEngine:
              ) -> VllmPool:
         """The engine's pool with the plugin (`schemes`, one a layer) or vLLM's own cache (None) in
         cache_dtype (None: the model dtype)."""
-        model.one_shape("plan --vllm (the engine's pool)")
-        model.own_caches("plan --vllm (vLLM's pool)", counts_states=True)  # (a hybrid's: hybrid_state)
+        # (KV-shared layers get no pages from vLLM: model.layers are the ones that keep a cache)
+        shapes = tuple(map(model.shape_of, range(model.layers))) if model.global_shape else None
         block = self.block_for(schemes[0] if schemes else None)
         pool = VllmPool(model.layers, model.kv_heads, model.head_dim, self.dtype,
                         None if schemes is None else tuple(schemes), block, self.windows(model),
-                        self.in_flight_tokens, self.speculative_tokens, cache_dtype)
+                        self.in_flight_tokens, self.speculative_tokens, cache_dtype, shapes)
         if not model.recurrent_hybrid:
             return pool
+        model.one_shape("plan --vllm (a hybrid's pool)")
         state = self.hybrid_state(model)
         drafts = self.speculative_tokens
         state_bytes = state.vllm_bytes(self.dtype, self.state_ssm_dtype(state), self.tensor_parallel, drafts)
@@ -944,6 +950,16 @@ def print_vllm(model: ModelShape, engine: VllmEngine, weight: float, weighed: st
         else:
             print(f"{model.sliding_layers} of {model.layers} layers slide, but without the hybrid KV-cache manager "
                   "vLLM keeps every block of theirs, like a full layer's")
+    if model.global_shape:
+        pool = engine.pool(model, None)
+        print(f"the {model.full_layers} global layers: {model.global_shape[0]} KV heads{' a GPU' if tp > 1 else ''} x "
+              f"head_dim {model.global_shape[1]} (bits/el below at head_dim {model.head_dim}); "
+              + ("vLLM brings every page to the largest, a smaller one holding more tokens a block where it divides "
+                 "it (the plugin's pages of each shape are published to divide one size), else padded"
+                 if len(pool.buckets) > 1 else "each layer keeps pages of its own bytes in one KV-cache group"))
+    if model.kv_shared_layers:
+        print(f"{model.kv_shared_layers} more layers attend over those layers' caches (KV sharing): vLLM gives them "
+              "no pages, and the plugin no side slots")
     if model.recurrent_layers:
         pool = engine.pool(model, None)
         state = model.state

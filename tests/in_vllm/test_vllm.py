@@ -30,7 +30,7 @@ from torch_rkv.integrations import vllm as plugin
 SCRIPTS = Path(__file__).parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import vllm_engine
-from tiny_models import TINY_HYBRIDS, TINY_SHAPE  # noqa: E402 (tests/: the main suite's too)
+from tiny_models import TINY_GEMMA4, TINY_HYBRIDS, TINY_SHAPE  # noqa: E402 (tests/: the main suite's too)
 
 SMOLLM2_SENSITIVITY = 8.0  # tests/test_transformers.py: nats per sqrt(relative step), with headroom
 TINY_SENSITIVITY = 0.2  # the same for a tiny random model
@@ -216,20 +216,8 @@ TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a ti
                                                           "beta_slow": 1.0, "truncate": False,
                                                           "original_max_position_embeddings": 256,
                                                           "rope_theta": 150000.0}}),
-    # Gemma 4: global layers of their own head_dim (256 against 64) and KV heads (1: their keys are also their
-    # values; pages of other bytes), rotated by a partial "proportional" table over the whole head; q/k/v norms
-    # and a scale of 1
-    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {**TINY_SHAPE, "head_dim": 64, "global_head_dim": 256,
-                                                        "num_global_key_value_heads": 1, "attention_k_eq_v": True,
-                                                        "sliding_window": 64, "hidden_size_per_layer_input": 16,
-                                                        "vocab_size_per_layer_input": 512,
-                                                        "layer_types": ["sliding_attention", "full_attention"],
-                                                        "tie_word_embeddings": True}),
 }
-# Gemma 4 with KV sharing (its E2B / E4B): layers 2 and 3 attend over layers 0's and 1's caches and keep none
-TINY_FAMILIES["gemma4_shared"] = ("Gemma4TextConfig", "Gemma4ForCausalLM", {
-    **TINY_FAMILIES["gemma4"][2], "num_hidden_layers": 4, "num_kv_shared_layers": 2,
-    "layer_types": ["sliding_attention", "full_attention"] * 2})
+TINY_FAMILIES.update(TINY_GEMMA4)  # (Gemma 4, and with KV-shared layers: the main suite plans their pools too)
 # Gemma 4 scores q . k of RMS-normed heads with a scale of 1 (not 1 / sqrt(head_dim)): its log-probabilities
 # move about 3x more for the same key error, and where layers share caches a key's error reaches twice the
 # layers (tests/test_families.py)
@@ -259,9 +247,28 @@ def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, f
     test checks the tables.)"""
     gen = __import__("random").Random(0)
     prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
-    assert_8_bits_agree_with_vllms_own_cache(family, tiny_family(tmp_path_factory, family), prompts,
-                                             FAMILY_SENSITIVITY.get(family, TINY_SENSITIVITY),
-                                             skip_tokenizer_init=True, max_model_len=512)
+    model_dir = tiny_family(tmp_path_factory, family)
+    runs = assert_8_bits_agree_with_vllms_own_cache(family, model_dir, prompts,
+                                                    FAMILY_SENSITIVITY.get(family, TINY_SENSITIVITY),
+                                                    skip_tokenizer_init=True, max_model_len=512)
+    if family in TINY_GEMMA4:
+        assert_plan_vllm_logs(model_dir, runs, 512)
+
+
+def assert_plan_vllm_logs(model_dir: str, runs: tuple, max_model_len: int, **engine) -> None:
+    """The capacity vLLM's own float32 cache and rkv-8 (`runs`) logged is the one plan --vllm's pool gives for the
+    model's config: Gemma 4's pages of two shapes (the plugin's published to divide one size) and its KV-shared
+    layers, which keep no pages."""
+    import torch
+
+    from torch_rkv import plan
+    from torch_rkv import scheme as S
+
+    shape = plan.from_config(f"{model_dir}/config.json", 1e6)
+    planned = plan.VllmEngine(torch.float32, "cpu", **engine)
+    for run, schemes in zip(runs, (None, [S.by_name("rkv-8")] * shape.layers)):
+        tokens, concurrency = planned.pool(shape, schemes).capacity(int(KV_GB) * 2**30, max_model_len)
+        assert (run["kv_tokens"], run["concurrency"]) == (tokens, round(concurrency, 2)), run["log"][-2000:]
 
 
 def test_kv_shared_layers_read_each_chunk_before_it_is_appended(tmp_path_factory):
@@ -271,9 +278,11 @@ def test_kv_shared_layers_read_each_chunk_before_it_is_appended(tmp_path_factory
     layers read the target's pages. (Measured: appending before the readers attend fails this.)"""
     gen = __import__("random").Random(2)
     prompts = [[gen.randrange(512) for _ in range(300)] for _ in range(2)]
-    assert_8_bits_agree_with_vllms_own_cache("gemma4-shared-chunked", tiny_family(tmp_path_factory, "gemma4_shared"),
-                                             prompts, FAMILY_SENSITIVITY["gemma4_shared"], skip_tokenizer_init=True,
-                                             max_model_len=512, max_num_batched_tokens=128)
+    model_dir = tiny_family(tmp_path_factory, "gemma4_shared")
+    runs = assert_8_bits_agree_with_vllms_own_cache("gemma4-shared-chunked", model_dir, prompts,
+                                                    FAMILY_SENSITIVITY["gemma4_shared"], skip_tokenizer_init=True,
+                                                    max_model_len=512, max_num_batched_tokens=128)
+    assert_plan_vllm_logs(model_dir, runs, 512, max_num_batched_tokens=128)
 
 
 # Gemma 3 with 7 sliding layers and 2 full ones: vLLM's hybrid manager cuts the sliding bucket into 4

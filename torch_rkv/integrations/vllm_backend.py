@@ -38,7 +38,7 @@ from .vllm import (
     configured_scheme,
     overridden_backend,
 )
-from .vllm_pool import block_multiple, content_bytes, slot_bytes
+from .vllm_pool import block_multiple, content_bytes, published_token_bytes, slot_bytes
 from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, check_drafts, growth_beyond_headroom, slot_limit
 
 logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed with its log
@@ -119,8 +119,10 @@ class RKVAttentionBackend(AttentionBackend):
                                    "loading); this vLLM calls its hooks in another order than vLLM "
                                    f"{', '.join(TESTED_VLLM)}")
             scheme = _scheme()
-        return replace(spec, num_head_slots=1,
-                       state_content_bytes=content_bytes(scheme, spec.num_kv_heads, spec.head_size, spec.dtype))
+        per_token = content_bytes(scheme, spec.num_kv_heads, spec.head_size, spec.dtype)
+        if cls.scheme is None:  # (pages of several shapes that divide one size: _publish_pages)
+            per_token = _PUBLISHED["bytes"].get((spec.num_kv_heads, spec.head_size, spec.dtype), per_token)
+        return replace(spec, num_head_slots=1, state_content_bytes=per_token)
 
     @staticmethod
     def get_impl_cls():
@@ -146,6 +148,38 @@ def layer_backend(scheme: Scheme) -> type[RKVAttentionBackend]:
         cls = type(name, (RKVAttentionBackend,), {"scheme": scheme, "__module__": __name__, "__qualname__": name})
         _LAYER_BACKENDS[scheme] = globals()[name] = cls
     return _LAYER_BACKENDS[scheme]
+
+
+# the bytes a token the pages of each (KV heads, head_dim, dtype) publish, where they are not their own:
+# _publish_pages, for the engine whose config is "config"
+_PUBLISHED: dict = {"config": None, "bytes": {}}
+
+
+def _publish_pages(vllm_config, dtype: torch.dtype) -> None:
+    """Where one scheme's layers of two shapes (Gemma 4's sliding and global layers) attend to different windows,
+    vLLM pads the smaller pages to the largest unless they divide it; choose pages that do
+    (vllm_pool.published_token_bytes, which plan --vllm counts), once per engine, before vLLM asks for the
+    specs (customize_spec)."""
+    if _PUBLISHED["config"] is vllm_config:
+        return
+    impls = [getattr(x, "impl", None) for x in vllm_config.compilation_config.static_forward_context.values()]
+    owners = [i for i in impls if isinstance(i, RKVAttentionImpl) and i.kv_source is None]
+    natural, count = {}, {}
+    for impl in owners:
+        kind = (impl.num_kv_heads, impl.head_size, dtype)
+        natural[kind] = content_bytes(impl.scheme, impl.num_kv_heads, impl.head_size, dtype)
+        count[kind] = count.get(kind, 0) + 1
+    grouped = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and \
+        len({impl.sliding_window for impl in owners}) > 1  # (else vLLM keeps each page as it is)
+    published = {}
+    if configured_layers() is None and grouped and len(natural) > 1:
+        published = published_token_bytes(natural, count, dtype.itemsize)
+        for (heads, head_dim, _), per_token in published.items():
+            if per_token != natural[(heads, head_dim, dtype)]:
+                logger.info("torch_rkv: layers of %d KV heads x head_dim %d publish pages of %d bytes a token (%d "
+                            "their own), so that vLLM's pages of every shape divide one size and none is padded to it",
+                            heads, head_dim, per_token, natural[(heads, head_dim, dtype)])
+    _PUBLISHED.update(config=vllm_config, bytes=published)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -351,9 +385,11 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """vLLM calls this once the model is loaded, before its memory profile and before it asks the
-        layers for their KV cache specs: a layer the model names as one without RoPE (SmolLM3's
-        no_rope_layers, by vLLM's layer index) takes the identity table; with an allocation, the layer
-        gets the backend class of its scheme (layer_backend), whose pages have that scheme's bytes."""
+        layers for their KV cache specs: the pages of each shape are chosen (_publish_pages); a layer the
+        model names as one without RoPE (SmolLM3's no_rope_layers, by vLLM's layer index) takes the identity
+        table; with an allocation, the layer gets the backend class of its scheme (layer_backend), whose
+        pages have that scheme's bytes."""
+        _publish_pages(self.vllm_config, act_dtype)
         hf = text_config(self.vllm_config)  # (vLLM's own model code for other families ignores no_rope_layers)
         nope = hf.no_rope_layers if self.rope_cos is not None and hf.model_type == "smollm3" else None  # (0: NoPE)
         if nope is None and configured_layers() is None:

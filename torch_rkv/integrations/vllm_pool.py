@@ -9,17 +9,19 @@ the groups of layers that share a block table:
 - Every layer attends to the whole context (or every one to the same sliding window): one group. A
   block is a page of every layer (under a per-layer allocation each layer's page has its own bytes,
   UniformTypeKVCacheSpecs), blocks = memory // (the sum of the pages).
-- Sliding layers beside full ones (Gemma 2 and 3, gpt-oss; the hybrid KV-cache manager): a bucket of
+- Sliding layers beside full ones (Gemma 2, 3 and 4, gpt-oss; the hybrid KV-cache manager): a bucket of
   layers per window (full: none), each cut into groups of `g` layers, g the smallest bucket's size
   (the largest's when it has under 1.5x as many), a bucket's last group short by its padding layers
   (_get_kv_cache_groups_uniform_page_size). A block is `g` pages, and every group draws its block
-  table from the one pool.
+  table from the one pool. Pages of unequal bytes (Gemma 4's global layers of their own KV heads and
+  head_dim) are brought to the largest first (unify_kv_cache_spec_page_size): a page that divides it
+  holds that many times the tokens a block, any other is padded to it.
 - A hybrid's recurrent layers (Qwen3-Next, Granite 4, Falcon-H1, Nemotron-H: vLLM's Mamba specs) form a
   bucket of their own. vLLM grows the block size until one attention page holds a layer's state
   (Platform._align_hybrid_block_size: in steps of the backend's smallest kernel block, at least the block
   size) and pads the state's page to the attention page.
-A request of L tokens takes, per group, ceil(L / block_size) blocks if full, and if sliding over W
-tokens ceil(min(W - 1 + in-flight tokens, L) / block_size) + 1: vLLM frees a block only once the
+A request of L tokens takes, per group, ceil(L / tokens a block) blocks if full, and if sliding over W
+tokens ceil(min(W - 1 + in-flight tokens, L) / tokens a block) + 1: vLLM frees a block only once the
 tokens scheduled after it have been computed (SlidingWindowSpec.max_admission_blocks_per_request).
 A recurrent group takes 1 block (and 1 a speculative draft); with prefix caching (vLLM's default:
 mamba_cache_mode "align") 2, and 1 more for a Mamba 2 mixer's prefill checkpoint (MambaSpec).
@@ -63,6 +65,38 @@ def content_bytes(scheme: Scheme, kv_heads: int, head_dim: int, dtype: torch.dty
     return round_up(per_token, dtype.itemsize)
 
 
+# vLLM pads a page that is not a whole fraction of the largest page up to it (unify_kv_cache_spec_page_size). rkv's
+# bytes a token are not proportional to KV heads x head_dim (each head's value rows keep their own scale), so
+# Gemma 4's sliding and global pages, twice each other in elements, miss the ratio by a few percent and the
+# smaller were padded by about half. The plugin publishes instead pages that divide a largest page grown by
+# at most this fraction of it (published_token_bytes).
+PAGE_ROUNDING = 1 / 8
+
+
+def published_token_bytes(natural: dict, layers: dict, align: int) -> dict:
+    """The bytes a token the plugin publishes for each kind of page (natural: a kind's own bytes a token,
+    content_bytes; layers: how many layers keep it) where vLLM brings pages of several sizes to the largest:
+    each a whole fraction of one page size, which is the largest natural one grown by at most PAGE_ROUNDING,
+    chosen for the least waste relative to each layer's own bytes, summed over layers (then the smaller).
+    A kind no fraction fits is published at that size (vLLM's own padding). Every size a multiple of align
+    (the cache dtype's bytes)."""
+    top = max(natural.values())
+
+    def fit(total: int) -> dict:
+        out = {}
+        for kind, own in natural.items():
+            parts = total // own
+            while parts > 1 and (total % parts or total // parts % align):
+                parts -= 1
+            out[kind] = total // parts
+        return out
+
+    sizes = {top} | {own * -(-top // own) for own in natural.values()}
+    sizes = [t for t in sizes if t <= top * (1 + PAGE_ROUNDING) and t % align == 0]
+    best = min(sizes, key=lambda t: (sum(layers[k] * (p - natural[k]) / natural[k] for k, p in fit(t).items()), t))
+    return fit(best)
+
+
 def block_multiple(scheme: Scheme) -> int:
     """The block sizes the plugin takes with this scheme are multiples of this: a page holds whole
     quantization blocks, and at least vLLM's 16 tokens."""
@@ -91,7 +125,9 @@ class VllmPool:
     """One engine's KV pool: `layers` attention layers of `kv_heads` x `head_dim`, the model in `dtype`,
     blocks of `block_size` tokens. schemes: each layer's torch_rkv scheme (the plugin; each layer's page
     has its scheme's bytes), or None: vLLM's own cache, its elements in `cache_dtype` (None: the model
-    dtype, "auto"; torch.float8_e4m3fn: --kv-cache-dtype fp8). windows: each layer's
+    dtype, "auto"; torch.float8_e4m3fn: --kv-cache-dtype fp8). shapes: each layer's (KV heads, head_dim)
+    where they differ between layers (Gemma 4's global layers; None: kv_heads x head_dim in every one;
+    layers that share another's cache have no page and are not among them). windows: each layer's
     sliding window in tokens, 0 for a layer that attends to the whole context (None: no layer slides);
     in_flight_tokens: what the engine schedules before the step that frees a sliding layer's blocks
     settles (max_num_batched_tokens x the batches in flight; VllmEngine); drafts: speculative tokens a
@@ -107,6 +143,7 @@ class VllmPool:
     in_flight_tokens: int = 0
     drafts: int = 0
     cache_dtype: torch.dtype | None = None
+    shapes: tuple[tuple[int, int], ...] | None = None
     # a hybrid's recurrent layers: how many, one layer's state a request (vLLM's layout,
     # RecurrentState.vllm_bytes) and the blocks a request holds in each of their groups
     states: int = 0
@@ -118,8 +155,9 @@ class VllmPool:
             raise ValueError("VllmPool: cache_dtype is vLLM's own cache's; the plugin's pages follow their schemes")
         if self.schemes is not None and len(self.schemes) != self.layers:
             raise ValueError(f"VllmPool: {len(self.schemes)} schemes for {self.layers} layers")
-        if self.windows is not None and len(self.windows) != self.layers:
-            raise ValueError(f"VllmPool: {len(self.windows)} windows for {self.layers} layers")
+        for name, per_layer in (("windows", self.windows), ("shapes", self.shapes)):
+            if per_layer is not None and len(per_layer) != self.layers:
+                raise ValueError(f"VllmPool: {len(per_layer)} {name} for {self.layers} layers")
         for s in self.schemes or ():
             if self.block_size % block_multiple(s):
                 raise ValueError(f"VllmPool: block_size {self.block_size} is not a multiple of "
@@ -128,21 +166,57 @@ class VllmPool:
             raise ValueError(f"VllmPool: a hybrid's recurrent states ({self.state_bytes} bytes) take pages of one "
                              f"attention page's bytes, which must be one size and hold them (pages "
                              f"{sorted(set(self.layer_pages))} of block_size {self.block_size}: hybrid_block_size)")
-        if len(self.groups) > 1 and len(set(self.layer_pages)) > 1:
-            # vLLM then pads every smaller page to the largest (or, where it divides it, takes more
-            # tokens a block in that layer's group): neither is modelled here
-            raise ValueError("VllmPool: the layers attend to different windows and their pages differ in bytes "
-                             f"({sorted(set(self.layer_pages))}), which vLLM brings to one size by padding; plan "
-                             "one key + value total in every layer (a split) for such a model")
+        for window, layers in self.buckets.items():
+            if window is not None and len({self.natural_pages[i] for i in layers}) > 1 and len(self.buckets) > 1:
+                # vLLM then gives each page size a spec, and so a bucket, of its own: not modelled here
+                raise ValueError(f"VllmPool: layers of one {'window' if window else 'full context'} keep pages of "
+                                 f"different bytes ({sorted({self.natural_pages[i] for i in layers})}) beside "
+                                 "layers of another window; plan one key + value total in every layer (a split) "
+                                 "for such a model")
+
+    def shape(self, layer: int) -> tuple[int, int]:
+        """A layer's (KV heads, head_dim)."""
+        return self.shapes[layer] if self.shapes is not None else (self.kv_heads, self.head_dim)
+
+    @cached_property
+    def buckets(self) -> dict[int | None, list[int]]:
+        """The layers of each window (0: full; None: a hybrid's recurrent layers, numbered from `layers` on)."""
+        buckets: dict[int | None, list[int]] = {}
+        for i in range(self.layers):
+            buckets.setdefault(self.window(i), []).append(i)
+        if self.states:
+            buckets[None] = list(range(self.layers, self.layers + self.states))
+        return buckets
 
     @cached_property  # (a frozen dataclass: computed once; content_bytes walks every layer's layout)
-    def layer_pages(self) -> tuple[int, ...]:
-        """Each layer's page: block_size tokens of every KV head."""
+    def natural_pages(self) -> tuple[int, ...]:
+        """Each layer's page as its layer publishes it: block_size tokens of every KV head; with one scheme where
+        layers of several windows share the pool, the plugin's pages of each shape whole fractions of one size
+        (published_token_bytes)."""
+        shapes = [self.shape(i) for i in range(self.layers)]
         if self.schemes is None:
             element = (self.cache_dtype or self.dtype).itemsize
-            return (self.block_size * 2 * self.kv_heads * self.head_dim * element,) * self.layers
-        per_token = {s: content_bytes(s, self.kv_heads, self.head_dim, self.dtype) for s in set(self.schemes)}
-        return tuple(self.block_size * per_token[s] for s in self.schemes)
+            return tuple(self.block_size * 2 * h * d * element for h, d in shapes)
+        per_token = {(s, *shape): content_bytes(s, *shape, self.dtype) for s, shape in zip(self.schemes, shapes)}
+        if len(set(self.schemes)) == 1 and len(self.buckets) > 1 and len(per_token) > 1:
+            count = {kind: sum((s, *shape) == kind for s, shape in zip(self.schemes, shapes)) for kind in per_token}
+            per_token = published_token_bytes(per_token, count, self.dtype.itemsize)
+        return tuple(self.block_size * per_token[(s, *shape)] for s, shape in zip(self.schemes, shapes))
+
+    @cached_property
+    def layer_pages(self) -> tuple[int, ...]:
+        """Each layer's page in the pool: its natural page; where several groups draw blocks from the pool,
+        the largest page (unify_kv_cache_spec_page_size: a smaller one holds more tokens or is padded)."""
+        if len(self.buckets) == 1:
+            return self.natural_pages
+        return (max(self.natural_pages),) * self.layers
+
+    @cached_property
+    def layer_tokens(self) -> tuple[int, ...]:
+        """The tokens a block of each layer holds: block_size, times the ratio where its natural page divides its
+        page in the pool (else it is padded)."""
+        return tuple(self.block_size * (page // natural if page % natural == 0 else 1)
+                     for page, natural in zip(self.layer_pages, self.natural_pages))
 
     def window(self, layer: int) -> int:
         return 0 if self.windows is None else self.windows[layer]
@@ -155,17 +229,12 @@ class VllmPool:
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """vLLM's KV-cache groups, as layer indices: one per window bucket (and the recurrent layers', numbered
         from `layers` on) and run of g layers."""
-        buckets: dict[int | None, list[int]] = {}  # window (None: recurrent) -> its layers
-        for i in range(self.layers):
-            buckets.setdefault(self.window(i), []).append(i)
-        if self.states:
-            buckets[None] = list(range(self.layers, self.layers + self.states))
-        if len(buckets) == 1:
+        if len(self.buckets) == 1:
             return (tuple(range(self.layers)),)
-        sizes = [len(b) for b in buckets.values()]
+        sizes = [len(b) for b in self.buckets.values()]
         g = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
         groups = []
-        for layers in buckets.values():
+        for layers in self.buckets.values():
             n = -(-len(layers) // g)
             groups += [tuple(layers[i::n]) for i in range(n)]
         return tuple(groups)
@@ -179,20 +248,24 @@ class VllmPool:
         """Blocks in `kv_bytes` of KV memory."""
         return int(kv_bytes // self.block_bytes)
 
-    def window_blocks(self, window: int, max_model_len: int) -> int:
-        """The blocks a request of max_model_len tokens holds at most in a group of this window (0: full)."""
+    def window_blocks(self, window: int, max_model_len: int, tokens: int | None = None) -> int:
+        """The blocks a request of max_model_len tokens holds at most in a group of this window (0: full) whose
+        blocks hold `tokens` tokens (None: block_size)."""
+        tokens = tokens or self.block_size
         if window == 0:
-            return -(-max_model_len // self.block_size)
-        return -(-min(window - 1 + self.in_flight_tokens, max_model_len) // self.block_size) + 1
+            return -(-max_model_len // tokens)
+        return -(-min(window - 1 + self.in_flight_tokens, max_model_len) // tokens) + 1
 
     def request_blocks(self, max_model_len: int) -> int:
         """The blocks a request of max_model_len tokens takes at most, over every group."""
         return sum(self.state_blocks if group[0] >= self.layers else
-                   self.window_blocks(self.window(group[0]), max_model_len) for group in self.groups)
+                   self.window_blocks(self.window(group[0]), max_model_len, self.layer_tokens[group[0]])
+                   for group in self.groups)
 
     def layer_rows(self, max_model_len: int) -> list[int]:
         """The token rows each layer's pages hold for such a request."""
-        return [self.window_blocks(self.window(i), max_model_len) * self.block_size for i in range(self.layers)]
+        return [self.window_blocks(self.window(i), max_model_len, self.layer_tokens[i]) * self.layer_tokens[i]
+                for i in range(self.layers)]
 
     def capacity(self, kv_bytes: float, max_model_len: int) -> tuple[int, float]:
         """(KV cache size in tokens, maximum concurrency for requests of max_model_len tokens), as vLLM
@@ -209,7 +282,9 @@ class VllmPool:
         """The side pool's bytes per request slot, every layer (0 for vLLM's own cache)."""
         if self.schemes is None:
             return 0
-        return slot_bytes(self.schemes[0], self.layers, self.kv_heads, self.head_dim, self.dtype, self.drafts)
+        shapes = [self.shape(i) for i in range(self.layers)]
+        return sum(slot_bytes(self.schemes[0], shapes.count(shape), *shape, self.dtype, self.drafts)
+                   for shape in set(shapes))
 
     def side_bytes(self, running: int, max_num_seqs: int) -> int:
         """The side pool's bytes at most, while at most `running` requests run at once (pool_slots)."""
