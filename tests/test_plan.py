@@ -612,3 +612,25 @@ def test_layer_types_the_planner_does_not_model_are_refused_by_name(tmp_path, mo
     with pytest.raises(ValueError, match=f"layers of type \\['{kind}'\\], whose caches the planner does not model"):
         plan.from_config(str(tmp_path / "config.json"), 1e6)
 
+
+def test_mtp_layers_are_not_counted_among_the_served_weights(tmp_path):
+    """A checkpoint's multi-token-prediction layers, which vLLM loads only for MTP speculative decoding (its
+    load_weights skip them): left out of the bytes its safetensors headers give, and said so; a decoder layer
+    past num_hidden_layers (DeepSeek-V3's, GLM-4.5's) is one, a vision tower's layer is not. An index's
+    total_size, read where a shard is missing, includes them, and the output says so."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(MIXTRAL))  # (32 layers)
+    u8 = {"dtype": torch.uint8}
+    safetensors.save_file({"model.layers.31.w": torch.zeros(1000, **u8), "model.layers.32.w": torch.zeros(500, **u8),
+                           "mtp.fc.weight": torch.zeros(250, **u8),
+                           "model.vision_tower.encoder.layers.40.w": torch.zeros(100, **u8)},
+                          str(tmp_path / "model.safetensors"))
+    held, where = weights.checkpoint_weight_bytes(str(config))
+    assert held == 1100 and where.startswith("model.safetensors less 0.0 GB of MTP layers, which vLLM loads only")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({
+        "metadata": {"total_size": 1850}, "weight_map": {"model.layers.31.w": "model.safetensors",
+                                                         "mtp.fc.weight": "model-2.safetensors"}}))
+    assert weights.checkpoint_weight_bytes(str(config)) == (1850, "model.safetensors.index.json (1 shards not here), "
+                                                                  "MTP layers included (vLLM loads them only for MTP "
+                                                                  "speculative decoding)")

@@ -75,23 +75,48 @@ TORCH_FILES, TORCH_INDEX = "pytorch_model*.bin", "pytorch_model.bin.index.json"
 # loads them; 8-bit floats and integers (fp8, packed AWQ/GPTQ/MXFP4 codes) it keeps as saved
 CAST_FLOATS = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 CONFIG_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+GB_BYTES = 1000**3
 
 
-def safetensors_bytes(path: Path, dtype: torch.dtype) -> int:
-    """The bytes a safetensors file's tensors take loaded in `dtype` (its header: each tensor's dtype and
-    offsets): 8-bit and integer tensors as saved, wider floats cast to `dtype`."""
+def mtp_tensor(name: str, layers: int | None) -> bool:
+    """Whether a checkpoint tensor belongs to a multi-token-prediction module, which vLLM loads only for MTP
+    speculative decoding (its models' load_weights skip them): a name part starting with "mtp" (Qwen3-Next's
+    and Qwen3.5's mtp., MiMo's model.mtp_layers, ERNIE 4.5's mtp_*), or a decoder layer past the config's
+    `layers` (DeepSeek-V3's and GLM-4.5's num_nextn_predict_layers, MiniMax-M2's num_mtp_modules)."""
+    parts = name.split(".")
+    if any(part.startswith("mtp") for part in parts):
+        return True
+    return layers is not None and any(
+        part == "layers" and index.isdigit() and int(index) >= layers and (i == 0 or parts[i - 1] in DECODERS)
+        for i, (part, index) in enumerate(zip(parts, parts[1:])))
+
+
+DECODERS = ("model", "language_model", "backbone")  # (what holds a decoder's layers; a vision tower's do not count)
+
+
+def safetensors_bytes(path: Path, dtype: torch.dtype, layers: int | None = None) -> tuple[int, int]:
+    """(the bytes a safetensors file's tensors take loaded in `dtype`, those of its MTP tensors, which are not
+    among them: mtp_tensor). From its header (each tensor's dtype and offsets): 8-bit and integer tensors as
+    saved, wider floats cast to `dtype`."""
     try:
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
             if not 0 < length <= path.stat().st_size - 8:  # (a Git LFS pointer, a truncated download)
                 raise ValueError(f"a header of {length} bytes in a file of {path.stat().st_size}")
             header = json.loads(f.read(length))
-        sizes = [(t["dtype"], t["data_offsets"][1] - t["data_offsets"][0]) for name, t in header.items()
+        sizes = [(name, t["dtype"], t["data_offsets"][1] - t["data_offsets"][0]) for name, t in header.items()
                  if name != "__metadata__"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise ValueError(f"plan: {path} has no readable safetensors header ({type(e).__name__}: {e}); give "
                          "--weight-gb or --weight-bits") from e
-    return sum(size // CAST_FLOATS[kind] * dtype.itemsize if kind in CAST_FLOATS else size for kind, size in sizes)
+    held, mtp = 0, 0
+    for name, kind, size in sizes:
+        loaded = size // CAST_FLOATS[kind] * dtype.itemsize if kind in CAST_FLOATS else size
+        if mtp_tensor(name, layers):
+            mtp += loaded
+        else:
+            held += loaded
+    return held, mtp
 
 
 def checkpoint_folder(config_path: str) -> Path:
@@ -111,11 +136,12 @@ def _names(files: list[Path]) -> str:
     return ", ".join(f.name for f in files[:2]) + (", ..." if len(files) > 2 else "")
 
 
-def _index(path: Path) -> dict:
+def _index(path: Path, layers: int | None = None) -> dict:
     try:
         index = json.loads(path.read_text())
         return {"total": int(index.get("metadata", {}).get("total_size") or 0),
-                "shards": set(index.get("weight_map", {}).values())}
+                "shards": set(index.get("weight_map", {}).values()),
+                "mtp": any(mtp_tensor(name, layers) for name in index.get("weight_map", {}))}
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"plan: {path} is not a checkpoint index ({type(e).__name__}: {e}); give --weight-gb "
                          "or --weight-bits") from e
@@ -126,17 +152,27 @@ def checkpoint_weight_bytes(config_path: str, dtype: torch.dtype = torch.bfloat1
     in `dtype` holds them: 8-bit and integer tensors (fp8, AWQ, MXFP4) as saved, floats cast to `dtype` (a
     float32 save, or a bf16 one served in float32). From the safetensors shards' headers, when every shard its
     index names is there; else from the index's total_size or PyTorch's files' sizes, scaled from the config's
-    dtype where it has no quantization; None where the folder holds no weights."""
+    dtype where it has no quantization; None where the folder holds no weights. Multi-token-prediction layers
+    (mtp_tensor) are left out where the headers are read, and named where the index's total includes them."""
     folder = checkpoint_folder(config_path)
+    with open(config_path) as f:
+        cfg = json.load(f, object_hook=special_floats)
+    text = cfg.get("text_config", cfg)
+    layers = text.get("num_hidden_layers") or text.get("n_layer")
     shards = sorted(folder.glob(SAFETENSORS))
-    named = _index(folder / SAFETENSORS_INDEX) if (folder / SAFETENSORS_INDEX).exists() else None
+    named = _index(folder / SAFETENSORS_INDEX, layers) if (folder / SAFETENSORS_INDEX).exists() else None
     missing = sorted(named["shards"] - {f.name for f in shards}) if named else []
     if shards and not missing:
-        return sum(safetensors_bytes(f, dtype) for f in shards), _names(shards)
+        held = [safetensors_bytes(f, dtype, layers) for f in shards]
+        mtp = sum(m for _, m in held)
+        return sum(h for h, _ in held), _names(shards) + (
+            f" less {mtp / GB_BYTES:.1f} GB of MTP layers, which vLLM loads only for MTP speculative decoding"
+            if mtp else "")
     torch_index = _index(folder / TORCH_INDEX) if (folder / TORCH_INDEX).exists() else None
     total, where = 0, None
     if named and named["total"]:
         total, where = named["total"], SAFETENSORS_INDEX + (f" ({len(missing)} shards not here)" if missing else "")
+        where += ", MTP layers included (vLLM loads them only for MTP speculative decoding)" if named["mtp"] else ""
     elif torch_index and torch_index["total"]:
         total, where = torch_index["total"], TORCH_INDEX
     elif found := sorted(folder.glob(TORCH_FILES)):
@@ -146,8 +182,6 @@ def checkpoint_weight_bytes(config_path: str, dtype: torch.dtype = torch.bfloat1
             raise ValueError(f"plan: {folder / SAFETENSORS_INDEX} names shards that are not there ({missing[:3]}) "
                              "and gives no total_size; give --weight-gb or --weight-bits")
         return None
-    with open(config_path) as f:
-        cfg = json.load(f, object_hook=special_floats)
     saved = CONFIG_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype") or cfg.get("text_config", {}).get("dtype"))
     if saved and saved != dtype.itemsize and "quantization_config" not in cfg:
         total = total // saved * dtype.itemsize
