@@ -467,8 +467,9 @@ def test_gemma_4_config_counts_each_kind_of_layer_at_its_shape(tmp_path, scheme)
         assert plan.paged_sequence_bytes(shape, scheme, 300) == sum(per_kind)
         pool = plan.VllmEngine().pool(shape, [scheme] * 6)  # (vLLM's pages of each shape: test_vllm_pool.py)
         assert pool.shapes == ((2, 32),) * 2 + ((1, 128),) + ((2, 32),) * 2 + ((1, 128),)
-        with pytest.raises(ValueError, match="global layers have 1 x 128"):
-            plan.allocation_for_budget(shape, None, 1e9, 300, 2, engine=plan.VllmEngine())
+        for allocate in (plan.allocation_for_budget, plan.split_for_budget):  # (split: a sliding model's in vLLM)
+            with pytest.raises(ValueError, match="global layers have 1 x 128"):
+                allocate(shape, None, 1e9, 300, 2, engine=plan.VllmEngine())
 
 
 def test_kv_shared_layers_keep_no_cache_in_the_plan(tmp_path):
@@ -624,7 +625,8 @@ def test_mtp_layers_are_not_counted_among_the_served_weights(tmp_path):
     u8 = {"dtype": torch.uint8}
     safetensors.save_file({"model.layers.31.w": torch.zeros(1000, **u8), "model.layers.32.w": torch.zeros(500, **u8),
                            "mtp.fc.weight": torch.zeros(250, **u8),
-                           "model.vision_tower.encoder.layers.40.w": torch.zeros(100, **u8)},
+                           "model.vision_tower.encoder.layers.40.w": torch.zeros(60, **u8),
+                           "vision_model.model.layers.40.w": torch.zeros(40, **u8)},
                           str(tmp_path / "model.safetensors"))
     held, where = weights.checkpoint_weight_bytes(str(config))
     assert held == 1100 and where.startswith("model.safetensors less 0.0 GB of MTP layers, which vLLM loads only")

@@ -454,6 +454,13 @@ def _bytes_to_fit(model: ModelShape, context: int, batch: int, dtype, engine: Vl
     return nbytes
 
 
+def _allocatable(model: ModelShape) -> None:
+    """Refuse a per-layer allocation for a model it cannot plan: layers of two shapes (and in vLLM, the plugin
+    publishes an allocation's pages unrounded, vllm_backend._publish_pages), KV-shared or recurrent layers."""
+    model.one_shape("a per-layer allocation (its knapsack weighs every layer's rows alike)")
+    model.own_caches("a per-layer allocation (its sensitivity profile measures every layer)")
+
+
 def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float, context: int, batch: int = 1,
                           dtype=torch.float16, engine: VllmEngine | None = None) -> tuple[Allocation, int, list[int]]:
     """(the per-layer K/V bits of least predicted cost whose cache of `batch` sequences of `context` tokens
@@ -463,8 +470,7 @@ def allocation_for_budget(model: ModelShape, profile: Sensitivity, budget: float
     level. engine: a vLLM engine with the plugin, whose pages and side pool must fit (vllm_bytes; a
     layer's rows are then the tokens of the blocks it holds for a request, and each page's bytes per token are
     rounded up to the dtype, so the exact bytes are checked and the budget cut until they fit)."""
-    model.one_shape("a per-layer allocation (its knapsack weighs every layer's rows alike)")
-    model.own_caches("a per-layer allocation (its sensitivity profile measures every layer)")
+    _allocatable(model)
     nbytes = _bytes_to_fit(model, context, batch, dtype, engine)
     rows, lowest = _lowest(model, profile, budget, context, batch, dtype, nbytes)
     if engine is not None:  # a layer's pages hold the requests' whole blocks (a sliding one's: its window's)
@@ -488,6 +494,7 @@ def split_for_budget(model: ModelShape, profile: Sensitivity, budget: float, con
     (allocate_split: every page the same bytes, for an engine with one page size): the most bits per
     layer whose cache (or the vLLM engine's pages and side pool) fits `budget`, each layer's split the
     one of least predicted cost."""
+    _allocatable(model)
     nbytes = _bytes_to_fit(model, context, batch, dtype, engine)
     rows, _ = _lowest(model, profile, budget, context, batch, dtype, nbytes)
     # the totals a layer can keep: a key level plus a value level (levels 2 and 4 have no 5)

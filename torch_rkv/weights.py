@@ -86,12 +86,14 @@ def mtp_tensor(name: str, layers: int | None) -> bool:
     parts = name.split(".")
     if any(part.startswith("mtp") for part in parts):
         return True
-    return layers is not None and any(
-        part == "layers" and index.isdigit() and int(index) >= layers and (i == 0 or parts[i - 1] in DECODERS)
-        for i, (part, index) in enumerate(zip(parts, parts[1:])))
+    if layers is None or any(tower in part for part in parts for tower in TOWERS):
+        return False
+    return any(part == "layers" and index.isdigit() and int(index) >= layers and (i == 0 or parts[i - 1] in DECODERS)
+               for i, (part, index) in enumerate(zip(parts, parts[1:])))
 
 
-DECODERS = ("model", "language_model", "backbone")  # (what holds a decoder's layers; a vision tower's do not count)
+DECODERS = ("model", "language_model", "backbone")  # (what holds a decoder's layers)
+TOWERS = ("vision", "visual", "audio")  # (a tower's layers, numbered on their own: Llama 4's vision_model.model)
 
 
 def safetensors_bytes(path: Path, dtype: torch.dtype, layers: int | None = None) -> tuple[int, int]:
@@ -157,7 +159,7 @@ def checkpoint_weight_bytes(config_path: str, dtype: torch.dtype = torch.bfloat1
     folder = checkpoint_folder(config_path)
     with open(config_path) as f:
         cfg = json.load(f, object_hook=special_floats)
-    text = cfg.get("text_config", cfg)
+    text = cfg.get("text_config") or cfg
     layers = text.get("num_hidden_layers") or text.get("n_layer")
     shards = sorted(folder.glob(SAFETENSORS))
     named = _index(folder / SAFETENSORS_INDEX, layers) if (folder / SAFETENSORS_INDEX).exists() else None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar
 
@@ -121,7 +122,7 @@ class RKVAttentionBackend(AttentionBackend):
             scheme = _scheme()
         per_token = content_bytes(scheme, spec.num_kv_heads, spec.head_size, spec.dtype)
         if cls.scheme is None:  # (pages of several shapes that divide one size: _publish_pages)
-            per_token = _PUBLISHED["bytes"].get((spec.num_kv_heads, spec.head_size, spec.dtype), per_token)
+            per_token = _published(spec) or per_token
         return replace(spec, num_head_slots=1, state_content_bytes=per_token)
 
     @staticmethod
@@ -151,16 +152,26 @@ def layer_backend(scheme: Scheme) -> type[RKVAttentionBackend]:
 
 
 # the bytes a token the pages of each (KV heads, head_dim, dtype) publish, where they are not their own:
-# _publish_pages, for the engine whose config is "config"
+# _publish_pages, for the engine whose config "config" refers to (weakly: a config holds its engine's layers
+# and their KV tensors; a new engine's layers clear another's entry as they are built)
 _PUBLISHED: dict = {"config": None, "bytes": {}}
+
+
+def _published(spec) -> int | None:
+    """The bytes a token _publish_pages chose for pages of this spec's shape, while its engine lives."""
+    config = _PUBLISHED["config"]
+    if config is None or config() is None:
+        return None
+    return _PUBLISHED["bytes"].get((spec.num_kv_heads, spec.head_size, spec.dtype))
 
 
 def _publish_pages(vllm_config, dtype: torch.dtype) -> None:
     """Where one scheme's layers of two shapes (Gemma 4's sliding and global layers) attend to different windows,
     vLLM pads the smaller pages to the largest unless they divide it; choose pages that do
     (vllm_pool.published_token_bytes, which plan --vllm counts), once per engine, before vLLM asks for the
-    specs (customize_spec)."""
-    if _PUBLISHED["config"] is vllm_config:
+    specs (customize_spec; a hybrid's block alignment asks before the model is built, but a hybrid's layers
+    keep one shape, whose pages are their own)."""
+    if _PUBLISHED["config"] is not None and _PUBLISHED["config"]() is vllm_config:
         return
     impls = [getattr(x, "impl", None) for x in vllm_config.compilation_config.static_forward_context.values()]
     owners = [i for i in impls if isinstance(i, RKVAttentionImpl) and i.kv_source is None]
@@ -179,7 +190,7 @@ def _publish_pages(vllm_config, dtype: torch.dtype) -> None:
                 logger.info("torch_rkv: layers of %d KV heads x head_dim %d publish pages of %d bytes a token (%d "
                             "their own), so that vLLM's pages of every shape divide one size and none is padded to it",
                             heads, head_dim, per_token, natural[(heads, head_dim, dtype)])
-    _PUBLISHED.update(config=vllm_config, bytes=published)
+    _PUBLISHED.update(config=weakref.ref(vllm_config), bytes=published)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -344,6 +355,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.kv_source = kv_sharing_target_layer_name
         self._source_impl: RKVAttentionImpl | None = None  # (its impl, on the first forward: _source)
         config = get_current_vllm_config()
+        if _PUBLISHED["config"] is not None and _PUBLISHED["config"]() is not config:
+            _PUBLISHED.update(config=None, bytes={})  # (another engine's pages)
         # a hybrid model's family (its recurrent layers run in vLLM's own code, their states in the same pool)
         hybrid = getattr(getattr(config, "model_config", None), "is_hybrid", False) and \
             getattr(text_config(config), "model_type", "?")

@@ -162,7 +162,7 @@ class VllmPool:
             if self.block_size % block_multiple(s):
                 raise ValueError(f"VllmPool: block_size {self.block_size} is not a multiple of "
                                  f"{block_multiple(s)} tokens, which {s.name}'s pages need")
-        if self.states and (len(set(self.layer_pages)) > 1 or self.layer_pages[0] < self.state_bytes):
+        if self.states and (len(set(self.natural_pages)) > 1 or self.layer_pages[0] < self.state_bytes):
             raise ValueError(f"VllmPool: a hybrid's recurrent states ({self.state_bytes} bytes) take pages of one "
                              f"attention page's bytes, which must be one size and hold them (pages "
                              f"{sorted(set(self.layer_pages))} of block_size {self.block_size}: hybrid_block_size)")
@@ -192,7 +192,8 @@ class VllmPool:
     def natural_pages(self) -> tuple[int, ...]:
         """Each layer's page as its layer publishes it: block_size tokens of every KV head; with one scheme where
         layers of several windows share the pool, the plugin's pages of each shape whole fractions of one size
-        (published_token_bytes)."""
+        (published_token_bytes; the plugin does not round an allocation's pages, and plan refuses an
+        allocation on layers of two shapes)."""
         shapes = [self.shape(i) for i in range(self.layers)]
         if self.schemes is None:
             element = (self.cache_dtype or self.dtype).itemsize
