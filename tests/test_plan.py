@@ -185,6 +185,25 @@ def test_gemma_3_config_gives_the_preset(tmp_path, extra):
     assert [getattr(shape, f) for f in fields] == [getattr(preset, f) for f in fields]
 
 
+
+def test_gemma_4_31b_config_gives_the_preset(tmp_path):
+    """Gemma 4 31B's config.json (its text_config): 50 sliding layers of 16 KV heads x 256 over 1,024 tokens
+    beside 10 global ones of 4 x 512 (keys also their values), every sixth; 30.7B weights counted."""
+    pytest.importorskip("transformers")
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(60)]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+                                "text_config": {
+        "model_type": "gemma4_text", "hidden_size": 5376, "num_hidden_layers": 60, "intermediate_size": 21504,
+        "num_attention_heads": 32, "num_key_value_heads": 16, "num_global_key_value_heads": 4, "head_dim": 256,
+        "global_head_dim": 512, "vocab_size": 262144, "max_position_embeddings": 262144, "sliding_window": 1024,
+        "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "attention_k_eq_v": True,
+        "tie_word_embeddings": True, "layer_types": types}}))
+    shape, preset = plan.from_config(str(path), None), plan.MODELS["gemma-4-31b"]
+    fields = ("layers", "kv_heads", "head_dim", "sliding_layers", "sliding_window", "sliding", "global_shape")
+    assert [getattr(shape, f) for f in fields] == [getattr(preset, f) for f in fields]
+    assert abs(shape.params / preset.params - 1) < 0.001
+
 def test_phi_3_5_mini_config_gives_the_preset(tmp_path):
     """Phi-3.5-mini-instruct's config.json (LongRoPE; no GQA): the preset, its 262144-token window on every
     layer included."""

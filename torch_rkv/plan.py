@@ -155,6 +155,10 @@ MODELS = {
                               sliding=tuple(i % 2 == 0 for i in range(24))),
     "gpt-oss-120b": ModelShape("gpt-oss-120b", 36, 8, 64, 116.8e9, sliding_layers=18, sliding_window=128,
                                sliding=tuple(i % 2 == 0 for i in range(36))),
+    # every sixth layer global: 10 of 4 KV heads x 512 (their keys also their values) beside 50 sliding ones of
+    # 16 x 256 over 1,024 tokens; 30.7B weights as transformers counts its config
+    "gemma-4-31b": ModelShape("Gemma-4-31B", 60, 16, 256, 30.7e9, sliding_layers=50, sliding_window=1024,
+                              sliding=tuple(bool((i + 1) % 6) for i in range(60)), global_shape=(4, 512)),
 }
 
 DEFAULT_SCHEMES = ("per-token-8", "per-token-4", "quarot-4", "kvquant-3", "kivi-2", "rkv-4", "rkv-3", "rkv-mixed-2", "rkv-2")
