@@ -467,12 +467,13 @@ LOGGED_RECURRENT = {
 LOGGED_WITHOUT_PREFIX_CACHING = {"qwen3_next": [419_328, 511_232], "granitemoehybrid": [1_677_721, 3_408_554]}
 
 
-def tiny_hybrid_shape(tmp_path, family: str) -> plan.ModelShape:
+def tiny_shape(tmp_path, family: str, **overrides) -> plan.ModelShape:
+    """The plan's shape of a tiny model of tests/tiny_models.py (its config updated by `overrides`)."""
     transformers = pytest.importorskip("transformers")
-    from tiny_models import TINY_HYBRIDS
+    from tiny_models import TINY_GEMMA4, TINY_HYBRIDS
 
-    config_cls, _, kw = TINY_HYBRIDS[family]
-    getattr(transformers, config_cls)(vocab_size=512, **kw).save_pretrained(tmp_path)
+    config_cls, _, kw = {**TINY_HYBRIDS, **TINY_GEMMA4}[family]
+    getattr(transformers, config_cls)(vocab_size=512, **{**kw, **overrides}).save_pretrained(tmp_path)
     return plan.from_config(str(tmp_path / "config.json"), 1e6)
 
 
@@ -483,7 +484,7 @@ def test_a_recurrent_hybrids_capacity_is_what_vllm_logged(tmp_path, monkeypatch,
     a request under prefix caching (3 for a Mamba 2 mixer: its prefill checkpoint). The plan's tokens and
     block sizes are vLLM's logged ones, its own cache's and the plugin's."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # (where these were logged)
-    shape = tiny_hybrid_shape(tmp_path, family)
+    shape = tiny_shape(tmp_path, family)
     engine = plan.VllmEngine(torch.bfloat16, "cpu", max_num_batched_tokens=128)
     got = []
     for name in (None, "rkv-8", "rkv-4", "rkv-2"):
@@ -504,8 +505,8 @@ def test_recurrent_states_in_vllms_layout_follow_its_options(tmp_path, monkeypat
     but for an explicit 16-bit dtype on gated DeltaNet), channels and heads sharded over tensor-parallel
     ranks with Mamba 2's groups replicated up to them; without prefix caching a request holds 1 block."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    qwen = tiny_hybrid_shape(tmp_path / "q", "qwen3_next")
-    nemotron = tiny_hybrid_shape(tmp_path / "n", "nemotron_h")
+    qwen = tiny_shape(tmp_path / "q", "qwen3_next")
+    nemotron = tiny_shape(tmp_path / "n", "nemotron_h")
     # gated DeltaNet: conv over 2 x 2 key heads x 128 + 4 value heads x 128 = 1024 channels, 4 taps; 4 x 128 x 128
     assert (qwen.state.channels, qwen.state.kernel, qwen.state.recurrent) == (1024, 4, 4 * 128 * 128)
     bf16, f32 = torch.bfloat16, torch.float32
@@ -540,7 +541,7 @@ def test_a_recurrent_hybrids_pool_on_cuda_and_over_tensor_parallel_ranks(tmp_pat
     Over 2 ranks each holds 1 KV head (256 B a token) and its share of the state, the one group replicated:
     (256 + 2 x 2 x 16) / 2 x 3 x 2 + 2 x 64 x 16 x 4 = 960 + 8192 = 9152, blocks of 48 again, 12288 B a block.
     More groups (8 here) must divide among the ranks, as vLLM's MambaMixer2 asserts."""
-    shape = tiny_hybrid_shape(tmp_path, "nemotron_h")
+    shape = tiny_shape(tmp_path, "nemotron_h")
     cuda = plan.VllmEngine(torch.bfloat16, "cuda")
     pool = cuda.pool(shape, None)
     assert (pool.state_bytes, pool.block_size, pool.block_bytes, pool.blocks(GIB)) == (18112, 48, 24576, 43690)
@@ -560,7 +561,7 @@ def test_plan_vllm_plans_a_recurrent_hybrid(tmp_path, monkeypatch, capsys):
     256 B a token take 256; rkv-4's 384), and the serve command with the engine options the plan assumed;
     per-layer allocations on a hybrid are refused by name."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    shape = tiny_hybrid_shape(tmp_path, "granitemoehybrid")
+    shape = tiny_shape(tmp_path, "granitemoehybrid")
     config = str(tmp_path / "config.json")
     out = run_plan(capsys, "--config", config, "--budget-gb", "1", "--context", "512", "--schemes", "rkv-4",
                    "--no-enable-prefix-caching", "--mamba-ssm-cache-dtype", "float32", "--device", "cpu")
@@ -624,24 +625,14 @@ LOGGED_GEMMA4 = [
 ]
 
 
-def tiny_gemma4_shape(tmp_path, family: str, layer_types=None) -> plan.ModelShape:
-    transformers = pytest.importorskip("transformers")
-    from tiny_models import TINY_GEMMA4
-
-    config_cls, _, kw = TINY_GEMMA4[family]
-    if layer_types is not None:
-        kw = {**kw, "num_hidden_layers": len(layer_types), "layer_types": layer_types}
-    getattr(transformers, config_cls)(vocab_size=512, **kw).save_pretrained(tmp_path)
-    return plan.from_config(str(tmp_path / "config.json"), 1e6)
-
-
 @pytest.mark.parametrize("family,layer_types,name,options,tokens,concurrency", LOGGED_GEMMA4)
 def test_gemma4s_capacity_is_what_vllm_logged(tmp_path, family, layer_types, name, options, tokens, concurrency):
     """Gemma 4's layers of two shapes in vLLM's pool: every page brought to the largest, a smaller one holding
     more tokens a block where it divides it; its KV-shared layers keep no pages; tensor parallelism shards the
     sliding layers' KV heads and gives each rank the global layers' one."""
     engine = plan.VllmEngine(torch.float32, "cpu", **options)
-    shape = engine.rank(tiny_gemma4_shape(tmp_path, family, layer_types))
+    layers = {} if layer_types is None else {"num_hidden_layers": len(layer_types), "layer_types": layer_types}
+    shape = engine.rank(tiny_shape(tmp_path, family, **layers))
     pool = engine.pool(shape, None if name is None else [S.by_name(name)] * shape.layers)
     got, c = pool.capacity(GIB, 512)
     assert (got, round(c, 2)) == (tokens, concurrency)
@@ -652,7 +643,7 @@ def test_gemma4s_side_pool_is_the_plugins(tmp_path):
     builders' pools for the tiny Gemma 4 at rkv-8: 50.3 and 100.5 MiB for 264 slots), and KV-shared layers keep
     none."""
     for family in ("gemma4", "gemma4_shared"):
-        shape = tiny_gemma4_shape(tmp_path / family, family)
+        shape = tiny_shape(tmp_path / family, family)
         pool = plan.VllmEngine(torch.float32, "cpu").pool(shape, [S.by_name("rkv-8")] * shape.layers)
         assert shape.layers == 2 and round(pool.slot_bytes * 264 / 2**20, 1) == round(50.3 + 100.5, 1)
 

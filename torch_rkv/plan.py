@@ -943,6 +943,7 @@ def model_path(args) -> str:
 def print_vllm(model: ModelShape, engine: VllmEngine, weight: float, weighed: str, budget: float, args,
                rows: list[dict]) -> None:
     tp = engine.tensor_parallel
+    pool = engine.pool(model, None)  # (vLLM's own cache: its groups, page unification and states)
     print(f"{model.name} in vLLM on {engine.device}: {model.layers} layers x {model.kv_heads} KV heads"
           f"{f' a GPU (tensor parallel {tp})' if tp > 1 else ''} x head_dim {model.head_dim}, {args.dtype}, "
           f"max_num_seqs {engine.max_num_seqs}; {budget / GB:.2f} GB{' a GPU' if tp > 1 else ''} for the KV pages "
@@ -952,7 +953,7 @@ def print_vllm(model: ModelShape, engine: VllmEngine, weight: float, weighed: st
               f"GPU {args.gpu_gb:.0f} GB, reserve {args.reserve_gb:.0f} GB")
     if model.sliding_layers:
         if engine.windows(model):
-            groups = engine.pool(model, None).groups
+            groups = pool.groups
             print(f"{model.sliding_layers} of {model.layers} layers slide over {model.sliding_window:,} tokens: a "
                   f"request holds in them only its blocks of the newest {model.sliding_window - 1:,} tokens and the "
                   f"{engine.in_flight_tokens:,} in flight (max_num_batched_tokens {engine.max_num_batched_tokens:,}"
@@ -962,7 +963,6 @@ def print_vllm(model: ModelShape, engine: VllmEngine, weight: float, weighed: st
             print(f"{model.sliding_layers} of {model.layers} layers slide, but without the hybrid KV-cache manager "
                   "vLLM keeps every block of theirs, like a full layer's")
     if model.global_shape:
-        pool = engine.pool(model, None)
         print(f"the {model.full_layers} global layers: {model.global_shape[0]} KV heads{' a GPU' if tp > 1 else ''} x "
               f"head_dim {model.global_shape[1]} (bits/el below at head_dim {model.head_dim}); "
               + ("vLLM brings every page to the largest, a smaller one holding more tokens a block where it divides "
@@ -972,7 +972,6 @@ def print_vllm(model: ModelShape, engine: VllmEngine, weight: float, weighed: st
         print(f"{model.kv_shared_layers} more layers attend over those layers' caches (KV sharing): vLLM gives them "
               "no pages, and the plugin no side slots")
     if model.recurrent_layers:
-        pool = engine.pool(model, None)
         state = model.state
         print(f"{model.recurrent_layers} layers keep a recurrent state ({state.mixer}): {pool.state_bytes / 1024:,.1f} "
               f"KiB a request{' a GPU' if tp > 1 else ''} each in vLLM's layout (its SSM in "

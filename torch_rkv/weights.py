@@ -184,7 +184,7 @@ def checkpoint_weight_bytes(config_path: str, dtype: torch.dtype = torch.bfloat1
             raise ValueError(f"plan: {folder / SAFETENSORS_INDEX} names shards that are not there ({missing[:3]}) "
                              "and gives no total_size; give --weight-gb or --weight-bits")
         return None
-    saved = CONFIG_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype") or cfg.get("text_config", {}).get("dtype"))
+    saved = CONFIG_DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype"))
     if saved and saved != dtype.itemsize and "quantization_config" not in cfg:
         total = total // saved * dtype.itemsize
         where += f", {saved * 8}-bit floats held in {str(dtype).removeprefix('torch.')}"

@@ -255,17 +255,18 @@ def test_other_families_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, f
         assert_plan_vllm_logs(model_dir, runs, 512)
 
 
-def assert_plan_vllm_logs(model_dir: str, runs: tuple, max_model_len: int, **engine) -> None:
-    """The capacity vLLM's own float32 cache and rkv-8 (`runs`) logged is the one plan --vllm's pool gives for the
-    model's config: Gemma 4's pages of two shapes (the plugin's published to divide one size) and its KV-shared
-    layers, which keep no pages."""
+def assert_plan_vllm_logs(model_dir: str, runs: tuple, max_model_len: int, dtype: str = "float32", **engine) -> None:
+    """The capacity vLLM's own cache and rkv-8 (`runs`, the model in `dtype`) logged is the one plan --vllm's pool
+    gives for the model's config: Gemma 4's pages of two shapes (the plugin's published to divide one size) and
+    its KV-shared layers, which keep no pages; a hybrid's block grown to hold a state, its states padded, prefix
+    caching's blocks, the SSM dtype this CPU makes vLLM keep."""
     import torch
 
     from torch_rkv import plan
     from torch_rkv import scheme as S
 
     shape = plan.from_config(f"{model_dir}/config.json", 1e6)
-    planned = plan.VllmEngine(torch.float32, "cpu", **engine)
+    planned = plan.VllmEngine(getattr(torch, dtype), "cpu", **engine)
     for run, schemes in zip(runs, (None, [S.by_name("rkv-8")] * shape.layers)):
         tokens, concurrency = planned.pool(shape, schemes).capacity(int(KV_GB) * 2**30, max_model_len)
         assert (run["kv_tokens"], run["concurrency"]) == (tokens, round(concurrency, 2)), run["log"][-2000:]
@@ -1115,19 +1116,7 @@ def test_hybrid_models_agree_at_8_bits_with_vllms_own_cache(tmp_path_factory, fa
                                                         dtype="bfloat16", skip_tokenizer_init=True,
                                                         max_model_len=512, max_num_batched_tokens=128)
     assert got["kv_tokens"] > ref["kv_tokens"] and got["concurrency"] > ref["concurrency"]
-    # plan --vllm's pool (block size grown to hold a state, states padded, prefix caching's blocks; the SSM
-    # dtype this CPU makes vLLM keep) logs what each engine logs
-    import torch
-
-    from torch_rkv import plan
-    from torch_rkv import scheme as S
-
-    shape = plan.from_config(f"{model_dir}/config.json", 1e6)
-    planned = plan.VllmEngine(torch.bfloat16, "cpu", max_num_batched_tokens=128)
-    for run, schemes in ((ref, None), (got, [S.by_name("rkv-8")] * shape.layers)):
-        tokens, concurrency = planned.pool(shape, schemes).capacity(int(KV_GB) * 2**30, 512)
-        assert tokens == run["kv_tokens"] and abs(concurrency - run["concurrency"]) <= 0.005, \
-            (family, tokens, concurrency, run["log"][-2000:])
+    assert_plan_vllm_logs(model_dir, (ref, got), 512, "bfloat16", max_num_batched_tokens=128)
 
 
 def test_prefix_caching_on_a_hybrid_model(tmp_path_factory):

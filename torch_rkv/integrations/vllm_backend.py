@@ -157,10 +157,15 @@ def layer_backend(scheme: Scheme) -> type[RKVAttentionBackend]:
 _PUBLISHED: dict = {"config": None, "bytes": {}}
 
 
+def _publisher():
+    """The live engine config whose pages _PUBLISHED holds (None: none, or its engine is gone)."""
+    config = _PUBLISHED["config"]
+    return config() if config is not None else None
+
+
 def _published(spec) -> int | None:
     """The bytes a token _publish_pages chose for pages of this spec's shape, while its engine lives."""
-    config = _PUBLISHED["config"]
-    if config is None or config() is None:
+    if _publisher() is None:
         return None
     return _PUBLISHED["bytes"].get((spec.num_kv_heads, spec.head_size, spec.dtype))
 
@@ -171,7 +176,7 @@ def _publish_pages(vllm_config, dtype: torch.dtype) -> None:
     (vllm_pool.published_token_bytes, which plan --vllm counts), once per engine, before vLLM asks for the
     specs (customize_spec; a hybrid's block alignment asks before the model is built, but a hybrid's layers
     keep one shape, whose pages are their own)."""
-    if _PUBLISHED["config"] is not None and _PUBLISHED["config"]() is vllm_config:
+    if _publisher() is vllm_config:
         return
     impls = [getattr(x, "impl", None) for x in vllm_config.compilation_config.static_forward_context.values()]
     owners = [i for i in impls if isinstance(i, RKVAttentionImpl) and i.kv_source is None]
@@ -355,7 +360,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.kv_source = kv_sharing_target_layer_name
         self._source_impl: RKVAttentionImpl | None = None  # (its impl, on the first forward: _source)
         config = get_current_vllm_config()
-        if _PUBLISHED["config"] is not None and _PUBLISHED["config"]() is not config:
+        if (live := _publisher()) is not None and live is not config:
             _PUBLISHED.update(config=None, bytes={})  # (another engine's pages)
         # a hybrid model's family (its recurrent layers run in vLLM's own code, their states in the same pool)
         hybrid = getattr(getattr(config, "model_config", None), "is_hybrid", False) and \
