@@ -243,6 +243,24 @@ def test_effective_bits_count_full_precision_tokens():
     assert effective_bits_at(s, 64, 100) == 16.0  # everything still in the window
 
 
+def test_bits_at_the_window_split_into_what_they_are_spent_on():
+    """rkv-2 at 8192 tokens (head_dim 64): 2-bit codes and 0.375 bits of fp16 metadata (a scale and zero per
+    key channel per 128 tokens, per value row of 64) over the quantized tokens; the 4 sinks, 128 recent
+    tokens and the open block at 16 bits; outliers only where the scheme keeps them."""
+    from torch_rkv.eval.report import bits_parts_at
+
+    s = S.recommended(2)
+    fp = 4 + 128  # the last query of 8192 tokens: the sinks and recent window (8064 tokens, whole blocks, before)
+    parts = bits_parts_at(s, 64, 8192)
+    share = (8192 - fp) / 8192
+    assert parts == pytest.approx({"codes": 2 * share, "metadata": 0.375 * share, "outliers": 0.0,
+                                   "full_precision": fp * 16 / 8192})
+    assert sum(parts.values()) == pytest.approx(effective_bits_at(s, 64, 8192))
+    sparse = S.recommended_sparse(2)
+    parts = bits_parts_at(sparse, 64, 8192)
+    assert parts["outliers"] > 0 and sum(parts.values()) == pytest.approx(effective_bits_at(sparse, 64, 8192))
+
+
 def test_localization_document_places_every_needle():
     class Tok:  # characters as tokens: enough to check placement without a real tokenizer
         def __call__(self, text, return_tensors=None, add_special_tokens=True):
@@ -425,12 +443,15 @@ def test_the_full_modes_rows_on_smollm2(smollm2_alice):
     long = report.long_context()
     assert [x["scheme"] for x in long] == ["full precision", "rkv-4"] and long[0]["tokens"] == 1024
     assert 0 < long[1]["delta"] < 0.5 and long[1]["bits_at_window"] > S.by_name("rkv-4").effective_bits(64)
+    assert sum(long[1]["bits_parts"].values()) == pytest.approx(long[1]["bits_at_window"])
+    assert 0.5 < long[1]["top8_recall"] < 1 and long[0]["top8_recall"] == 1.0  # measured, not full precision's
     loc = report.localization()
     assert len([x for x in loc if x["scheme"] == "rkv-4"]) == 12
     assert len({(x["depth"], x["article"]) for x in loc if x["scheme"] == "full precision"}) == 12  # distinct
     text = format_tables({**{k: [] for k in ("reproduction", "schemes", "decode_protocol")},
                           "full_precision_ppl": 0.0, "long_context": long, "localization": loc})
     assert "Long context (1024 tokens" in text and "[0." in text
+    assert f"{long[1]['top8_recall']:6.3f}" in text.split("Long context")[1].splitlines()[3]
 
 
 @pytest.mark.slow

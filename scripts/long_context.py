@@ -1,0 +1,45 @@
+"""The report's long-context rows by themselves: each named scheme's perplexity change at --tokens tokens
+(default 8192, SmolLM2's window), its bits at the window split into codes, metadata, outliers and
+full-precision tokens, and its top-8 attention recall. `report --full` measures its own set of these rows
+among an hour of others; this measures any set in minutes, to find where a quality goal is reached.
+
+    python scripts/long_context.py rkv-2 rkv-alloc-2.2 rkv-sparse-alloc-2.2 rkv-alloc-2.3 rkv-alloc-2.5
+    # about a minute a row on 2 cores, the sensitivity profile cached (rkv-alloc-<bits>: the report's
+    # per-layer allocation at that average code bits; rkv-sparse-alloc-<bits>: with 0.5% outliers)
+"""
+
+import argparse
+import time
+
+import torch
+
+from torch_rkv.eval import data
+from torch_rkv.eval.report import Options, Report, format_long_context
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("schemes", nargs="+", help="names the report takes: presets (rkv-2), rkv-alloc-<bits>, "
+                   "rkv-sparse-alloc-<bits>, rkv-split-<bits>")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--text", default=None, help="a local text file (default: alice29.txt)")
+    args = p.parse_args()
+    model, tok = data.load_model()
+    if args.tokens > model.config.max_position_embeddings:
+        p.error(f"--tokens {args.tokens} exceeds the model's {model.config.max_position_embeddings}")
+    opts = Options(tokens=min(2048, args.tokens), long_tokens=args.tokens, long_schemes=tuple(args.schemes),
+                   families=(), loc_lengths=(), decode_schemes=(), chunk_sizes=(), chunk_schemes=(),
+                   second_schemes=(), eight_bits=(), alloc_targets=(), split_targets=())
+    torch.manual_seed(0)
+    start = time.time()
+    report = Report(model, tok, data.read_text(args.text), opts, log=lambda s: print(s, flush=True))
+    for name in args.schemes:
+        if name.startswith(("rkv-alloc-", "rkv-sparse-alloc-", "rkv-split-")):
+            widths = " ".join(f"{s.k_bits}{s.v_bits}" for s in report.layer_schemes(name))
+            print(f"{name}: K/V bits by layer {widths}", flush=True)
+    print(format_long_context(report.long_context()))
+    print(f"\n{time.time() - start:.0f} s, {torch.get_num_threads()} threads")
+
+
+if __name__ == "__main__":
+    main()
