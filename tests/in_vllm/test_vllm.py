@@ -1236,6 +1236,30 @@ def test_untested_hybrids_and_allocations_on_hybrids_are_refused_by_name(monkeyp
         build("qwen3_next")
 
 
+def test_kv_connectors_are_refused_by_name(monkeypatch):
+    """A KV connector (NixlConnector's disaggregated prefill, LMCache, --kv-offloading-size's
+    OffloadingConnector, ExampleConnector) copies pages between engines or to CPU memory, not the side
+    slots: a decode engine would read a prefilled request's open page, whose tokens were only ever in the
+    prefill engine's window. Refused where the layers are built; a transfer config without a connector
+    is not one. (An engine with ExampleConnector or kv_offloading_size stops at load with this message.)"""
+    from vllm.config import KVTransferConfig, VllmConfig, set_current_vllm_config
+
+    from torch_rkv.integrations import vllm as plugin
+    from torch_rkv.integrations import vllm_backend
+
+    def build(transfer):
+        config = VllmConfig()
+        object.__setattr__(config, "kv_transfer_config", transfer)
+        with set_current_vllm_config(config):
+            return vllm_backend.RKVAttentionImpl(4, 64, 0.125, 2)
+
+    monkeypatch.setenv(plugin.ENV, "per-token-4")  # (post-RoPE: the layer needs no model config)
+    for connector in ("ExampleConnector", "NixlConnector", "OffloadingConnector", "LMCacheConnectorV1"):
+        with pytest.raises(NotImplementedError, match=rf"a KV connector \({connector}: .*side slots"):
+            build(KVTransferConfig(kv_connector=connector, kv_role="kv_both"))
+    assert build(None).num_kv_heads == build(KVTransferConfig()).num_kv_heads == 2
+
+
 def test_chunked_local_attention_is_refused_by_name():
     """Llama 4's local layers (vLLM's ChunkedLocalAttention) wrap the backend's metadata builder and hand it
     each chunk as a virtual request, which the side slots cannot follow: refused when the builder is made,

@@ -365,6 +365,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         # a hybrid model's family (its recurrent layers run in vLLM's own code, their states in the same pool)
         hybrid = getattr(getattr(config, "model_config", None), "is_hybrid", False) and \
             getattr(text_config(config), "model_type", "?")
+        connector = getattr(getattr(config, "kv_transfer_config", None), "kv_connector", None)
         for feature, present in (("ALiBi", alibi_slopes is not None),
                                  ("KV cache sharing between layers with a per-layer allocation",
                                   self.kv_source and configured_layers() is not None),
@@ -372,6 +373,9 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                                   self.kv_source and getattr(config.cache_config, "kv_sharing_fast_prefill", False)),
                                  (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it 'auto')",
                                   kv_cache_dtype != "auto"),
+                                 (f"a KV connector ({connector}: disaggregated prefill, LMCache, CPU offloading "
+                                  "with --kv-offloading-size; it moves pages, not the side slots' sinks and recent "
+                                  "window, and an open page's tokens live only there)", bool(connector)),
                                  (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
                                  # (vLLM pads a hybrid's recurrent-state pages to one attention backend's page)
                                  (f"a per-layer allocation ({ALLOCATION_ENV}) on a hybrid model (vLLM sizes its "
