@@ -1260,6 +1260,29 @@ def test_kv_connectors_are_refused_by_name(monkeypatch):
     assert build(None).num_kv_heads == build(KVTransferConfig()).num_kv_heads == 2
 
 
+def test_microbatching_is_refused_by_name(monkeypatch):
+    """Dual-batch overlap (--enable-dbo) and ubatch_size split a step's tokens into microbatches at token
+    counts, a request's tokens across two of them, and build every microbatch's metadata before any
+    attention runs: the second half of a split request would be found at a length its slot does not hold
+    yet, and taken for a prefix-cache hit. Refused where the layers are built."""
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+
+    from torch_rkv.integrations import vllm as plugin
+    from torch_rkv.integrations import vllm_backend
+
+    def build(**parallel):
+        config = VllmConfig()
+        object.__setattr__(config, "parallel_config", ParallelConfig(**parallel))
+        with set_current_vllm_config(config):
+            return vllm_backend.RKVAttentionImpl(4, 64, 0.125, 2)
+
+    monkeypatch.setenv(plugin.ENV, "per-token-4")  # (post-RoPE: the layer needs no model config)
+    for parallel in ({"enable_dbo": True}, {"ubatch_size": 2}):
+        with pytest.raises(NotImplementedError, match=r"microbatching \(--enable-dbo"):
+            build(**parallel)
+    assert build().num_kv_heads == 2
+
+
 def test_chunked_local_attention_is_refused_by_name():
     """Llama 4's local layers (vLLM's ChunkedLocalAttention) wrap the backend's metadata builder and hand it
     each chunk as a virtual request, which the side slots cannot follow: refused when the builder is made,

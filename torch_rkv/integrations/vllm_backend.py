@@ -376,6 +376,9 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                                  (f"a KV connector ({connector}: disaggregated prefill, LMCache, CPU offloading "
                                   "with --kv-offloading-size; it moves pages, not the side slots' sinks and recent "
                                   "window, and an open page's tokens live only there)", bool(connector)),
+                                 ("microbatching (--enable-dbo, ubatch_size: vLLM builds a step's metadata for each "
+                                  "microbatch before either appends, and may split a request's tokens across them)",
+                                  getattr(getattr(config, "parallel_config", None), "use_ubatching", False)),
                                  (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
                                  # (vLLM pads a hybrid's recurrent-state pages to one attention backend's page)
                                  (f"a per-layer allocation ({ALLOCATION_ENV}) on a hybrid model (vLLM sizes its "
