@@ -93,6 +93,37 @@ def test_a_page_given_to_another_request_no_longer_finds_the_slot_of_the_one_tha
         assert again == r and inits == [], n
 
 
+def test_a_hit_never_takes_sinks_from_a_request_whose_first_page_was_given_to_another():
+    """a began in page 10 and left; vLLM evicted its pages and gave page 10 to b, a new prompt, as b's
+    first page. A hit on b's first page must take b's sinks (or read them back), never a's, whose slot
+    still names page 10 as where it began: a's first tokens need not be b's. When page 10 went to b as a
+    later page, a's slot no longer lends sinks for page 10 either (a hit beginning there would be
+    another request's, which first writes it)."""
+    for b_pages in ([10, 12], [12, 10]):
+        t = SlotTracker(8, P, sinks=2, initial=4)
+        (a,), _ = t.assign([0], [8], [[10, 11]])
+        t.assign([0], [3], [[20]])  # another request, so that a's slot ages and b takes a new one
+        (b,), _ = t.assign([0], [8], [b_pages])
+        assert b != a
+        (c,), inits = t.assign([4], [2], [[b_pages[0], 13]])
+        assert [(i.dst, i.sinks_from) for i in inits] == [(c, b)], b_pages
+        assert a not in t.first.get(10, ())
+
+
+def test_a_sliding_layers_request_keeps_its_slot_when_its_first_page_is_given_away():
+    """A sliding layer's block table keeps the ids of the pages vLLM freed behind the window: running
+    request a still shows page 10 first after vLLM gave it to b, a new prompt. a keeps its slot (found by
+    its table, as before), and a hit on b's first page takes b's sinks, not a's."""
+    t = SlotTracker(8, P, sinks=2, initial=4)
+    (a,), _ = t.assign([0], [8], [[10, 11]])
+    slots, _ = t.assign([8, 0], [1, 4], [[10, 11, 12], [10]])  # page 10 is b's now; a's table still names it
+    assert slots[0] == a
+    b = slots[1]
+    assert t.assign([9, 4], [1, 1], [[10, 11, 12], [10, 13]]) == ([a, b], [])
+    slots, inits = t.assign([10, 4], [1, 2], [[10, 11, 12], [10, 14]])  # a hit on b's full first page
+    assert slots[0] == a and [(i.dst, i.src, i.sinks_from) for i in inits] == [(slots[1], -1, b)]
+
+
 def test_slots_of_requests_that_left_are_reused_least_recently_used_first():
     t = SlotTracker(2, P, sinks=0)
     (a,), _ = t.assign([0], [3], [[1]])

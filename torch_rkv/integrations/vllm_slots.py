@@ -80,6 +80,10 @@ class SlotTracker:
         self.slots = [_Slot() for _ in range(min(slots, initial or slots))]
         self.key: dict[int, set[int]] = {}  # page -> the slots whose requests may resume in it
         self.keyed: dict[int, list[int]] = {}  # slot -> its pages in `key`
+        # page -> the slots whose requests began in it and may lend their sinks to a hit there; a slot leaves
+        # when another request writes the page (vLLM gave it away: a hit there is on that request's tokens)
+        self.first: dict[int, set[int]] = {}
+        self.first_of: dict[int, int] = {}  # slot -> its page in `first`
         self.step = 0
 
     def _unkey(self, slot: int) -> None:
@@ -87,6 +91,17 @@ class SlotTracker:
             self.key[page].discard(slot)
             if not self.key[page]:
                 del self.key[page]
+
+    def _set_first(self, slot: int, page: int) -> None:
+        """Slot `slot` lends its sinks to hits on `page` from now on (-1: to none)."""
+        old = self.first_of.pop(slot, -1)
+        if old in self.first:
+            self.first[old].discard(slot)
+            if not self.first[old]:
+                del self.first[old]
+        if page >= 0:
+            self.first.setdefault(page, set()).add(slot)
+            self.first_of[slot] = page
 
     def _free_slot(self, avoid: set[int], fallback: int = -1) -> int:
         """The least recently used slot outside `avoid`, growing the pool rather than reuse one that was
@@ -125,8 +140,8 @@ class SlotTracker:
         donors = [-1] * len(found)
         for i, (n, pages) in enumerate(zip(cached, tables)):
             if found[i] is None and n > 0:  # a prefix-cache hit, or a request that lost its slot: its sinks
-                donors[i] = next((d for d, sl in enumerate(self.slots)  # from a slot with the same first page
-                                  if sl.page0 == pages[0] and sl.length >= min(self.sinks, n)), -1)
+                donors[i] = min((d for d in self.first.get(pages[0], ())  # from a slot with the same first page
+                                 if self.slots[d].length >= min(self.sinks, n)), default=-1)
         keep = {s for s in found if s is not None}  # slots this step reads: not to be reused by the others
         slots, inits, taken = [], [], set()
         for i, (n, m, pages) in enumerate(zip(cached, counts, tables)):
@@ -147,12 +162,17 @@ class SlotTracker:
             slots.append(slot)
             sl = self.slots[slot]
             self._unkey(slot)
+            if slot != found[i]:  # a request new to this slot (a sliding layer's table keeps the ids of pages it
+                self._set_first(slot, pages[0])  # freed: a running request's first page may be another's now)
             sl.length, sl.page0, sl.last_step = n + m, pages[0], self.step
             # the pages it writes are its own now: a slot keyed there by a request that has left (vLLM gave
-            # the page to this one) must not be found under them again
+            # the page to this one) must not be found under them again, nor lend its sinks as the first
+            # page's (a later hit on this request's first page would take another prompt's sinks)
             for page in pages[n // p : (n + m - 1) // p + 1]:
                 for other in self.key.pop(page, set()) - {slot}:
                     self.keyed[other].remove(page)
+                for other in self.first.get(page, set()) - {slot}:
+                    self._set_first(other, -1)  # (its own slot keeps its rows: only the lending stops)
             if n + m > 0:
                 sl.open_page = pages[(n + m - 1) // p]
                 keyed = sorted(set(pages[max(0, n + m - 1 - self.drafts) // p : (n + m - 1) // p + 1]))
