@@ -169,8 +169,10 @@ def test_the_side_pool_never_outgrows_its_bound(running):
 
 
 def test_the_side_pool_holds_every_layers_slots():
+    """Each layer's slot: the sinks and window ring (a PagedQuantizedKVCache's slot) and the plugin's sink
+    store entry, 4 sinks of keys and values (vllm_slots.SlotTracker)."""
     pool = smollm2_pool(torch.bfloat16, "rkv-4")
-    slot = PageLayout(S.by_name("rkv-4"), 3, 64, 128, torch.bfloat16).slot_bytes
+    slot = PageLayout(S.by_name("rkv-4"), 3, 64, 128, torch.bfloat16).slot_bytes + 2 * 4 * 3 * 64 * 2
     assert pool.slot_bytes == 30 * slot and pool.side_bytes(8, 256) == 32 * 30 * slot
     assert smollm2_pool(torch.bfloat16).side_bytes(8, 256) == 0  # vLLM's own cache has none
 
@@ -640,12 +642,12 @@ def test_gemma4s_capacity_is_what_vllm_logged(tmp_path, family, layer_types, nam
 
 def test_gemma4s_side_pool_is_the_plugins(tmp_path):
     """The plugin's side pool over layers of two shapes is each shape's slots (vLLM 0.32 logged its two
-    builders' pools for the tiny Gemma 4 at rkv-8: 50.3 and 100.5 MiB for 264 slots), and KV-shared layers keep
-    none."""
+    builders' pools for the tiny Gemma 4 at rkv-8: 51.3 and 102.6 MiB for 264 slots, sink store included), and
+    KV-shared layers keep none."""
     for family in ("gemma4", "gemma4_shared"):
         shape = tiny_shape(tmp_path / family, family)
         pool = plan.VllmEngine(torch.float32, "cpu").pool(shape, [S.by_name("rkv-8")] * shape.layers)
-        assert shape.layers == 2 and round(pool.slot_bytes * 264 / 2**20, 1) == round(50.3 + 100.5, 1)
+        assert shape.layers == 2 and round(pool.slot_bytes * 264 / 2**20, 1) == round(51.3 + 102.6, 1)
 
 
 @given(st.lists(st.integers(8, 4000), min_size=1, max_size=4), st.lists(st.integers(1, 60), min_size=4, max_size=4),

@@ -124,6 +124,25 @@ def test_a_sliding_layers_request_keeps_its_slot_when_its_first_page_is_given_aw
     assert slots[0] == a and [(i.dst, i.src, i.sinks_from) for i in inits] == [(slots[1], -1, b)]
 
 
+def test_a_slots_sinks_outlive_it_in_the_sink_store():
+    """A slot given to another request while it is the last to lend its sinks leaves them in the sink store
+    (a save the layers copy before the step); a request coming back to that cached prefix later (a chat's
+    next turn) takes them from there instead of reading them back from their quantized rows. The entry goes
+    when another request writes the page, and the store never holds more entries than the pool slots."""
+    t = SlotTracker(2, P, sinks=2, initial=2)
+    (a,), _ = t.assign([0], [8], [[10, 11]])
+    (b,), _ = t.assign([0], [3], [[20]])
+    (c,), _ = t.assign([0], [3], [[30]])  # a left: its slot goes to c, its sinks to the store
+    assert c == a and len(t.saves) == 1 and t.saves[0][0] == a
+    kept = t.saves[0][1]
+    (d,), inits = t.assign([4], [2], [[10, 40]])  # the next turn of a's conversation hits page 10
+    assert d == b and [(i.dst, i.src, i.sinks_from, i.sinks_stored) for i in inits] == [(d, -1, -1, kept)]
+    assert [slot for slot, _ in t.saves] == [b] and t.saves[0][1] != kept and len(t.stored_at) <= len(t.slots)
+    assert set(t.stored) == {10, 20}
+    t.assign([0], [4], [[20]])  # page 20, b's first, is written by a new prompt: its stored sinks go
+    assert 20 not in t.stored and len(t.stored) == len(t.stored_at) <= len(t.slots)
+
+
 def test_slots_of_requests_that_left_are_reused_least_recently_used_first():
     t = SlotTracker(2, P, sinks=0)
     (a,), _ = t.assign([0], [3], [[1]])

@@ -75,20 +75,24 @@ def page_regions(scheme: Scheme, kv_heads: int, head_dim: int, rows: int):
     return out
 
 
-def side_shapes(scheme: Scheme, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype, drafts: int = 0):
+def side_shapes(scheme: Scheme, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype, drafts: int = 0,
+                sink_store: bool = False):
     """name -> (shape, dtype) of the full-precision side rows of `slots` sequences. drafts: tokens an
     engine may append and take back (speculative decoding's rejected drafts, which the next step writes
     again): the ring holds that many more rows (the ops take any ring of at least window_tokens), so
-    that a draft at position t overwrites the row of token t - ring, which no later read needs."""
+    that a draft at position t overwrites the row of token t - ring, which no later read needs.
+    sink_store: an entry of sinks more a slot, where the vLLM plugin keeps the sinks of a cached prefix
+    whose slot went to another request (vllm_slots.SlotTracker)."""
     w, s = window_tokens(scheme), scheme.sinks
     w += drafts if w else 0  # (a scheme without a ring quantizes every token as it is written)
-    return {f"{side}_{kind}": ((slots, kv_heads, rows, head_dim), dtype)
-            for kind, rows in (("window", w), ("sink", s)) for side in ("k", "v")}
+    kinds = (("window", w), ("sink", s)) + ((("sink_store", s),) if sink_store and s else ())
+    return {f"{side}_{kind}": ((slots, kv_heads, rows, head_dim), dtype) for kind, rows in kinds for side in ("k", "v")}
 
 
-def side_bytes(scheme: Scheme, kv_heads: int, head_dim: int, dtype: torch.dtype, drafts: int = 0) -> int:
+def side_bytes(scheme: Scheme, kv_heads: int, head_dim: int, dtype: torch.dtype, drafts: int = 0,
+               sink_store: bool = False) -> int:
     """Bytes of one sequence's side slot (sinks and window ring, keys and values; side_shapes)."""
-    return _nbytes(side_shapes(scheme, kv_heads, head_dim, 1, dtype, drafts).values())
+    return _nbytes(side_shapes(scheme, kv_heads, head_dim, 1, dtype, drafts, sink_store).values())
 
 
 @dataclass(frozen=True)

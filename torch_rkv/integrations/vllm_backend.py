@@ -216,6 +216,7 @@ class RKVMetadata:
     slot_count: int  # the side pool's size this step (it grows with the requests running at once)
     positions: torch.Tensor  # (T,) int64
     inits: list[SlotInit] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (slot, sink store entry), before the inits
 
 
 class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
@@ -262,6 +263,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         self.slot_bytes = slot_bytes(scheme, len(owners), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                                      kv_cache_spec.dtype, drafts)
         self.logged_slots = 0
+        self.unkept_sinks = False  # whether a request's sinks were read back from their quantized rows (warned)
         logger.info("torch_rkv: side pool of at most %d slots (max_num_seqs + 8), %.1f MiB, outside vLLM's KV pages",
                     self.tracker.limit, self.tracker.limit * self.slot_bytes / 2**20)
         if torch.device(device).type == "cuda":
@@ -273,7 +275,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RKVMetadata:
-        cm = common_attn_metadata
+        cm, kv_spec = common_attn_metadata, self.kv_cache_spec
         b = cm.num_reqs
         qsl = cm.query_start_loc[: b + 1].to(torch.int64)
         seq_lens = cm.seq_lens[:b].to(torch.int64)
@@ -285,6 +287,14 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         host_tables = tables.cpu()
         rows = [host_tables[i, :k].tolist() for i, k in enumerate(pages_per)]
         slots, inits = self.tracker.assign(host_cached, host_counts, rows)
+        unkept = [i for i in inits if i.src < 0 and i.sinks_from < 0 and i.sinks_stored < 0]
+        # (a sliding layer reads only its window's keys, never its sinks once they are past it)
+        if unkept and not self.unkept_sinks and self.scheme.sinks and not getattr(kv_spec, "sliding_window", None):
+            self.unkept_sinks = True
+            logger.warning("torch_rkv: a request resumed a cached prefix whose sinks no side slot or sink-store entry "
+                           "kept (more cached prefixes than side slots): they are read back from their quantized rows, "
+                           "clipped to ranges they did not set, which costs far more than the scheme's error (once "
+                           "per engine; a larger max_num_seqs keeps more)")
         if len(self.tracker.slots) > self.logged_slots:
             self.logged_slots = len(self.tracker.slots)
             logger.info("torch_rkv: side pool of %d slots, %.1f MiB over %d layers from %s (of at most %d slots)",
@@ -300,7 +310,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
                            lengths=cached, seq_lens=seq_lens, decode=decode, block_tables=tables.contiguous(),
                            side_slots=torch.tensor(slots, dtype=torch.int32, device=qsl.device),
                            slot_count=len(self.tracker.slots), positions=positions,
-                           inits=inits)
+                           inits=inits, saves=list(self.tracker.saves))
 
 
 # speculative decoding whose proposer adds no attention layers (a draft model's or EAGLE head's layers
@@ -512,7 +522,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             self._tensors = (grown, *self._tensors[1:])
         if self._tensors is None:
             dev = query.device
-            shapes = side_shapes(self.scheme, self.num_kv_heads, self.head_size, slots, query.dtype, self.drafts)
+            shapes = side_shapes(self.scheme, self.num_kv_heads, self.head_size, slots, query.dtype, self.drafts,
+                                 sink_store=True)
             side = {name: torch.zeros(shape, dtype=dt, device=dev) for name, (shape, dt) in shapes.items()}
             s = self.scheme
             signs = (hadamard_signs(self.head_size, s.hadamard_seed, dev) if s.k_hadamard else None,
@@ -555,8 +566,11 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         cache = [views["k_codes"], views["k_scale"], views.get("k_zero"), views["v_codes"], views["v_scale"],
                  views.get("v_zero"), side["k_window"], side["v_window"], side["k_sink"], side["v_sink"]]
         outliers = (views.get("k_outliers"), views.get("v_outliers"))  # sparse outliers: in the pages too
+        for slot, entry in md.saves:  # (before the inits: a slot saved here may be one's destination)
+            for part in ("k", "v"):
+                side[f"{part}_sink_store"][entry] = side[f"{part}_sink"][slot]
         for init in md.inits:
-            self._init_slot(cache, init, kv_cache.shape[2], levels, outliers)
+            self._init_slot(cache, init, kv_cache.shape[2], levels, outliers, side)
         s = self.scheme
         k, v = key[:t], value[:t]
         if s.pre_rope:
@@ -585,7 +599,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         output[:t].copy_(out.view_as(output[:t]))
         return output
 
-    def _init_slot(self, cache: list, init: SlotInit, page_size: int, levels: tuple, outliers: tuple) -> None:
+    def _init_slot(self, cache: list, init: SlotInit, page_size: int, levels: tuple, outliers: tuple,
+                   side: dict) -> None:
         """Fill a new side slot (SlotInit) in this layer: a copy, or sinks and window rows read back."""
         dev = cache[0].device
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
@@ -598,14 +613,18 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         pages = torch.tensor(init.pages, dtype=torch.int64)
         w = cache[6].shape[2]
         ring = list(range(max(s.sinks, quantized_count(n, s.recent, s.block)), n))
-        for codes, scale, zero, window, sink, bits, lv, outl in (
-                (cache[0], cache[1], cache[2], cache[6], cache[8], s.k_bits, levels[0], outliers[0]),
-                (cache[3], cache[4], cache[5], cache[7], cache[9], s.v_bits, levels[1], outliers[1])):
+        for codes, scale, zero, window, sink, store, bits, lv, outl in (
+                (cache[0], cache[1], cache[2], cache[6], cache[8], side.get("k_sink_store"), s.k_bits, levels[0],
+                 outliers[0]),
+                (cache[3], cache[4], cache[5], cache[7], cache[9], side.get("v_sink_store"), s.v_bits, levels[1],
+                 outliers[1])):
             sinks = list(range(min(s.sinks, n)))
             if sinks and init.sinks_from >= 0:
                 if init.sinks_from != init.dst:  # (the donor's own slot already holds them)
                     sink[init.dst, :, : len(sinks)] = sink[init.sinks_from, :, : len(sinks)]
-            elif sinks:  # no request with the same first page left its sinks: their quantized rows
+            elif sinks and init.sinks_stored >= 0:  # kept when the last slot that held them went to another
+                sink[init.dst, :, : len(sinks)] = store[init.sinks_stored, :, : len(sinks)]
+            elif sinks:  # nowhere in full precision: their quantized rows, clipped to ranges they did not set
                 t = torch.tensor(sinks)
                 rows = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv, outl, s.block)
                 sink[init.dst, :, : len(sinks)] = rows.to(sink.dtype)

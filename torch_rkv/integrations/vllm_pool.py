@@ -115,9 +115,9 @@ def preferred_block_size(scheme: Scheme | None, device: str) -> int:
 
 
 def slot_bytes(scheme: Scheme, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, drafts: int = 0) -> int:
-    """One request's side slot over `layers` layers: its sinks and window ring, keys and values (drafts:
-    speculative tokens a step may append, layout.side_shapes)."""
-    return layers * side_bytes(scheme, kv_heads, head_dim, dtype, drafts)
+    """One request's side slot over `layers` layers: its sinks and window ring, keys and values, and the
+    plugin's sink store entry (drafts: speculative tokens a step may append, layout.side_shapes)."""
+    return layers * side_bytes(scheme, kv_heads, head_dim, dtype, drafts, sink_store=True)
 
 
 @dataclass(frozen=True)

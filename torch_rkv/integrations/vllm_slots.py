@@ -32,13 +32,16 @@ def pool_slots(running: int, limit: int, initial: int = INITIAL_SLOTS) -> int:
 class SlotInit:
     """Before this step's attention, each layer fills slot `dst`: a copy of slot `src` (a request at the
     same point of the same tokens), or else its sinks from a slot that began with the same first page
-    (`sinks_from`, -1: none) and the rest by dequantizing the request's own quantized rows."""
+    (`sinks_from`, -1: none), else from the sink store (`sinks_stored`), else by dequantizing their
+    quantized rows (clipped to ranges they did not set: far off), and the rest by dequantizing the
+    request's own quantized rows."""
 
     dst: int
     src: int
     sinks_from: int
     cached: int  # tokens the request already holds in its pages
     pages: list[int]
+    sinks_stored: int = -1  # with no slot to take them from: the sink store's entry that kept them, or -1
 
 
 @dataclass
@@ -84,6 +87,15 @@ class SlotTracker:
         # when another request writes the page (vLLM gave it away: a hit there is on that request's tokens)
         self.first: dict[int, set[int]] = {}
         self.first_of: dict[int, int] = {}  # slot -> its page in `first`
+        # the sink store: a slot's sinks outlive it. Its sinks are copied there (`saves`: (slot, entry) for the
+        # layers to copy before the step) when the slot is taken for another request while the last to lend
+        # them, so that a request coming back to a cached prefix (the next turn of a chat) after its slot
+        # went to another gets them: read back from their quantized rows they cost SmolLM2 +6.8 perplexity
+        # at rkv-4. One entry per slot of the pool (layout.side_shapes' sink store), least recently used
+        # first; an entry is dropped when another request writes its page.
+        self.stored: dict[int, int] = {}  # page -> entry
+        self.stored_at: dict[int, tuple[int, int]] = {}  # entry -> (page, step last written or read)
+        self.saves: list[tuple[int, int]] = []  # the last assign's (slot, entry) copies
         self.step = 0
 
     def _unkey(self, slot: int) -> None:
@@ -103,6 +115,26 @@ class SlotTracker:
             self.first.setdefault(page, set()).add(slot)
             self.first_of[slot] = page
 
+    def _drop_stored(self, page: int) -> None:
+        entry = self.stored.pop(page, None)
+        if entry is not None:
+            del self.stored_at[entry]
+
+    def _keep_sinks(self, slot: int) -> None:
+        """Before `slot` is given to another request: its sinks into the store when no other slot lends them."""
+        page = self.first_of.get(slot, -1)
+        if page < 0 or self.first[page] != {slot} or self.slots[slot].length < self.sinks or not self.sinks:
+            return
+        entry = self.stored.get(page)
+        if entry is None:
+            free = set(range(len(self.slots))) - set(self.stored_at)
+            entry = min(free) if free else min(self.stored_at, key=lambda e: self.stored_at[e][1])
+            if entry in self.stored_at:
+                self._drop_stored(self.stored_at[entry][0])
+            self.stored[page] = entry
+        self.stored_at[entry] = (page, self.step)
+        self.saves.append((slot, entry))
+
     def _free_slot(self, avoid: set[int], fallback: int = -1) -> int:
         """The least recently used slot outside `avoid`, growing the pool rather than reuse one that was
         used in the previous step (else `fallback`), its keys dropped."""
@@ -117,11 +149,14 @@ class SlotTracker:
                                    "(max_num_seqs)")
             best = fallback
         self._unkey(best)
+        self._keep_sinks(best)
+        self._set_first(best, -1)
         return best
 
     def assign(self, cached: list[int], counts: list[int], tables: list[list[int]]):
         """(slot per row, SlotInits) for rows with `cached` tokens, `counts` new ones and their pages."""
         self.step += 1
+        self.saves = []
         p = self.page_size
 
         def holds(s, n, pages):  # whether slot s holds this request's first n tokens (and rejected drafts)
@@ -157,7 +192,10 @@ class SlotTracker:
                 donor = donors[i]
                 slot = self._free_slot(taken | keep | {donor}, fallback=donor if donor not in taken | keep else -1)
                 if n > 0:
-                    inits.append(SlotInit(slot, -1, donor, n, pages))
+                    entry = self.stored.get(pages[0], -1) if donor < 0 else -1
+                    if entry >= 0:
+                        self.stored_at[entry] = (pages[0], self.step)
+                    inits.append(SlotInit(slot, -1, donor, n, pages, entry))
             taken.add(slot)
             slots.append(slot)
             sl = self.slots[slot]
@@ -173,6 +211,7 @@ class SlotTracker:
                     self.keyed[other].remove(page)
                 for other in self.first.get(page, set()) - {slot}:
                     self._set_first(other, -1)  # (its own slot keeps its rows: only the lending stops)
+                self._drop_stored(page)
             if n + m > 0:
                 sl.open_page = pages[(n + m - 1) // p]
                 keyed = sorted(set(pages[max(0, n + m - 1 - self.drafts) // p : (n + m - 1) // p + 1]))
