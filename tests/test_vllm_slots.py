@@ -143,6 +143,19 @@ def test_a_slots_sinks_outlive_it_in_the_sink_store():
     assert 20 not in t.stored and len(t.stored) == len(t.stored_at) <= len(t.slots)
 
 
+def test_a_store_entry_read_in_a_step_is_not_given_to_another_page_in_it():
+    """The layers copy a step's saves before its inits: an entry an init reads in this step must not take
+    another slot's sinks in the same step. A pool of one slot (one entry): a request comes back to page 10
+    (its sinks from the entry) while another's slot goes to it, which would have saved into that entry."""
+    t = SlotTracker(1, P, sinks=2, initial=1)
+    t.assign([0], [8], [[10, 11]])
+    t.assign([0], [3], [[20]])  # the only slot goes to another request: page 10's sinks into the one entry
+    assert t.stored == {10: 0}
+    (d,), inits = t.assign([4], [2], [[10, 40]])  # (the slot goes to it: page 20's sinks are not kept)
+    assert [(i.src, i.sinks_from, i.sinks_stored) for i in inits] == [(-1, -1, 0)] and t.saves == []
+    assert t.stored == {10: 0}
+
+
 def test_slots_of_requests_that_left_are_reused_least_recently_used_first():
     t = SlotTracker(2, P, sinks=0)
     (a,), _ = t.assign([0], [3], [[1]])

@@ -729,7 +729,7 @@ def test_a_prefix_whose_slot_went_to_another_request_keeps_its_sinks(model_dir, 
     in the prefix test), without the plugin's warning about sinks read back. Measured: the 48 tokens the
     same, 1.8e-3 at most. Read back from their quantized rows instead (the store off), the sinks are
     clipped to ranges they did not set: the second token differs, 0.45 nats off (in the report's
-    simulation at 2048 tokens such sinks cost +6.7 perplexity at rkv-8 and rkv-4)."""
+    simulation at 2048 tokens such sinks cost +6.7 perplexity at rkv-8, +6.8 at rkv-4)."""
     prefix = alice[:700]
     prompts = [prefix + alice[5000:5200], *prompts_from(alice[8000:], 20, 40), prefix + alice[6000:6100]]
 

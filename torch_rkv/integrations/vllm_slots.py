@@ -90,9 +90,9 @@ class SlotTracker:
         # the sink store: a slot's sinks outlive it. Its sinks are copied there (`saves`: (slot, entry) for the
         # layers to copy before the step) when the slot is taken for another request while the last to lend
         # them, so that a request coming back to a cached prefix (the next turn of a chat) after its slot
-        # went to another gets them: read back from their quantized rows they cost SmolLM2 +6.8 perplexity
-        # at rkv-4. One entry per slot of the pool (layout.side_shapes' sink store), least recently used
-        # first; an entry is dropped when another request writes its page.
+        # went to another gets them: read back from their quantized rows they cost SmolLM2 +6.7 perplexity
+        # at rkv-8, +6.8 at rkv-4. One entry per slot of the pool (layout.side_shapes' sink store), least
+        # recently used first; an entry is dropped when another request writes its page.
         self.stored: dict[int, int] = {}  # page -> entry
         self.stored_at: dict[int, tuple[int, int]] = {}  # entry -> (page, step last written or read)
         self.saves: list[tuple[int, int]] = []  # the last assign's (slot, entry) copies
@@ -128,7 +128,11 @@ class SlotTracker:
         entry = self.stored.get(page)
         if entry is None:
             free = set(range(len(self.slots))) - set(self.stored_at)
-            entry = min(free) if free else min(self.stored_at, key=lambda e: self.stored_at[e][1])
+            # (an entry read or written this step is not taken: the saves run before this step's inits)
+            old = [e for e, (_, step) in self.stored_at.items() if step < self.step]
+            if not free and not old:
+                return
+            entry = min(free) if free else min(old, key=lambda e: self.stored_at[e][1])
             if entry in self.stored_at:
                 self._drop_stored(self.stored_at[entry][0])
             self.stored[page] = entry
@@ -172,11 +176,14 @@ class SlotTracker:
             return min(found, key=lambda s: (self.slots[s].length != n, s), default=None)
 
         found = [lookup(n, pages) for n, pages in zip(cached, tables)]
-        donors = [-1] * len(found)
+        donors, entries = [-1] * len(found), [-1] * len(found)
         for i, (n, pages) in enumerate(zip(cached, tables)):
             if found[i] is None and n > 0:  # a prefix-cache hit, or a request that lost its slot: its sinks
                 donors[i] = min((d for d in self.first.get(pages[0], ())  # from a slot with the same first page
                                  if self.slots[d].length >= min(self.sinks, n)), default=-1)
+                if donors[i] < 0 and pages[0] in self.stored:  # else from the store (read this step: kept)
+                    entries[i] = self.stored[pages[0]]
+                    self.stored_at[entries[i]] = (pages[0], self.step)
         keep = {s for s in found if s is not None}  # slots this step reads: not to be reused by the others
         slots, inits, taken = [], [], set()
         for i, (n, m, pages) in enumerate(zip(cached, counts, tables)):
@@ -192,10 +199,7 @@ class SlotTracker:
                 donor = donors[i]
                 slot = self._free_slot(taken | keep | {donor}, fallback=donor if donor not in taken | keep else -1)
                 if n > 0:
-                    entry = self.stored.get(pages[0], -1) if donor < 0 else -1
-                    if entry >= 0:
-                        self.stored_at[entry] = (pages[0], self.step)
-                    inits.append(SlotInit(slot, -1, donor, n, pages, entry))
+                    inits.append(SlotInit(slot, -1, donor, n, pages, entries[i]))
             taken.add(slot)
             slots.append(slot)
             sl = self.slots[slot]
