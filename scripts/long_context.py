@@ -14,7 +14,7 @@ import time
 import torch
 
 from torch_rkv.eval import data
-from torch_rkv.eval.report import Options, Report, format_long_context
+from torch_rkv.eval.report import PER_LAYER, Options, Report, format_long_context
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     start = time.time()
     report = Report(model, tok, data.read_text(args.text), opts, log=lambda s: print(s, flush=True))
     for name in args.schemes:
-        if name.startswith(("rkv-alloc-", "rkv-sparse-alloc-", "rkv-split-")):
+        if name.startswith(PER_LAYER):
             widths = " ".join(f"{s.k_bits}{s.v_bits}" for s in report.layer_schemes(name))
             print(f"{name}: K/V bits by layer {widths}", flush=True)
     print(format_long_context(report.long_context()))

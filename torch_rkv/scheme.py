@@ -154,12 +154,17 @@ class Scheme:
         per_group = (1 if symmetric else 2) * torch.finfo(self.meta_dtype).bits
         return per_group / (group * tokens)
 
+    def bits_parts(self, head_dim: int) -> dict[str, float]:
+        """effective_bits' parts, bits per cached element (keys and values): the codes, their metadata and
+        the sparse outliers' side buffer."""
+        return {"codes": (self.k_bits + self.v_bits) / 2,
+                "metadata": (self.meta_bits(head_dim, "k") + self.meta_bits(head_dim, "v")) / 2,
+                "outliers": outlier_bits(self.outliers, self.block, head_dim)}
+
     def effective_bits(self, head_dim: int) -> float:
         """Average bits per cached element (keys and values) including metadata, excluding the
         full-precision sink and recent tokens (their share vanishes as the context grows)."""
-        k = self.k_bits + self.meta_bits(head_dim, "k")
-        v = self.v_bits + self.meta_bits(head_dim, "v")
-        return (k + v) / 2 + outlier_bits(self.outliers, self.block, head_dim)
+        return sum(self.bits_parts(head_dim).values())
 
     def describe(self, head_dim: int = 128) -> str:
         def side(s):

@@ -28,7 +28,6 @@ import torch
 
 from .. import scheme as S
 from ..allocate import Allocation, Sensitivity, allocate_average, allocate_split
-from ..outliers import outlier_bits
 from ..reference import full_precision_count
 from ..scheme import Scheme
 from . import data, levels, localization, perplexity, plots, sensitivity
@@ -201,14 +200,12 @@ class Options:
 
 def bits_parts_at(scheme: Scheme, head_dim: int, tokens: int) -> dict[str, float]:
     """effective_bits_at's parts, bits per element of the whole cache: the quantized tokens' codes, their
-    metadata and their sparse outliers' side buffer, and the full-precision sinks, recent window and
-    partial block at 16 bits (an fp16 cache). What the format spends beside the codes is all but "codes"."""
+    metadata and their sparse outliers' side buffer (Scheme.bits_parts), and the full-precision sinks,
+    recent window and partial block at 16 bits (an fp16 cache). What the format spends beside the codes is
+    all but "codes"."""
     fp = full_precision_count(tokens, scheme.sinks, scheme.recent, scheme.block)
     share = (tokens - fp) / tokens
-    return {"codes": share * (scheme.k_bits + scheme.v_bits) / 2,
-            "metadata": share * (scheme.meta_bits(head_dim, "k") + scheme.meta_bits(head_dim, "v")) / 2,
-            "outliers": share * outlier_bits(scheme.outliers, scheme.block, head_dim),
-            "full_precision": fp * 16 / tokens}
+    return {**{k: share * v for k, v in scheme.bits_parts(head_dim).items()}, "full_precision": fp * 16 / tokens}
 
 
 def effective_bits_at(scheme: Scheme, head_dim: int, tokens: int) -> float:
@@ -771,12 +768,11 @@ def format_long_context(rows: list[dict]) -> str:
              f"{'scheme':22s} {'bits':>5s} {'codes':>6s} {'meta':>5s} {'outl':>5s} {'fp16':>5s} {'ppl':>9s} "
              f"{'delta':>8s} {'top-8':>6s}"]
     for x in rows:
-        parts = x.get("bits_parts", {})
+        parts = x["bits_parts"]
         cells = " ".join(f"{parts.get(k, 0.0):{w}.2f}" for k, w in
                          (("codes", 6), ("metadata", 5), ("outliers", 5), ("full_precision", 5)))
-        recall = f"{x['top8_recall']:6.3f}" if "top8_recall" in x else f"{'':6s}"
         lines.append(f"{x['scheme']:22s} {x['bits_at_window']:5.2f} {cells} {x['ppl']:9.3f} {x['delta']:+8.3f} "
-                     f"{recall}")
+                     f"{x['top8_recall']:6.3f}")
     return "\n".join(lines)
 
 

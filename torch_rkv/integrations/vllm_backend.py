@@ -287,7 +287,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         host_tables = tables.cpu()
         rows = [host_tables[i, :k].tolist() for i, k in enumerate(pages_per)]
         slots, inits = self.tracker.assign(host_cached, host_counts, rows)
-        unkept = [i for i in inits if i.src < 0 and i.sinks_from < 0 and i.sinks_stored < 0]
+        unkept = any(i.src < 0 and i.sinks_from < 0 and i.sinks_stored < 0 for i in inits)
         # (a sliding layer reads only its window's keys, never its sinks once they are past it)
         if unkept and not self.unkept_sinks and self.scheme.sinks and not getattr(kv_spec, "sliding_window", None):
             self.unkept_sinks = True
@@ -611,13 +611,12 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         s = self.scheme
         n, p = init.cached, page_size
         pages = torch.tensor(init.pages, dtype=torch.int64)
-        w = cache[6].shape[2]
         ring = list(range(max(s.sinks, quantized_count(n, s.recent, s.block)), n))
-        for codes, scale, zero, window, sink, store, bits, lv, outl in (
-                (cache[0], cache[1], cache[2], cache[6], cache[8], side.get("k_sink_store"), s.k_bits, levels[0],
-                 outliers[0]),
-                (cache[3], cache[4], cache[5], cache[7], cache[9], side.get("v_sink_store"), s.v_bits, levels[1],
-                 outliers[1])):
+        for part, codes, scale, zero, bits, lv, outl in (
+                ("k", cache[0], cache[1], cache[2], s.k_bits, levels[0], outliers[0]),
+                ("v", cache[3], cache[4], cache[5], s.v_bits, levels[1], outliers[1])):
+            window, sink, store = side[f"{part}_window"], side[f"{part}_sink"], side.get(f"{part}_sink_store")
+            w = window.shape[2]
             sinks = list(range(min(s.sinks, n)))
             if sinks and init.sinks_from >= 0:
                 if init.sinks_from != init.dst:  # (the donor's own slot already holds them)

@@ -174,9 +174,10 @@ class VllmPool:
                                  "layers of another window; plan one key + value total in every layer (a split) "
                                  "for such a model")
 
-    def shape(self, layer: int) -> tuple[int, int]:
-        """A layer's (KV heads, head_dim)."""
-        return self.shapes[layer] if self.shapes is not None else (self.kv_heads, self.head_dim)
+    @cached_property
+    def layer_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Each layer's (KV heads, head_dim)."""
+        return self.shapes if self.shapes is not None else ((self.kv_heads, self.head_dim),) * self.layers
 
     @cached_property
     def buckets(self) -> dict[int | None, list[int]]:
@@ -194,7 +195,7 @@ class VllmPool:
         layers of several windows share the pool, the plugin's pages of each shape whole fractions of one size
         (published_token_bytes; the plugin does not round an allocation's pages, and plan refuses an
         allocation on layers of two shapes)."""
-        shapes = [self.shape(i) for i in range(self.layers)]
+        shapes = self.layer_shapes
         if self.schemes is None:
             element = (self.cache_dtype or self.dtype).itemsize
             return tuple(self.block_size * 2 * h * d * element for h, d in shapes)
@@ -283,7 +284,7 @@ class VllmPool:
         """The side pool's bytes per request slot, every layer (0 for vLLM's own cache)."""
         if self.schemes is None:
             return 0
-        shapes = [self.shape(i) for i in range(self.layers)]
+        shapes = self.layer_shapes
         return sum(slot_bytes(self.schemes[0], shapes.count(shape), *shape, self.dtype, self.drafts)
                    for shape in set(shapes))
 
