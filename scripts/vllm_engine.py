@@ -41,6 +41,9 @@ import time
 ENV = "TORCH_RKV_SCHEME"  # torch_rkv.integrations.vllm.ENV (not imported: this side needs no torch_rkv)
 CODEBOOK_ENV = "TORCH_RKV_CODEBOOK"  # (its CODEBOOK_ENV)
 ALLOCATION_ENV = "TORCH_RKV_ALLOCATION"  # (its ALLOCATION_ENV)
+# (its KV_TRANSFER_CONFIG: the plugin's KV connector, which every engine with the plugin takes)
+KV_TRANSFER_CONFIG = {"kv_connector": "RKVConnector", "kv_connector_module_path": "torch_rkv.integrations.vllm_connector",
+                      "kv_role": "kv_both"}
 
 
 def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900, in_process: bool = False,
@@ -61,6 +64,8 @@ def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900, in_
         env[CODEBOOK_ENV] = codebook
     if allocation:
         env[ALLOCATION_ENV] = allocation
+    if scheme or allocation:
+        job = {**job, "engine": {"kv_transfer_config": KV_TRANSFER_CONFIG, **job.get("engine", {})}}
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         job = {**job, "engine": {"distributed_executor_backend": "uni", **job.get("engine", {})}}
@@ -138,7 +143,12 @@ def main(job: dict | None = None) -> int:
     from vllm.inputs import TokensPrompt
 
     start = time.time()
-    llm = LLM(model=job["model"], **{"enforce_eager": True, **job.get("engine", {})})
+    engine = {"enforce_eager": True, **job.get("engine", {})}
+    if isinstance(engine.get("kv_transfer_config"), dict):
+        from vllm.config import KVTransferConfig
+
+        engine["kv_transfer_config"] = KVTransferConfig(**engine["kv_transfer_config"])
+    llm = LLM(model=job["model"], **engine)
     out = {"load_s": time.time() - start}
     for task in job["tasks"]:
         kind = task["kind"]

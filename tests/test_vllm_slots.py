@@ -1,191 +1,239 @@
-"""The vLLM backend's side slots (torch_rkv/integrations/vllm_slots.py): requests followed from step to
-step by the pages they write, new slots initialized on a prefix-cache hit, least recently used reuse."""
+"""The vLLM plugin's side slots (torch_rkv/integrations/vllm_slots.py): a request keeps its slot from the
+step vLLM first schedules it until vLLM names it finished, aborted or preempted; a prefix-cache hit takes
+its sinks from a request with the same first block or from the sink store, and a first block whose sinks
+are kept nowhere leaves vLLM's prefix cache.
+
+The stateful test drives the tracker with a fake scheduler that knows the request ids, and a fake worker
+that follows every slot's rows symbolically (which token each row holds), as the layers would fill them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from torch_rkv.integrations.vllm_slots import SlotTracker, growth_beyond_headroom
+from torch_rkv.integrations.vllm_slots import Row, SlotTracker, growth_beyond_headroom, pool_slots
 
-P = 4  # tokens per page
-
-
-def pages_for(first: int, n: int) -> list[int]:
-    """A request's pages: ids first, first + 1, ... enough for n tokens."""
-    return list(range(first, first + -(-n // P)))
+B, S, RECENT = 4, 2, 4  # the scheme's block, sinks and recent window in the fake engine
 
 
-def test_requests_keep_their_slots_across_steps_and_page_boundaries():
-    t = SlotTracker(4, P, sinks=2)
-    slots, inits = t.assign([0, 0], [6, 3], [pages_for(10, 6), pages_for(20, 3)])  # two prefills
-    assert len(set(slots)) == 2 and inits == []
-    a, b = slots
-    for step in range(8):  # decode: 6, 7, 8 (a page boundary), ... tokens cached
-        slots, inits = t.assign([6 + step, 3 + step], [1, 1], [pages_for(10, 7 + step), pages_for(20, 4 + step)])
-        assert slots == [a, b] and inits == []
+def quantized(n: int) -> int:
+    """Tokens of a sequence of n that its pages hold quantized and the attention reads from there."""
+    return B * (max(0, n - RECENT) // B)
 
 
-def test_a_prefix_cache_hit_gets_a_new_slot_with_the_donors_sinks():
-    t = SlotTracker(4, P, sinks=2)
-    (a,), _ = t.assign([0], [9], [pages_for(10, 9)])
-    # b shares a's first two full pages (8 tokens), its own page 30 on
-    shared = pages_for(10, 8)
-    (b,), inits = t.assign([8], [3], [shared + [30]])
-    assert b != a and len(inits) == 1
-    init = inits[0]
-    assert (init.dst, init.src, init.sinks_from, init.cached) == (b, -1, a, 8)
-    # next step b continues in its own slot
-    (b2,), inits = t.assign([11], [1], [shared + [30]])
-    assert b2 == b and inits == []
+def test_a_running_request_keeps_its_slot_however_many_steps_it_misses():
+    t = SlotTracker(4, S, B, initial=2)
+    a = t.step([Row("a", 0, 6, "A", True), Row("b", 0, 3, None, True)]).slots["a"]
+    for step in range(10):  # a sits out; others come and go and take the free slots
+        plan = t.step([Row(f"x{step}", 0, 3, None, True)], leaving=[f"x{step - 1}"])
+        assert a not in plan.slots.values()
+    assert t.step([Row("a", 6, 1, "A")]) .slots == {"a": a}
 
 
-def test_two_requests_at_the_same_point_of_the_same_tokens_copy_the_slot():
-    t = SlotTracker(4, P, sinks=2)
-    (a,), _ = t.assign([0], [8], [pages_for(10, 8)])  # a fills two pages exactly
-    # a and a request that hit a's two pages both start their third page now
-    slots, inits = t.assign([8, 8], [1, 1], [pages_for(10, 8) + [12], pages_for(10, 8) + [40]])
-    assert slots[0] == a and slots[1] != a
-    assert [(i.dst, i.src) for i in inits] == [(slots[1], a)]
+def test_a_prefix_hit_takes_its_sinks_from_a_running_request_with_the_same_first_block():
+    t = SlotTracker(4, S, B)
+    a = t.step([Row("a", 0, 9, "A", True)]).slots["a"]
+    plan = t.step([Row("h", 8, 3, "A", True)])
+    assert [(i.req, i.dst, i.cached, i.sinks_from, i.sinks_stored) for i in plan.inits] == \
+        [("h", plan.slots["h"], 8, a, -1)] and plan.slots["h"] != a
 
 
-@pytest.mark.parametrize("accepted", [0, 1, 2, 3])
-@pytest.mark.parametrize("start", [2, 3, 4, 5, 7])  # (drafts within a page, across its end, from its end)
-def test_a_request_keeps_its_slot_when_its_drafts_are_rejected(start, accepted):
-    """Speculative decoding: a step appends a token and 3 drafts, the next resumes after the accepted
-    ones (the rest are rewritten): the same slot, whichever page the drafts reached; without room for
-    drafts the tracker would take the request for a new one."""
-    for drafts, same in ((3, True), (0, accepted == 3)):
-        t = SlotTracker(4, P, sinks=2, drafts=drafts)
-        (a,), _ = t.assign([0], [start], [pages_for(10, start)])
-        t.assign([start], [4], [pages_for(10, start + 4)])  # the next token and 3 drafts
-        n = start + 1 + accepted  # the verified token(s) and the bonus one
-        for m in (1, 4):  # whether or not this step drafts again (its pages reach less far)
-            t2 = __import__("copy").deepcopy(t)
-            (a2,), inits = t2.assign([n], [m], [pages_for(10, n + m)])
-            assert (a2 == a and inits == []) == same, (drafts, n, m)
+def test_a_leaving_requests_sinks_go_to_the_store_and_a_later_hit_reads_them():
+    t = SlotTracker(2, S, B, initial=2)
+    a = t.step([Row("a", 0, 8, "A", True)]).slots["a"]
+    plan = t.step([Row("b", 0, 3, None, True)], leaving=["a"])
+    assert plan.saves == [(a, 0)] and plan.evict == []
+    plan = t.step([Row("h", 4, 2, "A", True)])
+    assert [(i.sinks_from, i.sinks_stored) for i in plan.inits] == [(-1, 0)]
 
 
-def test_a_prefix_hit_does_not_take_a_slot_whose_drafts_passed_the_shared_page():
-    """Request a filled page 10 and drafted into its page 11; b hits a's full page 10 (8 tokens: two
-    pages of 4 here, 10 and 11 are a's) while a sits out a step. b starts in a new slot with a's sinks,
-    and a, back, still finds its own slot."""
-    t = SlotTracker(4, P, sinks=2, drafts=3)
-    (a,), _ = t.assign([0], [6], [[9, 10]])
-    t.assign([6], [4], [[9, 10, 11]])  # a: a token and 3 drafts, to 10 tokens
-    (b,), inits = t.assign([8], [2], [[9, 10, 30]])  # b: a's two full pages, its own page 30
-    assert b != a and [(i.dst, i.src, i.sinks_from) for i in inits] == [(b, -1, a)]
-    (a2,), inits = t.assign([8], [1], [[9, 10, 11]])  # a: 1 of 3 drafts accepted, and the bonus token
-    assert a2 == a and inits == []
+def test_a_full_store_drops_its_oldest_entry_and_evicts_that_prefix():
+    t = SlotTracker(1, S, B, initial=1)
+    t.step([Row("a", 0, 8, "A", True)])
+    assert t.step([Row("b", 0, 8, "B", True)], leaving=["a"]).saves == [(0, 0)]
+    plan = t.step([Row("c", 0, 3, None, True)], leaving=["b"])
+    assert plan.saves == [(0, 0)] and plan.evict == ["A"]  # the one entry now keeps B's sinks
+    with pytest.raises(RuntimeError, match="no side slot or sink-store entry keeps"):
+        t.step([Row("h", 4, 1, "A", True)])  # (vLLM would have dropped A's first block: a bug if it hits)
 
 
-@pytest.mark.parametrize("drafts", [0, 3])
-def test_a_page_given_to_another_request_no_longer_finds_the_slot_of_the_one_that_left(drafts):
-    """r0 wrote pages 10 and 11 and left; r hits the full page 10 and vLLM gives it page 11 again. r
-    keeps the slot it starts in at every later step, and never switches to r0's (whose length r passes
-    through). With drafts it may start in r0's: r0 is gone, and the slot's rows of r's first 4 tokens
-    are r0's of the same shared page."""
-    t = SlotTracker(4, P, sinks=2, drafts=drafts)
-    (r0,), _ = t.assign([0], [5], [[10, 11]])
-    t.assign([5], [1], [[10, 11]])  # r0 at 6 tokens, then it leaves
-    (r,), inits = t.assign([4], [1], [[10, 11]])  # r: a hit on page 10, page 11 its own now
-    if drafts == 0:
-        assert r != r0 and [(i.dst, i.sinks_from) for i in inits] == [(r, r0)]
-    for n in (5, 6, 7):
-        (again,), inits = t.assign([n], [1], [[10, 11]])
-        assert again == r and inits == [], n
+def test_two_hits_in_a_step_never_take_each_others_donor():
+    """Path 2 of the issue: row X must not take the idle slot that row Y copies its sinks from. The
+    donors leave in this step; their slots lend first and are reused only in a later step."""
+    t = SlotTracker(4, S, B, initial=4)
+    t.step([Row("p", 0, 8, "P", True), Row("q", 0, 8, "Q", True)])
+    donors = {t.requests["p"].slot, t.requests["q"].slot}
+    plan = t.step([Row("x", 4, 1, "Q", True), Row("y", 4, 1, "P", True)], leaving=["p", "q"])
+    assert {i.dst for i in plan.inits}.isdisjoint(donors)
+    assert {i.sinks_from for i in plan.inits} == donors
 
 
-def test_a_hit_never_takes_sinks_from_a_request_whose_first_page_was_given_to_another():
-    """a began in page 10 and left; vLLM evicted its pages and gave page 10 to b, a new prompt, as b's
-    first page. A hit on b's first page must take b's sinks (or read them back), never a's, whose slot
-    still names page 10 as where it began: a's first tokens need not be b's. When page 10 went to b as a
-    later page, a's slot no longer lends sinks for page 10 either (a hit beginning there would be
-    another request's, which first writes it)."""
-    for b_pages in ([10, 12], [12, 10]):
-        t = SlotTracker(8, P, sinks=2, initial=4)
-        (a,), _ = t.assign([0], [8], [[10, 11]])
-        t.assign([0], [3], [[20]])  # another request, so that a's slot ages and b takes a new one
-        (b,), _ = t.assign([0], [8], [b_pages])
-        assert b != a
-        (c,), inits = t.assign([4], [2], [[b_pages[0], 13]])
-        assert [(i.dst, i.sinks_from) for i in inits] == [(c, b)], b_pages
-        assert a not in t.first.get(10, ())
+def test_a_hit_at_a_running_requests_length_does_not_take_its_slot():
+    """Path 3: a hit at exactly the length of a running request that sits out the step."""
+    t = SlotTracker(4, S, B)
+    a = t.step([Row("a", 0, 8, "A", True)]).slots["a"]
+    plan = t.step([Row("h", 8, 1, "A", True)])
+    assert plan.slots["h"] != a and plan.inits[0].sinks_from == a
 
 
-def test_a_sliding_layers_request_keeps_its_slot_when_its_first_page_is_given_away():
-    """A sliding layer's block table keeps the ids of the pages vLLM freed behind the window: running
-    request a still shows page 10 first after vLLM gave it to b, a new prompt. a keeps its slot (found by
-    its table, as before), and a hit on b's first page takes b's sinks, not a's."""
-    t = SlotTracker(8, P, sinks=2, initial=4)
-    (a,), _ = t.assign([0], [8], [[10, 11]])
-    slots, _ = t.assign([8, 0], [1, 4], [[10, 11, 12], [10]])  # page 10 is b's now; a's table still names it
-    assert slots[0] == a
-    b = slots[1]
-    assert t.assign([9, 4], [1, 1], [[10, 11, 12], [10, 13]]) == ([a, b], [])
-    slots, inits = t.assign([10, 4], [1, 2], [[10, 11, 12], [10, 14]])  # a hit on b's full first page
-    assert slots[0] == a and [(i.dst, i.src, i.sinks_from) for i in inits] == [(slots[1], -1, b)]
+def test_a_hit_that_is_not_block_aligned_is_refused():
+    """Rows of an open block live only in a slot: a request that starts inside one cannot be rebuilt."""
+    t = SlotTracker(4, S, B)
+    t.step([Row("a", 0, 8, "A", True)])
+    with pytest.raises(RuntimeError, match="not a multiple of the scheme's block"):
+        t.step([Row("h", 6, 1, "A", True)])
 
 
-def test_a_slots_sinks_outlive_it_in_the_sink_store():
-    """A slot given to another request while it is the last to lend its sinks leaves them in the sink store
-    (a save the layers copy before the step); a request coming back to that cached prefix later (a chat's
-    next turn) takes them from there instead of reading them back from their quantized rows. The entry goes
-    when another request writes the page, and the store never holds more entries than the pool slots."""
-    t = SlotTracker(2, P, sinks=2, initial=2)
-    (a,), _ = t.assign([0], [8], [[10, 11]])
-    (b,), _ = t.assign([0], [3], [[20]])
-    (c,), _ = t.assign([0], [3], [[30]])  # a left: its slot goes to c, its sinks to the store
-    assert c == a and len(t.saves) == 1 and t.saves[0][0] == a
-    kept = t.saves[0][1]
-    (d,), inits = t.assign([4], [2], [[10, 40]])  # the next turn of a's conversation hits page 10
-    assert d == b and [(i.dst, i.src, i.sinks_from, i.sinks_stored) for i in inits] == [(d, -1, -1, kept)]
-    assert [slot for slot, _ in t.saves] == [b] and t.saves[0][1] != kept and len(t.stored_at) <= len(t.slots)
-    assert set(t.stored) == {10, 20}
-    t.assign([0], [4], [[20]])  # page 20, b's first, is written by a new prompt: its stored sinks go
-    assert 20 not in t.stored and len(t.stored) == len(t.stored_at) <= len(t.slots)
+def test_a_request_continued_without_a_slot_is_refused():
+    with pytest.raises(RuntimeError, match="never started in a side slot"):
+        SlotTracker(4, S, B).step([Row("a", 3, 1, None)])
 
 
-def test_a_store_entry_read_in_a_step_is_not_given_to_another_page_in_it():
-    """The layers copy a step's saves before its inits: an entry an init reads in this step must not take
-    another slot's sinks in the same step. A pool of one slot (one entry): a request comes back to page 10
-    (its sinks from the entry) while another's slot goes to it, which would have saved into that entry."""
-    t = SlotTracker(1, P, sinks=2, initial=1)
-    t.assign([0], [8], [[10, 11]])
-    t.assign([0], [3], [[20]])  # the only slot goes to another request: page 10's sinks into the one entry
-    assert t.stored == {10: 0}
-    (d,), inits = t.assign([4], [2], [[10, 40]])  # (the slot goes to it: page 20's sinks are not kept)
-    assert [(i.src, i.sinks_from, i.sinks_stored) for i in inits] == [(-1, -1, 0)] and t.saves == []
-    assert t.stored == {10: 0}
-
-
-def test_slots_of_requests_that_left_are_reused_least_recently_used_first():
-    t = SlotTracker(2, P, sinks=0)
-    (a,), _ = t.assign([0], [3], [[1]])
-    (b,), _ = t.assign([0], [3], [[2]])
-    (c,), _ = t.assign([0], [3], [[3]])  # a left long ago: its slot
-    assert c == a and b != a
-    with pytest.raises(RuntimeError, match="more running requests than the 2 side slots"):
-        t.assign([0, 0, 0], [1, 1, 1], [[5], [6], [7]])
-
-
-def test_a_preempted_request_restarts_in_a_fresh_slot():
-    t = SlotTracker(3, P, sinks=2)
-    (a,), _ = t.assign([0], [6], [pages_for(10, 6)])
-    (a2,), inits = t.assign([0], [6], [pages_for(50, 6)])  # recomputed from scratch in other pages
-    assert inits == [] and a2 != a
-    (a3,), inits = t.assign([6], [1], [pages_for(50, 7)])
-    assert a3 == a2 and inits == []
-
-
-def test_the_pool_grows_with_the_requests_running_at_once_not_past_its_limit():
-    t = SlotTracker(8, P, sinks=0, initial=1)
-    for first in range(1, 6):  # one request at a time, each leaving: the slots of those idle for a step
-        t.assign([0], [3], [[first]])
-    assert len(t.slots) == 2
-    slots, _ = t.assign([0] * 5, [1] * 5, [[10 + i] for i in range(5)])  # five at once: doubled to 8
-    assert len(set(slots)) == 5 and len(t.slots) == 8
-    slots2, _ = t.assign([1] * 5, [1] * 5, [[10 + i] for i in range(5)])
-    assert slots2 == slots and len(t.slots) == 8
+def test_the_pool_grows_only_when_every_slot_is_held_and_never_past_its_limit():
+    t = SlotTracker(8, S, B, initial=1)
+    for i in range(5):  # one request at a time, each leaving before the next
+        t.step([Row(f"r{i}", 0, 3, None, True)], leaving=[f"r{i - 1}"])
+    assert t.size == 1
+    t.step([Row(f"s{i}", 0, 1, None, True) for i in range(5)], leaving=["r4"])
+    assert t.size == 8
     with pytest.raises(RuntimeError, match="more running requests than the 8 side slots"):
-        t.assign([0] * 9, [1] * 9, [[30 + i] for i in range(9)])
+        t.step([Row(f"u{i}", 0, 1, None, True) for i in range(4)])
+    assert t.size <= pool_slots(5, 8, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# A fake scheduler and worker
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeRequest:
+    tokens: list  # every token it will hold (its prompt, then what it generates)
+    n: int = 0  # tokens it holds in its pages (computed)
+    started: bool = False
+    pending_new: bool = True  # its next row is its first (or first after a preemption)
+
+
+@dataclass
+class FakeWorker:
+    """Every slot's sink and window rows as {position: token}, and the sink store's entries."""
+
+    slots: dict = field(default_factory=dict)
+    store: dict = field(default_factory=dict)
+
+    def rows(self, slot: int) -> tuple[dict, dict]:
+        return self.slots.setdefault(slot, ({}, {}))
+
+    def run(self, plan, scheduled: list[tuple[str, int, list]], tokens: dict) -> None:
+        """A step's layers: saves, inits, then each row's append of its tokens (drafts included)."""
+        for slot, entry in plan.saves:
+            self.store[entry] = dict(self.rows(slot)[0])
+        for init in plan.inits:
+            sinks, window = self.rows(init.dst)
+            sinks.clear()
+            window.clear()
+            need = min(S, init.cached)
+            if need:
+                src = self.rows(init.sinks_from)[0] if init.sinks_from >= 0 else self.store[init.sinks_stored]
+                sinks.update({p: src[p] for p in range(need)})
+            written = B * (init.cached // B)  # the page rows an append wrote: whole blocks
+            for p in range(max(S, quantized(init.cached)), init.cached):
+                assert p < written, f"an init reads row {p} of a page, which holds only {written} written rows"
+                window[p] = tokens[init.req][p]
+        for req, n, appended in scheduled:
+            sinks, window = self.rows(plan.slots[req])
+            for i, tok in enumerate(appended):
+                (sinks if n + i < S else window)[n + i] = tok
+
+
+def run_schedule(draw, tracker_step, steps: int = 40, max_running: int = 3, limit: int = 6) -> None:
+    """Drive a tracker through a random schedule; after every step, every running request's slot must
+    hold its own sinks and window. draw(lo, hi) picks an integer in [lo, hi]. tracker_step(rows,
+    leaving) returns the step's plan."""
+    openings = [[100 + 10 * k + i for i in range(B)] for k in range(3)]  # first blocks that requests share
+    cache: dict[tuple, int] = {}  # prefix (whole blocks) -> step last used: vLLM's prefix cache
+    reqs: dict[str, FakeRequest] = {}
+    worker, slot_of, leaving, serial = FakeWorker(), {}, [], 0
+    for step in range(steps):
+        running = [r for r, q in reqs.items() if q.started and not q.pending_new]
+        if draw(0, 2) == 0 and len(reqs) < max_running:  # a new request, often one of the shared openings
+            serial += 1
+            prompt = openings[draw(0, 2)] + [serial * 1000 + i for i in range(draw(0, 9))]
+            reqs[f"r{serial}"] = FakeRequest(prompt + [serial * 1000 + 500 + i for i in range(draw(1, 12))])
+        for r in list(running):
+            event = draw(0, 19)
+            if event == 0:  # finished early or aborted
+                leaving.append(r)
+                del reqs[r]
+                running.remove(r)
+            elif event == 1:  # preempted: its pages are freed (whole blocks stay cached), it starts over later
+                leaving.append(r)
+                reqs[r].n, reqs[r].pending_new = 0, True
+                running.remove(r)
+        for key in [k for k in cache if draw(0, 29) == 0]:  # vLLM evicts some cached prefixes itself
+            cache.pop(key, None)
+        rows, scheduled = [], []
+        for r, q in reqs.items():
+            if q.started and not q.pending_new and draw(0, 3) == 0:
+                continue  # sits out this step (pipeline stages, encoder budget, a token budget)
+            first = tuple(q.tokens[:B]) if len(q.tokens) >= B else None
+            new = q.pending_new
+            if new:  # a hit on the longest cached prefix of whole blocks, leaving a token to compute
+                hit = max((j * B for j in range(1, len(q.tokens) // B + 1)
+                           if tuple(q.tokens[: j * B]) in cache and j * B < len(q.tokens)), default=0)
+                for j in range(1, hit // B + 1):
+                    cache[tuple(q.tokens[: j * B])] = step
+                q.n, q.started, q.pending_new = hit, True, False
+            remaining = len(q.tokens) - q.n
+            if remaining <= 0:
+                continue
+            drafts = draw(0, 2) if q.n > B else 0
+            count = min(remaining, draw(1, 6)) if drafts == 0 else min(remaining, 1 + drafts)
+            accepted = count if drafts == 0 else draw(1, count)
+            appended = q.tokens[q.n: q.n + accepted] + [-1] * (count - accepted)  # rejected drafts: junk
+            rows.append(Row(r, q.n, count, first, new))
+            scheduled.append((r, q.n, appended))
+        if not rows and not leaving:
+            continue
+        plan = tracker_step(rows, leaving)
+        for key in plan.evict:  # vLLM drops the first block, and so every prefix through it
+            for prefix in [p for p in cache if p[:B] == key]:
+                del cache[prefix]
+        leaving = []
+        worker.run(plan, scheduled, {r: q.tokens for r, q in reqs.items()})
+        for r, n, appended in scheduled:
+            q = reqs[r]
+            q.n += sum(1 for t in appended if t != -1)
+            slot_of[r] = plan.slots[r]
+            for j in range(1, q.n // B + 1):  # whole blocks become cached as they are computed
+                cache.setdefault(tuple(q.tokens[: j * B]), step)
+            if q.n >= len(q.tokens):
+                leaving.append(r)
+                del reqs[r]
+        for r, q in reqs.items():
+            if not q.started or q.pending_new:
+                continue
+            sinks, window = worker.rows(slot_of[r])
+            want_sinks = {p: q.tokens[p] for p in range(min(S, q.n))}
+            want_window = {p: q.tokens[p] for p in range(max(S, quantized(q.n)), q.n)}
+            assert {p: sinks.get(p) for p in want_sinks} == want_sinks, (step, r, "sinks")
+            assert {p: window.get(p) for p in want_window} == want_window, (step, r, "window")
+        assert len(set(slot_of[r] for r, q in reqs.items() if q.started and not q.pending_new)) == \
+            sum(1 for q in reqs.values() if q.started and not q.pending_new)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.data())
+def test_every_running_request_holds_its_own_sinks_and_window_in_any_schedule(data):
+    """Requests arrive, run, sit out steps, are preempted and resumed, abort mid-prefill, have drafts
+    rejected and hit the prefix cache (three shared openings), several in a step sharing donors; vLLM
+    also evicts cached prefixes on its own. A small pool (limit 6) fills its sink store often."""
+    tracker = SlotTracker(6, S, B, initial=2)
+    run_schedule(lambda lo, hi: data.draw(st.integers(lo, hi)), tracker.step)
 
 
 def test_side_pool_growth_past_the_gpu_headroom_is_named():

