@@ -1271,7 +1271,7 @@ def test_untested_hybrids_and_allocations_on_hybrids_are_refused_by_name(monkeyp
     states' pages to one attention backend's page, which an allocation's pages of several sizes do not fit."""
     from types import SimpleNamespace
 
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
 
     from torch_rkv.allocate import Allocation
     from torch_rkv.integrations import vllm as plugin
@@ -1326,7 +1326,7 @@ def test_pipeline_parallelism_and_async_scheduling_with_drafts_are_refused_by_na
     scheduler planned the side slots. Both are refused where the layers are built."""
     from types import SimpleNamespace
 
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
 
     from torch_rkv.integrations import vllm as plugin
     from torch_rkv.integrations import vllm_backend
@@ -1339,8 +1339,10 @@ def test_pipeline_parallelism_and_async_scheduling_with_drafts_are_refused_by_na
             return vllm_backend.RKVAttentionImpl(4, 64, 0.125, 2)
 
     monkeypatch.setenv(plugin.ENV, "per-token-4")
+    parallel = ParallelConfig()
+    object.__setattr__(parallel, "pipeline_parallel_size", 2)
     with pytest.raises(NotImplementedError, match="pipeline parallelism"):
-        build(parallel_config=SimpleNamespace(pipeline_parallel_size=2, use_ubatching=False))
+        build(parallel_config=parallel)
     with pytest.raises(NotImplementedError, match="asynchronous scheduling with speculative decoding"):
         build(scheduler_config=SimpleNamespace(async_scheduling=True),
               speculative_config=SimpleNamespace(method="ngram_gpu", num_speculative_tokens=2))
