@@ -313,7 +313,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         if step is None:  # (vLLM's warm-up batches run before any request, with no plan)
             if self.planned:
                 raise RuntimeError("torch_rkv's vLLM backend: attention metadata built without the step plan "
-                                       f"of its KV connector ({CONNECTOR}); this vLLM builds it before it hands "
+                                   f"of its KV connector ({CONNECTOR}); this vLLM builds it before it hands "
                                    "the connector the step (the V2 model runner does)")
             return [0] * len(cached), [], [], INITIAL_SLOTS
         self.planned = True
@@ -657,7 +657,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         s = self.scheme
         n, p = init.cached, page_size
         sinks = min(s.sinks, n)
-        ring = list(range(max(s.sinks, quantized_count(n, s.recent, s.block)), n))
+        ring = torch.tensor(range(max(s.sinks, quantized_count(n, s.recent, s.block)), n), dtype=torch.int64)
+        ring_pages = torch.tensor(pages)[ring // p]
         for part, codes, scale, zero, bits, lv, outl in (
                 ("k", cache[0], cache[1], cache[2], s.k_bits, levels[0], outliers[0]),
                 ("v", cache[3], cache[4], cache[5], s.v_bits, levels[1], outliers[1])):
@@ -666,10 +667,9 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                 sink[init.dst, :, :sinks] = sink[init.sinks_from, :, :sinks]
             elif sinks:
                 sink[init.dst, :, :sinks] = side[f"{part}_sink_store"][init.sinks_stored, :, :sinks]
-            if ring:  # the window of a shared prefix: its quantized rows (its full-precision rows are gone)
-                t = torch.tensor(ring)
-                rows = read_rows(codes, scale, zero, bits, torch.tensor(pages)[t // p], t % p, lv, outl, s.block)
-                window[init.dst, :, t % window.shape[2]] = rows.to(window.dtype)
+            if len(ring):  # the window of a shared prefix: its quantized rows (its full-precision rows are gone)
+                rows = read_rows(codes, scale, zero, bits, ring_pages, ring % p, lv, outl, s.block)
+                window[init.dst, :, ring % window.shape[2]] = rows.to(window.dtype)
 
 
 @dataclass
