@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch_rkv import allocate as A
 from torch_rkv import plan
 from torch_rkv import scheme as S
+from torch_rkv.integrations.vllm import KV_TRANSFER_CONFIG
 from torch_rkv.integrations.vllm_pool import VllmPool, content_bytes, preferred_block_size
 from torch_rkv.integrations.vllm_slots import INITIAL_SLOTS, Row, SlotTracker, pool_slots, slot_limit
 from torch_rkv.layout import PageLayout
@@ -389,7 +390,9 @@ def test_plan_vllm_prints_the_command_that_serves_its_plan(tmp_path, capsys):
     assert auto["serve"]["unset"] == ["TORCH_RKV_SCHEME", "TORCH_RKV_ALLOCATION", "TORCH_RKV_CODEBOOK"]
     assert rkv4["serve"]["args"] == ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "256",
                                      "--block-size", "128", "--kv-cache-memory-bytes",
-                                     str(rkv4["kv_cache_memory_bytes"])]
+                                     str(rkv4["kv_cache_memory_bytes"]), "--kv-transfer-config",
+                                     json.dumps(KV_TRANSFER_CONFIG, separators=(",", ":"))]
+    assert "--kv-transfer-config" not in fp8["serve"]["args"]  # (only the plugin needs the connector)
     args = json.loads(run_plan(capsys, "--model", "gemma-3-27b", "--budget-gb", "20", "--schemes", "rkv-3",
                                "--device", "cpu", "--tensor-parallel-size", "2", "--num-speculative-tokens", "3",
                                "--disable-hybrid-kv-cache-manager", "--json"))["rows"][2]["serve"]
