@@ -2,8 +2,8 @@
 #   make report   the main job (python -m torch_rkv report on the default model and text)
 #   make test     the test suite (what .ci/run runs)
 # Both create .venv, install torch and the tools, and install torch_rkv itself with pip (an editable
-# install compiled against the venv's torch: CPU kernels always, CUDA kernels when nvcc and a CUDA
-# build of torch are present). RKV_BUILD_CUDA=0 make test: CPU only.
+# install of the C++ extension, the op schemas and CPU kernels, compiled against the venv's torch; the
+# GPU kernels are Triton kernels, compiled when they first run on a GPU).
 #   make kernels  incremental rebuild of the extension in place after editing a kernel (ninja keeps the
 #                 objects under build/; pip's editable install rebuilds everything)
 
@@ -11,7 +11,6 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.14.1
 PY := $(VENV)/bin/python
-export TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
 export MAX_JOBS ?= 2
 
 DEPS := numpy ninja "setuptools>=77" wheel "pytest>=8" "hypothesis>=6.100" "transformers>=5.24,<6" "gguf>=0.10" \

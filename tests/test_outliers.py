@@ -14,10 +14,13 @@ import torch_rkv
 from torch_rkv import outliers
 from torch_rkv import reference as ref
 from torch_rkv import scheme as S
-from torch_rkv.cache import QuantizedKVCache
+from torch_rkv.cache import QuantizedKVCache, layer_outliers
 from torch_rkv.eval.simulate import Simulation
 from torch_rkv.integrations.vllm_pool import content_bytes
 from torch_rkv.layout import CacheLayout, PageLayout
+from torch_rkv.paged import PagedQuantizedKVCache
+
+from conftest import device_params
 
 
 def planted(seed=0, n=256, d=64):
@@ -268,3 +271,44 @@ def test_outlier_positions_bound_block_times_head_dim_when_the_scheme_is_checked
     with pytest.raises(ValueError, match="block x head_dim must be <= 65535"):
         s.check_head_dim(512)
     S.recommended(3).check_head_dim(512)  # (no outliers: no such bound)
+
+
+@pytest.mark.parametrize("device", device_params("paged_decode_attention"))
+def test_attention_adds_each_blocks_outliers_where_the_reference_does(device):
+    """Decode and prefill over pages whose blocks hold planted outliers, against reference.py's attention
+    over the same buffers: an outlier's residual added at another row or channel (or not at all) moves
+    the spiked keys' scores far beyond the float tolerance."""
+    s = S.recommended_sparse(2, 0.02).replace(k_block_tokens=16, recent=8)
+    h, hq, d = 2, 8, 64
+    cos, sin = torch_rkv.rope_tables(d, 256, theta=1e4)
+    cache = PagedQuantizedKVCache(s, 1, h, d, 16, 2, page_size=32, dtype=torch.float32, rope=(cos, sin),
+                                  max_pages_per_seq=4, device=device)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [cache.add(), cache.add()]
+    counts = [70, 41]
+    k = torch.randn(sum(counts), h, d, generator=gen)
+    k[::7, :, 5] += 30.0  # spikes in several rows of every block: the selection takes them
+    v = torch.randn(sum(counts), h, d, generator=gen)
+    v[3::11, 1, 9] -= 25.0
+    batch = cache.schedule(seqs, counts)
+    cache.append(0, batch, k.to(device), v.to(device))
+    cache.commit(batch)
+    ko, vo = (t.cpu() for t in layer_outliers(cache, 0))
+    assert (ko != ref.OUTLIER_EMPTY).any() and (vo != ref.OUTLIER_EMPTY).any()
+    tensors = [None if t is None else t.cpu() for t in cache.layer_tensors(0)]
+    step = cache.schedule(seqs, [0, 0])
+    q = torch.randn(2, hq, d, generator=gen)
+    signs = [None if t is None else t.cpu() for t in (cache.k_signs, cache.v_signs)]  # (values: Hadamard-rotated)
+    args = (step.block_tables.cpu(), step.side_slots.cpu(), step.lengths_after.cpu(), s.k_bits, s.v_bits, s.block,
+            s.recent, cos, sin, False, *signs)
+    want = ref.paged_decode_attention(q, *tensors, *args, k_outliers=ko, v_outliers=vo)
+    got = cache.attend(0, step, q.to(device)).cpu()
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    chunk = cache.schedule(seqs, [5, 3])
+    qc, kc, vc = (torch.randn(8, n, d, generator=gen) for n in (hq, h, h))
+    ks, vs = (t.cpu() for t in cache.to_storage(chunk, kc.to(device), vc.to(device)))
+    want = ref.paged_prefill_attention(qc, ks, vs, chunk.query_start_loc.cpu(), *tensors, chunk.block_tables.cpu(),
+                                       chunk.side_slots.cpu(), chunk.lengths.cpu(), s.k_bits, s.v_bits, s.block,
+                                       s.recent, cos, sin, False, *signs, k_outliers=ko, v_outliers=vo)
+    got = cache.prefill(0, chunk, qc.to(device), kc.to(device), vc.to(device)).cpu()
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()

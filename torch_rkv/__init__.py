@@ -8,6 +8,9 @@ import torch
 
 from . import _C  # noqa: F401  (loads the kernels: TORCH_LIBRARY(rkv) + CPU/CUDA impls)
 from . import ops  # noqa: F401  (fake kernels)
+from .gpu import registry as _gpu_registry
+
+_gpu_registry.register()  # the Triton kernels: every op's CUDA implementation (where triton is installed)
 from .ops.attention import decode_attention
 from .ops.hadamard import hadamard, hadamard_signs
 from .ops.pack import pack, unpack

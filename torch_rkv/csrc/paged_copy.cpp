@@ -86,8 +86,5 @@ void paged_copy(const at::Tensor& k_codes, const at::Tensor& k_scale, const std:
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rkv, CPU, m) { m.impl("paged_copy", &paged_copy); }
-#ifdef RKV_WITH_CUDA
-TORCH_LIBRARY_IMPL(rkv, CUDA, m) { m.impl("paged_copy", &paged_copy); }
-#endif
 
 }  // namespace rkv

@@ -1,5 +1,6 @@
-// The one schema block of the rkv library. Kernels register per backend in cpu/*.cpp and cuda/*.cu;
-// fake (meta) kernels, docstrings and Python wrappers live in torch_rkv/ops/. Semantics: reference.py.
+// The one schema block of the rkv library. The CPU kernels register in cpu/*.cpp; the GPU kernels are
+// Triton kernels registered from Python (torch_rkv/gpu/); fake (meta) kernels, docstrings and Python
+// wrappers live in torch_rkv/ops/. Semantics: reference.py.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -8,10 +9,6 @@
 #include <exception>
 
 #include "cpu/capability.h"
-
-#ifndef RKV_CUDA_REQUEST
-#define RKV_CUDA_REQUEST 2
-#endif
 
 namespace {
 
@@ -61,25 +58,11 @@ PyMethodDef methods[] = {
 }  // namespace
 
 // `import torch_rkv._C` loads this shared object, which runs the static registrations below. The ops
-// are reached through torch.ops.rkv; the module itself only says how it was built (`build`: whether
-// the CUDA kernels are in, and what RKV_BUILD_CUDA asked for) and which CPU kernels run.
+// are reached through torch.ops.rkv; the module itself only says which CPU kernels run.
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
-#ifdef RKV_WITH_CUDA
-  const bool cuda = true;
-#else
-  const bool cuda = false;
-#endif
-  static const char* requests[] = {"0", "1", "auto"};
-  PyObject* build = Py_BuildValue("{s:O,s:s}", "cuda_kernels", cuda ? Py_True : Py_False, "cuda_request",
-                                  requests[RKV_CUDA_REQUEST]);
-  if (build == nullptr || PyModule_AddObject(m, "build", build) < 0) {
-    Py_XDECREF(build);
-    Py_DECREF(m);
-    return nullptr;
-  }
   return m;
 }
 
