@@ -18,15 +18,18 @@ TORCH_RKV_TRITON_ON_CPU=1 does for a whole process. Exit status 1 when a run dis
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-import torch
+os.environ["TRITON_INTERPRET"] = "1"  # the kernels run interpreted (read when they are imported)
 
-import torch_rkv
-from torch_rkv import scheme as S
-from torch_rkv.gpu import registry
-from torch_rkv.paged import PagedQuantizedKVCache
+import torch  # noqa: E402
+
+import torch_rkv  # noqa: E402
+from torch_rkv import scheme as S  # noqa: E402
+from torch_rkv.gpu import registry  # noqa: E402
+from torch_rkv.paged import PagedQuantizedKVCache  # noqa: E402
 
 SCALE_TOLERANCE = 1e-4  # attention outputs: |triton - cpu| <= 1e-4 * max |cpu|
 PPL_TOLERANCE = 1e-4  # relative

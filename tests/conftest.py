@@ -1,13 +1,19 @@
 """Shared test setup: hypothesis profiles, the device parameter and kernel-presence skips."""
 
+import importlib.util
 import os
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-import torch_rkv
-from torch_rkv.gpu import registry as gpu_registry
+# The Triton kernels run interpreted where there is no GPU (read when they are imported); not in the vLLM
+# venv, which runs tests/in_vllm only, with engines that must see the process's own Triton settings.
+if not torch.cuda.is_available() and importlib.util.find_spec("vllm") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch_rkv  # noqa: E402
+from torch_rkv.gpu import registry as gpu_registry  # noqa: E402
 
 # "ci" (default): derandomized and small, what .ci/run runs. "dev": many more examples, random seeds.
 # "sanitizer": a few derandomized examples, for runs under compute-sanitizer (scripts/gpu_check.sh).

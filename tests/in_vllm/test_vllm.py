@@ -834,7 +834,8 @@ def test_vllm_serve_answers_a_completion(model_dir, served, request):
         setting, unset, args = planned["serve"]["env"], planned["serve"]["unset"], planned["serve"]["args"]
     else:
         setting = {plugin.ALLOCATION_ENV: request.getfixturevalue("layer_allocation"), "VLLM_CPU_KVCACHE_SPACE": KV_GB}
-        unset, args = [plugin.ENV, plugin.CODEBOOK_ENV], ["--dtype", "bfloat16", "--max-model-len", "2048"]
+        unset, args = [plugin.ENV, plugin.CODEBOOK_ENV], ["--dtype", "bfloat16", "--max-model-len", "2048",
+                                                          "--kv-transfer-config", json.dumps(plugin.KV_TRANSFER_CONFIG)]
     env = {k: v for k, v in dict(os.environ, **setting).items() if k not in unset}
     server = subprocess.Popen([sys.executable, str(SCRIPTS / "vllm_serve.py"), "serve", model_dir, "--host", "127.0.0.1",
                                "--port", str(port), "--enforce-eager", *args], env=env,

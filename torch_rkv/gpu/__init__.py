@@ -5,9 +5,10 @@ Each module holds its kernels (`@triton.jit`) and a launcher per op with the op'
 TORCH_RKV_TRITON_ON_CPU=1 the launchers are attached to the CPU key too and run under Triton's interpreter
 on CPU tensors: the GPU code path, end to end, on a machine without a GPU (docs/ops.md, "GPU kernels").
 
-Triton reads TRITON_INTERPRET when a `@triton.jit` decorator runs, so `interpreting()` is decided before
-any kernel module is imported: importing this package sets TRITON_INTERPRET=1 when the switch is on or
-when no CUDA device is present (the kernels could not run compiled anyway).
+Triton reads TRITON_INTERPRET when a `@triton.jit` decorator runs, so it is decided before any kernel
+module is imported: importing this package sets TRITON_INTERPRET=1 when the switch is on. The tests and
+scripts/triton_on_cpu.py set it themselves on a machine without a GPU; elsewhere it is left as the
+process has it (a vLLM process on CPU imports torch_rkv beside its own Triton code).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def switch_on() -> bool:
     return v == "1"
 
 
-if switch_on() or not torch.cuda.is_available():
+if switch_on():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

@@ -57,6 +57,11 @@ def register() -> None:
 def on_cpu():
     """Within the block, CPU tensors go through the Triton launchers (interpreted); the C++ CPU kernels
     are restored after it (the tests' "triton" device)."""
+    from . import interpreting
+
+    if not interpreting():
+        raise RuntimeError("registry.on_cpu() runs the Triton kernels interpreted: set TRITON_INTERPRET=1 before "
+                           "torch_rkv is imported (TORCH_RKV_TRITON_ON_CPU=1 does)")
     lib = _impl(["CPU"])
     try:
         yield
