@@ -17,7 +17,7 @@ from pagedbuild import SIDES, Pool
 from test_cache import append_cases
 from test_paged import schemes
 
-import torch_rkv  # noqa: F401  (the C++ ops; TRITON_INTERPRET=1 before any kernel module loads)
+import torch_rkv  # noqa: F401  (the C++ ops)
 from torch_rkv import reference as ref
 from torch_rkv.gpu import cache as gpu
 from torch_rkv.layout import CacheLayout, PageLayout
@@ -459,7 +459,6 @@ def test_the_kernels_write_nothing_out_of_place_when_the_checks_are_skipped():
     pool = Pool(PageLayout(s, 1, 32, 8, torch.float32), 6, 3, gen)
     pool.fill[2] = 8
     good = pool.clone()
-    counts = [4, 4, 4]
     k = torch.randn(12, 1, 32, generator=gen)
     v = torch.randn(12, 1, 32, generator=gen)
     qsl = torch.tensor([0, 4, 8, 12])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 
 ON_CPU_ENV = "TORCH_RKV_TRITON_ON_CPU"
 

@@ -14,7 +14,6 @@ tokens), so no launch reads a length back to the host, and a CUDA graph can capt
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
