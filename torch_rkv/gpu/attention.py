@@ -23,7 +23,7 @@ from ..ops import attention as attention_op
 from ..ops import paged as paged_op
 from . import checks
 from .spec import CompileSpec
-from .tokens import check_cache_kernel, load_side, quantized_count, rope_partner, rope_tables, token_pages
+from .tokens import check_cache_kernel, load_side, quantized_count, rope_partner, rope_rows, token_pages
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def attend_tile(qg, qp, col, t, visible, sees, n, b, h, slot, d,
     c = k
     s = k
     if ROPE:
-        c, s = rope_tables(t, col, visible, cos_ptr, sin_ptr, half)
+        c, s = rope_rows(t, col, visible, cos_ptr, sin_ptr, half)
     scores = score_tile(qg, qp, k, c, s, ROPE)
     v = load_side(t, d, in_sink, in_quant, in_win, page, row, h, slot,
                   vc_ptr, vc_s0, vc_s1, vc_s2, v_row_bytes, vs_ptr, vz_ptr, vm_s0, vm_s1, vm_s2, v_tile, v_group,
@@ -289,7 +289,7 @@ def _prefill_kernel(
             c = k
             s = k
             if ROPE:
-                c, s = rope_tables(n + j, col, visible, cos_ptr, sin_ptr, half)
+                c, s = rope_rows(n + j, col, visible, cos_ptr, sin_ptr, half)
             scores = score_tile(qg, qp, k, c, s, ROPE)
             v = tl.load(vn_ptr + (start + j)[:, None] * vn_s0 + h * vn_s1 + d[None, :], mask=dm, other=0.0)
             sees = visible[None, :] & row_ok[:, None] & (j[None, :] <= i[:, None]) & ((n + j)[None, :] >= lo[:, None])

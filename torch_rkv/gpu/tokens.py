@@ -93,7 +93,7 @@ def rope_partner(d, half, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def rope_tables(pos, col, valid, cos_ptr, sin_ptr, half):
+def rope_rows(pos, col, valid, cos_ptr, sin_ptr, half):
     """cos and sin [N, D] of positions pos [N] at table columns col [D] (tables (P, half) float32); a
     channel without a pair (col -1) gets cos 1, sin 0."""
     m = valid[:, None] & (col >= 0)[None, :]
