@@ -13,7 +13,6 @@ import torch
 from torch_rkv import allocate as A
 from torch_rkv import plan
 from torch_rkv import scheme as S
-from torch_rkv.layout import CacheLayout
 
 
 def brute_force(groups, capacity):

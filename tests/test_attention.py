@@ -1,7 +1,6 @@
 """rkv::decode_attention: equal to reference attention over the dequantized cache; accuracy against
 unquantized attention; pre-RoPE and Hadamard storage; split-K; compile; bad input."""
 
-import math
 import re
 
 import pytest
@@ -21,7 +20,6 @@ from hypothesis import strategies as st
 
 import torch_rkv
 from torch_rkv import reference as ref
-from torch_rkv.layout import CacheLayout
 from torch_rkv.scheme import Scheme
 
 DEVICES = device_params("decode_attention")

@@ -740,7 +740,6 @@ def test_bad_input_names_the_argument(device):
          "rkv.paged_append: slot_mapping[1] = 5 but the block table puts that token at slot 32"),
     ]
     if device == "meta":
-        from torch._subclasses.fake_tensor import FakeTensorMode
 
         static = [(lambda f=f: _fake(f), e, m) for f, e, m in static]
         data = []

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from torch_rkv import scheme as S  # noqa: E402
 from torch_rkv.cache import QuantizedKVCache  # noqa: E402
 from torch_rkv.eval.agreement import full_logprobs, greedy_agrees, logprob_bound, teacher_forced  # noqa: E402
-from torch_rkv.integrations.transformers import RKVCache, enable  # noqa: E402
+from torch_rkv.integrations.transformers import RKVCache  # noqa: E402
 
 # Each model's sensitivity (logprob_bound): nats of top-candidate log-probability per sqrt(relative step),
 # stated with ~4x headroom over the largest measured with every preset at 2 to 8 bits. A random tiny

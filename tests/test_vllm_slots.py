@@ -9,6 +9,7 @@ that follows every slot's rows symbolically (which token each row holds), as the
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import pytest
@@ -150,14 +151,20 @@ class FakeWorker:
                 (sinks if n + i < S else window)[n + i] = tok
 
 
-def run_schedule(draw, tracker_step, steps: int = 40, max_running: int = 3, limit: int = 6) -> None:
+def run_schedule(draw, tracker_step, steps: int = 40, max_running: int = 3, limit: int = 6,
+                 worker: FakeWorker | None = None) -> None:
     """Drive a tracker through a random schedule; after every step, every running request's slot must
     hold its own sinks and window. draw(lo, hi) picks an integer in [lo, hi]. tracker_step(rows,
-    leaving) returns the step's plan."""
+    leaving, tables) returns the step's plan; tables: each row's pages (a block a page, as vLLM would
+    give them: a hit's first pages are the cached prefix's, new ones are fresh), which the tracker the
+    plugin used before vLLM's request ids followed requests by."""
     openings = [[100 + 10 * k + i for i in range(B)] for k in range(3)]  # first blocks that requests share
     cache: dict[tuple, int] = {}  # prefix (whole blocks) -> step last used: vLLM's prefix cache
+    page_of: dict[tuple, int] = {}  # cached prefix -> the page of its last block
+    pages: dict[str, list[int]] = {}  # each running request's pages
+    fresh = itertools.count(1)  # page ids never used before
     reqs: dict[str, FakeRequest] = {}
-    worker, slot_of, leaving, serial = FakeWorker(), {}, [], 0
+    worker, slot_of, leaving, serial = worker or FakeWorker(), {}, [], 0
     for step in range(steps):
         running = [r for r, q in reqs.items() if q.started and not q.pending_new]
         if draw(0, 2) == 0 and len(reqs) < max_running:  # a new request, often one of the shared openings
@@ -176,6 +183,7 @@ def run_schedule(draw, tracker_step, steps: int = 40, max_running: int = 3, limi
                 running.remove(r)
         for key in [k for k in cache if draw(0, 29) == 0]:  # vLLM evicts some cached prefixes itself
             cache.pop(key, None)
+            page_of.pop(key, None)
         rows, scheduled = [], []
         for r, q in reqs.items():
             if q.started and not q.pending_new and draw(0, 3) == 0:
@@ -183,11 +191,13 @@ def run_schedule(draw, tracker_step, steps: int = 40, max_running: int = 3, limi
             first = tuple(q.tokens[:B]) if len(q.tokens) >= B else None
             new = q.pending_new
             if new:  # a hit on the longest cached prefix of whole blocks, leaving a token to compute
-                hit = max((j * B for j in range(1, len(q.tokens) // B + 1)
-                           if tuple(q.tokens[: j * B]) in cache and j * B < len(q.tokens)), default=0)
+                hit = 0  # (every block from the first cached: vLLM's hashes chain)
+                while tuple(q.tokens[: hit + B]) in cache and hit + B < len(q.tokens):
+                    hit += B
                 for j in range(1, hit // B + 1):
                     cache[tuple(q.tokens[: j * B])] = step
                 q.n, q.started, q.pending_new = hit, True, False
+                pages[r] = [page_of[tuple(q.tokens[: j * B])] for j in range(1, hit // B + 1)]
             remaining = len(q.tokens) - q.n
             if remaining <= 0:
                 continue
@@ -197,12 +207,15 @@ def run_schedule(draw, tracker_step, steps: int = 40, max_running: int = 3, limi
             appended = q.tokens[q.n: q.n + accepted] + [-1] * (count - accepted)  # rejected drafts: junk
             rows.append(Row(r, q.n, count, first, new))
             scheduled.append((r, q.n, appended))
+            while len(pages[r]) * B < q.n + count:
+                pages[r].append(next(fresh))
         if not rows and not leaving:
             continue
-        plan = tracker_step(rows, leaving)
+        plan = tracker_step(rows, leaving, [pages[row.req] for row in rows])
         for key in plan.evict:  # vLLM drops the first block, and so every prefix through it
             for prefix in [p for p in cache if p[:B] == key]:
                 del cache[prefix]
+                page_of.pop(prefix, None)
         leaving = []
         worker.run(plan, scheduled, {r: q.tokens for r, q in reqs.items()})
         for r, n, appended in scheduled:
@@ -211,6 +224,7 @@ def run_schedule(draw, tracker_step, steps: int = 40, max_running: int = 3, limi
             slot_of[r] = plan.slots[r]
             for j in range(1, q.n // B + 1):  # whole blocks become cached as they are computed
                 cache.setdefault(tuple(q.tokens[: j * B]), step)
+                page_of.setdefault(tuple(q.tokens[: j * B]), pages[r][j - 1])
             if q.n >= len(q.tokens):
                 leaving.append(r)
                 del reqs[r]
@@ -233,7 +247,7 @@ def test_every_running_request_holds_its_own_sinks_and_window_in_any_schedule(da
     rejected and hit the prefix cache (three shared openings), several in a step sharing donors; vLLM
     also evicts cached prefixes on its own. A small pool (limit 6) fills its sink store often."""
     tracker = SlotTracker(6, S, B, initial=2)
-    run_schedule(lambda lo, hi: data.draw(st.integers(lo, hi)), tracker.step)
+    run_schedule(lambda lo, hi: data.draw(st.integers(lo, hi)), lambda rows, leaving, _: tracker.step(rows, leaving))
 
 
 def test_side_pool_growth_past_the_gpu_headroom_is_named():

@@ -810,6 +810,31 @@ def test_preempted_requests_are_recomputed_to_the_same_outputs(model_dir, alice)
                        "request")
 
 
+def test_requests_that_miss_steps_read_what_they_read_when_they_miss_none(model_dir, alice):
+    """Two requests of 290 tokens generate 48 each (past token 320, where rkv-8 quantizes a block that
+    leaves the window) beside 24 short ones (40 tokens, 2 new), at max_num_seqs 4: once with vLLM's
+    scheduler, and once with one under which the second long request misses 2 steps, and later 24 in a
+    row while the short ones pass through every side slot (scripts/vllm_sit_out.py: vLLM's own skip,
+    which pipeline parallelism uses). A request keeps its side slot however many steps it
+    misses, so both runs read the same cache: the same greedy reads within a tenth of the 8-bit bound
+    (only the batches differ). Before the plugin took request identity from vLLM, the absent request's
+    slot went to a short one, and it came back with a window read from page rows never written."""
+    import vllm_sit_out
+
+    prompts = prompts_from(alice, 2, 290) + [p[:40] for p in prompts_from(alice[5000:], 24, 40)]
+    counts = [48, 48] + [2] * 24
+
+    def job(scheduler):
+        engine = {**CHUNKED, "max_num_seqs": 4, **({"scheduler_cls": scheduler} if scheduler else {})}
+        return {"model": model_dir, "tasks": [{"kind": "generate", "prompts": prompts, "max_tokens": counts}],
+                "engine": engine}
+
+    plain, sitting = run_engine("rkv-8", job(None)), run_engine("rkv-8", job("vllm_sit_out.SittingOutScheduler"))
+    assert "sit-out:" not in plain["log"], plain["log"][-3000:]
+    assert sitting["log"].count("sit-out:") == vllm_sit_out.LONG + 2, sitting["log"][-3000:]
+    assert_reads_agree(plain["generate"], sitting["generate"], logprob_bound(8, SMOLLM2_SENSITIVITY) / 10, "request")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1272,7 +1297,7 @@ def test_untested_hybrids_and_allocations_on_hybrids_are_refused_by_name(monkeyp
     states' pages to one attention backend's page, which an allocation's pages of several sizes do not fit."""
     from types import SimpleNamespace
 
-    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import VllmConfig, set_current_vllm_config
 
     from torch_rkv.allocate import Allocation
     from torch_rkv.integrations import vllm as plugin

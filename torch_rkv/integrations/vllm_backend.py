@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import weakref
-from dataclasses import dataclass, field, replace
-from typing import Callable, ClassVar
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from vllm.v1.attention.backend import (
@@ -27,7 +27,7 @@ from ..layout import PageLayout, side_shapes
 from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.paged import paged_append, paged_decode_attention, paged_prefill_attention
 from ..ops.rope import rope
-from ..reference import append_keeps_reads, quantized_count, read_rows
+from ..reference import append_keeps_reads
 from ..scheme import Scheme
 from .models import LENGTH_DEPENDENT_ROPE, identity_rope
 from .vllm import (
@@ -43,7 +43,8 @@ from .vllm import (
     overridden_backend,
 )
 from .vllm_pool import block_multiple, content_bytes, published_token_bytes, slot_bytes
-from .vllm_slots import INITIAL_SLOTS, SlotInit, check_drafts, growth_beyond_headroom, slot_limit
+from .vllm_side import SideWork, plan_side_work, run_side_work
+from .vllm_slots import INITIAL_SLOTS, check_drafts, growth_beyond_headroom, slot_limit
 
 logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed with its log
 
@@ -218,14 +219,17 @@ class RKVMetadata:
     side_slots: torch.Tensor  # (B,) int32
     slot_count: int  # the side pool's size this step (it grows with the requests running at once)
     positions: torch.Tensor  # (T,) int64
-    inits: list[tuple[SlotInit, list[int]]] = field(default_factory=list)  # with the request's pages
-    saves: list[tuple[int, int]] = field(default_factory=list)  # (slot, sink store entry), before the inits
 
 
 class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
-    # Each step's layers run host work a captured graph would skip: slot inits, sink-store saves and the side
-    # pool's growth. So no full CUDA graphs: vLLM's CUDA default then captures piecewise graphs and runs
-    # attention (an opaque op, a splitting op) eagerly between them.
+    """Each step's host work, once for all its layers: the rows' side slots from the connector's plan, and
+    each layer's side pool grown and prepared (saves and inits run, the step's tensors gathered in its
+    LayerState), so that a layer's forward only launches kernels and reads no tensor value on the host."""
+
+    # No full CUDA graphs: a captured decode would keep one step's metadata tensors (this builder makes new
+    # ones each step, not persistent buffers) and one path (decode or prefill kernel), which this builder
+    # chooses per step from where the step's blocks leave the window. vLLM's CUDA default then captures
+    # piecewise graphs and runs attention (an opaque op, a splitting op) eagerly between them.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -236,6 +240,8 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         self.scheme = scheme = _scheme()  # (every layer's recent, block and sinks: an allocation's layers share them)
         drafts = speculative_tokens(vllm_config.speculative_config, scheme)
         self.page_size = kv_cache_spec.block_size
+        # the window ring's rows of this builder's side pools (its layers share recent, block and drafts)
+        self.ring = side_shapes(scheme, 1, 1, 1, torch.float32, drafts)["k_window"][0][2]
         for name in layer_names:  # at engine start: a codebook or allocation without some layer fails here
             codebook_rows(layer_scheme(name), name)
         layers = configured_layers()
@@ -261,8 +267,11 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         self.connector = request_identity(vllm_config)
         self.group = self.connector.group_of(layer_names)
         self.planned = False  # whether a step with requests was built (before: warm-up batches, no requests)
-        context = vllm_config.compilation_config.static_forward_context  # (KV-shared layers keep no side slots)
-        owners = [n for n in layer_names if getattr(context.get(n), "kv_sharing_target_layer_name", None) is None]
+        self.prepared = None  # the connector's step whose side work this builder ran (once, however often it builds)
+        self.context = context = vllm_config.compilation_config.static_forward_context
+        # (KV-shared layers keep no side slots)
+        self.owners = [n for n in layer_names if getattr(context.get(n), "kv_sharing_target_layer_name", None) is None]
+        owners = self.owners
         self.slot_bytes = slot_bytes(scheme, len(owners), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                                      kv_cache_spec.dtype, drafts)
         self.logged_slots = 0
@@ -277,7 +286,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RKVMetadata:
-        cm, kv_spec = common_attn_metadata, self.kv_cache_spec
+        cm = common_attn_metadata
         b = cm.num_reqs
         qsl = cm.query_start_loc[: b + 1].to(torch.int64)
         seq_lens = cm.seq_lens[:b].to(torch.int64)
@@ -289,6 +298,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         host_tables = tables.cpu()
         rows = [host_tables[i, :k].tolist() for i, k in enumerate(pages_per)]
         slots, inits, saves, slot_count = self._plan(host_cached, host_counts, rows)
+        self._prepare(slot_count, inits, saves)
         if slot_count > self.logged_slots:
             self.logged_slots = slot_count
             logger.info("torch_rkv: side pool of %d slots, %.1f MiB over %d layers from %s (of at most %d slots)",
@@ -303,7 +313,21 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         return RKVMetadata(num_actual_tokens=tokens, max_query_len=int(cm.max_query_len), query_start_loc=qsl,
                            lengths=cached, seq_lens=seq_lens, decode=decode, block_tables=tables.contiguous(),
                            side_slots=torch.tensor(slots, dtype=torch.int32, device=qsl.device),
-                           slot_count=slot_count, positions=positions, inits=inits, saves=saves)
+                           slot_count=slot_count, positions=positions)
+
+    def _prepare(self, slot_count: int, inits: list, saves: list) -> None:
+        """Every owner layer's side pool grown to `slot_count` slots and its LayerState made; the step's
+        saves and inits (SideWork) run on each, once per connector step (vLLM may build a step's metadata
+        twice: a save must not copy a slot an init has since filled)."""
+        step = self.connector.step
+        work = None
+        if step is not None and step is not self.prepared:
+            self.prepared = step
+            work = plan_side_work(inits, saves, self.scheme, self.page_size, self.ring, self.device)
+        dtype = self.kv_cache_spec.dtype
+        for name in self.owners:
+            layer = self.context[name]
+            layer.impl.prepare(layer, layer.kv_cache, slot_count, dtype, work)  # (what its forward gets)
 
     def _plan(self, cached: list[int], counts: list[int], tables: list[list[int]]):
         """(slot of each row, (init, pages) pairs, saves, pool size) of this step, from the plan the connector
@@ -461,7 +485,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             layer_type = "sliding_attention" if self.sliding_window else "full_attention"
             self.rope_cos, self.rope_sin, self.rope_interleaved = model_rope_tables(config, head_size, layer_type)
         self.drafts = speculative_tokens(config.speculative_config, self.scheme)  # (the side ring's extra rows)
-        self._tensors = None  # per-layer side pool and signs, made on the first forward
+        self._tensors = None  # (side pool, signs, RoPE tables), made by the profiling run or the first prepare
+        self.state: LayerState | None = None  # what the forward reads, gathered by prepare
         self._views = None  # (key, page region views) of the cache tensor (regions)
         self.levels = None  # (k_levels, v_levels) of this layer, read on the first forward (it names the layer)
         self.readers: tuple[str, ...] | None = None  # the KV-shared layers reading this layer's cache (_bind)
@@ -532,37 +557,46 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                                       f"softcap): {mine} against {theirs}")
         return src
 
-    def _attend(self, query: torch.Tensor, step: _Step, md: RKVMetadata) -> torch.Tensor:
-        """This layer's queries over a step's cache: the decode kernel (the new tokens already appended), or
-        the prefill kernel over the cache as stored and the step's tokens in full precision."""
-        s = step.scheme
+    def _attend(self, query: torch.Tensor, st: LayerState, md: RKVMetadata, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """This layer's queries over a step's cache (`st`: its own, or its target's for a KV-shared layer):
+        the decode kernel (the new tokens already appended), or the prefill kernel over the cache as stored
+        and the step's tokens k, v in full precision."""
+        s = st.scheme
         common = (md.block_tables, md.side_slots)
-        attend = (s.k_bits, s.v_bits, s.block, s.recent, *step.rope, step.interleaved, *step.signs, self.scale, 0,
+        attend = (s.k_bits, s.v_bits, s.block, s.recent, *st.rope, st.interleaved, *st.signs, self.scale, 0,
                   self.sliding_window, self.softcap)
         if md.decode:
-            return paged_decode_attention(query, *step.cache, *common, md.seq_lens, *attend, **step.kw,
+            return paged_decode_attention(query, *st.cache, *common, md.seq_lens, *attend, **st.kw,
                                           sink_logits=self.sink_logits)
-        return paged_prefill_attention(query, step.k, step.v, md.query_start_loc, md.max_query_len, *step.cache,
-                                       *common, md.lengths, *attend, **step.kw, sink_logits=self.sink_logits)
+        return paged_prefill_attention(query, k, v, md.query_start_loc, md.max_query_len, *st.cache, *common,
+                                       md.lengths, *attend, **st.kw, sink_logits=self.sink_logits)
+
+    @staticmethod
+    def _append(st: LayerState, md: RKVMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+        s = st.scheme
+        paged_append(*st.cache, None, md.block_tables, md.side_slots, md.lengths, md.query_start_loc, k, v, s.k_bits,
+                     s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, **st.kw)
 
     def _forward_shared(self, layer, query: torch.Tensor, md: RKVMetadata, output: torch.Tensor) -> torch.Tensor:
         """A KV-shared layer: its queries over the step its target layer left (Gemma's shared layers pass
         no keys or values); the last reader of a chunk appends it."""
-        step = self._source(layer).step
+        source = self._source(layer)
+        step = source.step
         if step is None or layer.layer_name not in step.awaiting:
             raise RuntimeError(f"torch_rkv's vLLM backend: {layer.layer_name} attends over {self.kv_source}'s cache, "
                                "which did not run this step (or this layer ran twice)")
         step.awaiting.discard(layer.layer_name)
         t = md.num_actual_tokens
-        out = self._attend(query[:t], step, md)
+        out = self._attend(query[:t], step.state, md, step.k, step.v)
         if not step.awaiting:
             if not md.decode:
-                step.append()
-            step.k = step.v = step.append = None  # (nothing is kept past the step)
+                self._append(step.state, md, step.k, step.v)
+            source.step = None  # (nothing is kept past the step)
         output[:t].copy_(out.view_as(output[:t]))
         return output
 
-    def _layer_state(self, query: torch.Tensor, slots: int):
+    def _layer_state(self, device, dtype: torch.dtype, slots: int):
         """(side pool, Hadamard signs, RoPE tables) of this layer; the side pool grown to `slots`."""
         if self._tensors is not None and self._tensors[0]["k_window"].shape[0] < slots:
             old = self._tensors[0]
@@ -571,23 +605,21 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                 grown[k][: t.shape[0]] = t
             self._tensors = (grown, *self._tensors[1:])
         if self._tensors is None:
-            dev = query.device
-            shapes = side_shapes(self.scheme, self.num_kv_heads, self.head_size, slots, query.dtype, self.drafts,
+            shapes = side_shapes(self.scheme, self.num_kv_heads, self.head_size, slots, dtype, self.drafts,
                                  sink_store=True)
-            side = {name: torch.zeros(shape, dtype=dt, device=dev) for name, (shape, dt) in shapes.items()}
+            side = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in shapes.items()}
             s = self.scheme
-            signs = (hadamard_signs(self.head_size, s.hadamard_seed, dev) if s.k_hadamard else None,
-                     hadamard_signs(self.head_size, s.hadamard_seed + 1, dev) if s.v_hadamard else None)
+            signs = (hadamard_signs(self.head_size, s.hadamard_seed, device) if s.k_hadamard else None,
+                     hadamard_signs(self.head_size, s.hadamard_seed + 1, device) if s.v_hadamard else None)
             rope_tables = (None, None)
             if self.rope_cos is not None:
-                rope_tables = (self.rope_cos.to(dev), self.rope_sin.to(dev))
+                rope_tables = (self.rope_cos.to(device), self.rope_sin.to(device))
             self._tensors = (side, signs, rope_tables)
         return self._tensors
 
     def regions(self, kv_cache: torch.Tensor, page_size: int, dtype: torch.dtype) -> dict:
         """The page regions of this layer's cache view [blocks, 1, block tokens, content], made once per
-        cache tensor (vLLM allocates it once; a step would otherwise spend more time building views than
-        a short decode spends in the kernel)."""
+        cache tensor (vLLM allocates it once)."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, page_size, dtype)
         if self._views is None or self._views[0] != key:
             layout = PageLayout(self.scheme, self.num_kv_heads, self.head_size, page_size, dtype)
@@ -595,98 +627,88 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             self._views = (key, layout.views(raw[:, : layout.page_bytes]))
         return self._views[1]
 
+    def prepare(self, layer, kv_cache: torch.Tensor, slots: int, dtype: torch.dtype, work: SideWork | None) -> None:
+        """The metadata builder's part of this layer's step (host work, once a step): the layer bound (_bind),
+        its side pool grown to `slots`, the step's side work run on it, and the LayerState its forward reads."""
+        levels = self._bind(layer, kv_cache.device)
+        side, signs, rope_tables = self._layer_state(kv_cache.device, dtype, slots)
+        views = self.regions(kv_cache, kv_cache.shape[2], dtype)
+        outliers = (views.get("k_outliers"), views.get("v_outliers"))  # sparse outliers: in the pages too
+        if work is not None:
+            run_side_work(work, side, views, self.scheme, levels, outliers)
+        if self.state is None or self.state.side is not side or self.state.views is not views:
+            cache = [views["k_codes"], views["k_scale"], views.get("k_zero"), views["v_codes"], views["v_scale"],
+                     views.get("v_zero"), side["k_window"], side["v_window"], side["k_sink"], side["v_sink"]]
+            kw = {"k_levels": levels[0], "v_levels": levels[1], "k_outliers": outliers[0], "v_outliers": outliers[1]}
+            self.state = LayerState(self.scheme, cache, kw, rope_tables, self.rope_interleaved, signs, side, views)
+
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: RKVMetadata | None, output: torch.Tensor, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
+        """Kernel launches only: the step's host work ran in the metadata builder (prepare), so the forward
+        reads no tensor value on the host and traces under torch.compile(fullgraph=True)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("torch_rkv's vLLM backend: fused output quantization is not supported")
         if self.kv_source is not None:  # (no side pool of its own either)
             return output if attn_metadata is None else self._forward_shared(layer, query, attn_metadata, output)
         if attn_metadata is None:  # profiling run: the side pool exists now, so that vLLM's memory profile
-            self._layer_state(query, INITIAL_SLOTS)  # (on a GPU, what it leaves to the KV pool) counts it
-            return output
-        md = attn_metadata
-        t = md.num_actual_tokens
-        levels = self._bind(layer, query.device)
-        if self.step is not None and self.step.awaiting:
+            self._layer_state(query.device, query.dtype, INITIAL_SLOTS)  # (on a GPU, what it leaves to the KV
+            return output                                                  # pool) counts it
+        md, st = attn_metadata, self.state
+        if st is None:
+            raise RuntimeError("torch_rkv's vLLM backend: a layer's forward ran before its metadata builder "
+                               "prepared it (RKVMetadataBuilder.build)")
+        if self.step is not None:
             raise RuntimeError(f"torch_rkv's vLLM backend: the KV-shared layers {sorted(self.step.awaiting)} did not "
                                f"attend over {layer.layer_name}'s cache in the last step")
-        side, (k_signs, v_signs), (cos, sin) = self._layer_state(query, md.slot_count)
-        views = self.regions(kv_cache, kv_cache.shape[2], query.dtype)
-        cache = [views["k_codes"], views["k_scale"], views.get("k_zero"), views["v_codes"], views["v_scale"],
-                 views.get("v_zero"), side["k_window"], side["v_window"], side["k_sink"], side["v_sink"]]
-        outliers = (views.get("k_outliers"), views.get("v_outliers"))  # sparse outliers: in the pages too
-        for slot, entry in md.saves:  # (before the inits: a slot saved here may be one's destination)
-            for part in ("k", "v"):
-                side[f"{part}_sink_store"][entry] = side[f"{part}_sink"][slot]
-        for init, pages in md.inits:
-            self._init_slot(cache, init, pages, kv_cache.shape[2], levels, outliers, side)
-        s = self.scheme
+        t = md.num_actual_tokens
         k, v = key[:t], value[:t]
-        if s.pre_rope:
-            k = rope(k, cos, sin, md.positions[:, None], self.rope_interleaved, inverse=True)
-        if k_signs is not None:
-            k = hadamard(k, k_signs)
-        if v_signs is not None:
-            v = hadamard(v, v_signs)
+        if st.scheme.pre_rope:
+            k = rope(k, *st.rope, md.positions[:, None], st.interleaved, inverse=True)
+        if st.signs[0] is not None:
+            k = hadamard(k, st.signs[0])
+        if st.signs[1] is not None:
+            v = hadamard(v, st.signs[1])
         k, v = k.to(query.dtype).contiguous(), v.to(query.dtype).contiguous()
-        kw = {"k_levels": levels[0], "v_levels": levels[1], "k_outliers": outliers[0], "v_outliers": outliers[1]}
-
-        def append():
-            paged_append(*cache, None, md.block_tables, md.side_slots, md.lengths, md.query_start_loc, k, v, s.k_bits,
-                         s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, **kw)
-
         if self.readers and not md.decode:  # (the last reader appends them, after later layers ran: under CUDA
             k, v = k.clone(), v.clone()   # graphs the memory of key / value, which they may alias, is reused)
-        step = _Step(cache, kw, s, (cos, sin), (k_signs, v_signs), self.rope_interleaved, k, v, append,
-                     set(self.readers))
         if md.decode:  # one new token a request and every older token read where it was (append_keeps_reads):
-            append()  # appended first, it is read from the window by the decode kernel (faster for one query)
-        out = self._attend(query[:t], step, md)  # (a chunk: the cache as stored, the chunk in full precision)
+            self._append(st, md, k, v)  # appended first, it is read from the window by the decode kernel
+        out = self._attend(query[:t], st, md, k, v)  # (a chunk: the cache as stored, the chunk in full precision)
         if not md.decode and not self.readers:  # (then appended, by the last reader where layers share the cache)
-            append()
-        self.step = step if self.readers else None
+            self._append(st, md, k, v)
+        if self.readers:
+            self.step = _Step(st, k, v, set(self.readers))
         output[:t].copy_(out.view_as(output[:t]))
         return output
 
-    def _init_slot(self, cache: list, init: SlotInit, pages: list[int], page_size: int, levels: tuple,
-                   outliers: tuple, side: dict) -> None:
-        """Fill a new side slot (SlotInit) in this layer: its sinks from a slot or the sink store, and its
-        window rows dequantized from its own pages, whose rows up to the block-aligned `init.cached` are
-        all written (SlotTracker refuses any other length)."""
-        s = self.scheme
-        n, p = init.cached, page_size
-        sinks = min(s.sinks, n)
-        ring = torch.tensor(range(max(s.sinks, quantized_count(n, s.recent, s.block)), n), dtype=torch.int64)
-        ring_pages = torch.tensor(pages)[ring // p]
-        for part, codes, scale, zero, bits, lv, outl in (
-                ("k", cache[0], cache[1], cache[2], s.k_bits, levels[0], outliers[0]),
-                ("v", cache[3], cache[4], cache[5], s.v_bits, levels[1], outliers[1])):
-            window, sink = side[f"{part}_window"], side[f"{part}_sink"]
-            if sinks and init.sinks_from >= 0:
-                sink[init.dst, :, :sinks] = sink[init.sinks_from, :, :sinks]
-            elif sinks:
-                sink[init.dst, :, :sinks] = side[f"{part}_sink_store"][init.sinks_stored, :, :sinks]
-            if len(ring):  # the window of a shared prefix: its quantized rows (its full-precision rows are gone)
-                rows = read_rows(codes, scale, zero, bits, ring_pages, ring % p, lv, outl, s.block)
-                window[init.dst, :, ring % window.shape[2]] = rows.to(window.dtype)
+
+@dataclass
+class LayerState:
+    """A layer's tensors for its steps, gathered by its metadata builder (RKVAttentionImpl.prepare): the
+    scheme, the cache in the paged ops' order (page regions, then side slots), the ops' keyword arguments
+    (levels, sparse outliers), RoPE tables and pairing, Hadamard signs, and the side pool and page views
+    they were gathered from (a pool that grows, or a cache tensor vLLM replaces, makes a new state)."""
+
+    scheme: Scheme
+    cache: list
+    kw: dict
+    rope: tuple
+    interleaved: bool
+    signs: tuple
+    side: dict
+    views: dict
 
 
 @dataclass
 class _Step:
-    """What a layer's forward leaves for the KV-shared layers that read its cache in the same step: the
-    cache views and kernel arguments, the step's tokens in storage form, and the append a chunk's last
-    reader runs (a chunk is attended by every reader over the cache as it stood)."""
+    """What a layer's forward leaves for the KV-shared layers that read its cache in the same step: its
+    state, and the step's tokens in storage form, which a chunk's last reader appends (a chunk is attended
+    by every reader over the cache as it stood)."""
 
-    cache: list
-    kw: dict
-    scheme: Scheme
-    rope: tuple
-    signs: tuple
-    interleaved: bool
-    k: torch.Tensor | None
-    v: torch.Tensor | None
-    append: Callable[[], None] | None
+    state: LayerState
+    k: torch.Tensor
+    v: torch.Tensor
     awaiting: set  # the readers still to attend this step
 
 
