@@ -125,11 +125,11 @@ class Options:
         family, more localization and decode schemes, the peers and the second text."""
         return cls(long_tokens=8192, loc_lengths=(1024, 2048, 4096, 8192), loc_documents=4, noise=True,
                    families=FULL_FAMILIES,
-                   # the schemes of issue 15's three goals (4.4, 3.4, 2.4 bits); half the run: 8K, 24 needles
+                   # one scheme near each of 4.4, 3.4 and 2.4 bits (docs/guide.md, localization); half the run
                    loc_schemes=("rkv-4", "rkv-sparse-alloc-2.5", "rkv-2"),
                    decode_schemes=("rkv-4", "rkv-3", "rkv-2", "kivi-2", "rkv-alloc-2.5", "rkv-sparse-2",
                                    "rkv-sparse-alloc-2.5"),
-                   # rkv-sparse-alloc-2.2: the fewest bits measured within the 2.4-bit goal's +0.40 (at 2.95 bits)
+                   # rkv-sparse-alloc-2.2: the 2-bit frontier's best row (docs/guide.md, "The 2.4-bit goal")
                    long_schemes=("rkv-4", "rkv-3", "rkv-2", "rkv-alloc-2.5", "rkv-sparse-alloc-2.5", "rkv-sparse-3",
                                  "rkv-sparse-2", "rkv-sparse-alloc-2.2", "turboquant-4"),
                    alloc_targets=(2.5, 3.0, 3.5), split_targets=(3.0, 3.5), chunk_sizes=(256, 1024),
