@@ -26,7 +26,7 @@ run() {  # run NAME VAR=VALUE... -- pytest arguments
   # ATEN_CPU_CAPABILITY, so a graph compiled for AVX-512 would be reloaded and its C++ rebuilt without
   # the vector ISA it was generated for (a compile error, not a test result)
   inductor=$(mktemp -d)
-  env "${vars[@]}" TORCHINDUCTOR_CACHE_DIR="$inductor" "$py" -m pytest -q -p no:cacheprovider "$@"
+  env "${vars[@]}" TORCHINDUCTOR_CACHE_DIR="$inductor" "$py" -m pytest -q -p no:cacheprovider -n "${TEST_JOBS:-2}" "$@"
   rm -rf "$inductor"
   echo "cpu paths: $name passed in $(( $(date +%s) - start )) s"
 }

@@ -21,5 +21,5 @@ if [ $# -eq 0 ]; then
   set -- tests -m "not slow and not triton" -k "not compile" --ignore-glob='tests/test_gpu_*.py'
 fi
 start=$(date +%s)
-"$py" -m pytest -q -p no:cacheprovider "$@"
+"$py" -m pytest -q -p no:cacheprovider -n "${TEST_JOBS:-2}" "$@"
 echo "sanitize: no ASan/UBSan report, $(( $(date +%s) - start )) s"

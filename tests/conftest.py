@@ -12,6 +12,11 @@ from hypothesis import HealthCheck, settings
 if not torch.cuda.is_available() and importlib.util.find_spec("vllm") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist's workers (make test runs two): one torch thread each, so two workers share the cores
+# instead of each spreading over both
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 import torch_rkv  # noqa: E402
 from torch_rkv.gpu import registry as gpu_registry  # noqa: E402
 
@@ -58,7 +63,13 @@ TRITON_EXAMPLES = int(os.environ.get("RKV_TRITON_EXAMPLES", "3"))
 TRITON_ALL = os.environ.get("RKV_TRITON_ALL", "0") == "1"
 
 
+# fixtures that load the real model: their tests take the longest, so they run first (under pytest-xdist
+# they then overlap the others instead of ending the run alone)
+REAL_MODEL_FIXTURES = ("smollm2", "smollm2_alice")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not set(getattr(item, "fixturenames", ())) & set(REAL_MODEL_FIXTURES))
     if TRITON_ALL:
         return
     seen, keep, drop = set(), [], []

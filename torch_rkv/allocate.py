@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import write_text_atomic
 from .scheme import Scheme, recommended
 
 SIDES = ("k", "v")
@@ -142,7 +143,7 @@ class Allocation:
     def save(self, path, model: str = "", calibration: str = "") -> None:
         d = {"format": FILE_FORMAT, "version": FILE_VERSION, "model": model, "calibration": calibration,
              "levels": list(self.levels), "bits": [list(b) for b in self.bits], "predicted": self.predicted}
-        Path(path).write_text(json.dumps(d, indent=1))
+        write_text_atomic(path, json.dumps(d, indent=1))
 
     @classmethod
     def load(cls, path) -> Allocation:

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from .files import write_text_atomic
 from .reference import check_levels
 
 FORMAT = "torch_rkv.codebook/1"
@@ -82,8 +83,7 @@ class Codebook:
         return cls(d["layers"], d.get("model", ""), d.get("scheme", ""), d.get("calibration", ""))
 
     def save(self, path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(self.to_json())
+        write_text_atomic(path, self.to_json())
 
 
 @lru_cache(maxsize=16)

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from ..allocate import SIDES, Allocation, Sensitivity, allocate_average, allocate_split, layer_scheme, split_total
+from ..files import write_text_atomic
 from ..integrations import models
 from . import data, perplexity
 from .simulate import Simulation
@@ -171,8 +172,7 @@ def load_or_measure(model, tok, levels: tuple[int, ...], text: str = CALIBRATION
                       att.layers, cached, progress)
     profile.model, profile.text = model_key(model), Path(text).name
     path = profile_path(model, text, tokens, levels)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile.to_json())
+    write_text_atomic(path, profile.to_json())
     return profile.restricted(tuple(levels))
 
 
