@@ -70,6 +70,12 @@ PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
                    "granite", "gpt_oss", "qwen3_next", "falcon_h1", "granitemoehybrid", "nemotron_h")
 
 
+def text_config(vllm_config):
+    """The model's (text) transformers config in vLLM's config `vllm_config`."""
+    hf = vllm_config.model_config.hf_config
+    return getattr(hf, "text_config", None) or hf
+
+
 def configured_layers() -> list[Scheme] | None:
     """Layer i's scheme (the model's numbering) of the TORCH_RKV_ALLOCATION file, or None when that is
     not set. Every layer shares its sinks, window and block with the others (layer_scheme); only the

@@ -40,6 +40,7 @@ from .vllm import (
     configured_layers,
     configured_scheme,
     overridden_backend,
+    text_config,
 )
 from .vllm_pool import block_multiple, content_bytes, published_token_bytes, slot_bytes
 from .vllm_refusals import unsupported_features
@@ -271,8 +272,7 @@ class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
         self.context = context = vllm_config.compilation_config.static_forward_context
         # (KV-shared layers keep no side slots)
         self.owners = [n for n in layer_names if getattr(context.get(n), "kv_sharing_target_layer_name", None) is None]
-        owners = self.owners
-        self.slot_bytes = slot_bytes(scheme, len(owners), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
+        self.slot_bytes = slot_bytes(scheme, len(self.owners), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                                      kv_cache_spec.dtype, drafts)
         self.logged_slots = 0
         logger.info("torch_rkv: side pool of at most %d slots (max_num_seqs + 8), %.1f MiB, outside vLLM's KV pages",
@@ -696,12 +696,6 @@ class _Step:
 # Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name
 # (PRE_ROPE_MODELS, in integrations/vllm.py, where plan --vllm reads it too).
 INTERLEAVED_MODELS = ("gptj", "cohere", "cohere2")
-
-
-def text_config(vllm_config):
-    """The model's (text) transformers config."""
-    hf = vllm_config.model_config.hf_config
-    return getattr(hf, "text_config", None) or hf
 
 
 def vllm_applies_rope(hf, sliding: bool) -> bool:

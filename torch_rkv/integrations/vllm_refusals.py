@@ -4,7 +4,7 @@ tests/test_vllm_refusals.py checks it without vLLM."""
 
 from __future__ import annotations
 
-from .vllm import ALLOCATION_ENV, CONNECTOR, VLLM_HYBRIDS, configured_layers
+from .vllm import ALLOCATION_ENV, CONNECTOR, VLLM_HYBRIDS, configured_layers, text_config
 
 
 def unsupported_features(config, *, alibi: bool = False, kv_shared: bool = False, kv_cache_dtype: str = "auto",
@@ -14,9 +14,8 @@ def unsupported_features(config, *, alibi: bool = False, kv_shared: bool = False
     a KV-shared layer (kv_sharing_target_layer_name), its kv_cache_dtype and attention type, and any
     keyword arguments the backend does not know (`unknown`)."""
     sched, parallel = getattr(config, "scheduler_config", None), getattr(config, "parallel_config", None)
-    model = getattr(config, "model_config", None)
-    hf = getattr(model, "hf_config", None)
-    hybrid = getattr(model, "is_hybrid", False) and getattr(getattr(hf, "text_config", None) or hf, "model_type", "?")
+    hybrid = getattr(getattr(config, "model_config", None), "is_hybrid", False) and \
+        getattr(text_config(config), "model_type", "?")
     connector = getattr(getattr(config, "kv_transfer_config", None), "kv_connector", None)
     allocation = configured_layers() is not None
     checks = (
