@@ -20,9 +20,12 @@ from test_paged import schemes
 import torch_rkv  # noqa: F401  (the C++ ops)
 from torch_rkv import reference as ref
 from torch_rkv.gpu import cache as gpu
+from torch_rkv.gpu import outliers as gpu_outliers
 from torch_rkv.layout import CacheLayout, PageLayout
-from torch_rkv.ops import cache as cpu_cache
-from torch_rkv.ops import paged as cpu_paged
+
+# the C++ CPU kernels, called flat in the op schema's order as the Triton implementations are (the wrappers in
+# torch_rkv.ops take CacheSide / CacheFormat and only forward to these ops)
+cpu_ops = torch.ops.rkv
 
 # the interpreter evaluates masked-off lanes too, and the selection's float32 gains overflow on purpose
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -130,8 +133,8 @@ def test_paged_append_matches_the_reference_and_the_cpu_kernel(case):
         fills = [p.fill if case["fill"] else None for p in (want, cpu, got)]
         ref.paged_append(*want.tensors(), fills[0], tables, slots, lengths, qsl, k, v, *args, slot_mapping=mapping,
                          k_levels=kl, v_levels=vl, **pool_outliers(want))
-        cpu_paged.paged_append(*cpu.tensors(), fills[1], tables, slots, lengths, qsl, k, v, *args, slot_mapping=mapping,
-                               k_levels=kl, v_levels=vl, **pool_outliers(cpu))
+        cpu_ops.paged_append(*cpu.tensors(), fills[1], tables, slots, lengths, qsl, k, v, *args, slot_mapping=mapping,
+                             k_levels=kl, v_levels=vl, **pool_outliers(cpu))
         gpu.paged_append(*got.tensors(), fills[2], tables, slots, lengths, qsl, k, v, *args, slot_mapping=mapping,
                          k_levels=kl, v_levels=vl, **pool_outliers(got))
         assert_pools_equal(cpu, want)
@@ -179,7 +182,7 @@ def test_cache_append_matches_the_reference_and_the_cpu_kernel(case):
         if case["strided"]:
             k, v = noncontiguous(k), noncontiguous(v)
         ref.cache_append(*buffers_args(want), lengths, k, v, *args, **outliers_args(want))
-        cpu_cache.cache_append(*buffers_args(cpu), lengths, k, v, *args, **outliers_args(cpu))
+        cpu_ops.cache_append(*buffers_args(cpu), lengths, k, v, *args, **outliers_args(cpu))
         gpu.cache_append(*buffers_args(got), lengths, k, v, *args, **outliers_args(got))
         lengths = lengths + m
     for name in want:
@@ -262,7 +265,7 @@ def test_paged_append_every_width_and_tile_with_long_blocks(kinds):
         k = torch.randn(sum(counts), heads, dim, generator=gen).half()
         v = torch.randn(sum(counts), heads, dim, generator=gen).half()
         qsl = torch.tensor([0] + counts).cumsum(0)
-        for impl, (_, b) in zip((ref.paged_append, cpu_paged.paged_append, gpu.paged_append), states):
+        for impl, (_, b) in zip((ref.paged_append, cpu_ops.paged_append, gpu.paged_append), states):
             impl(*[b.get(n) for n in CACHE_NAMES], None, tables, side_slots, lengths, qsl, k, v, kinds[0][0],
                  kinds[1][0], block, recent, clips[0], clips[1], k_levels=lv[0], v_levels=lv[1],
                  k_outliers=b.get("k_outliers"), v_outliers=b.get("v_outliers"))
@@ -278,16 +281,16 @@ def test_paged_append_every_width_and_tile_with_long_blocks(kinds):
 
 
 def select_by_kernel(x, count, tile_rows, group, sinks):
-    """_select_kernel's mask for x (H, n, D) float32: one staged block of H slabs, written, `sinks` sink rows."""
+    """select_kernel's mask for x (H, n, D) float32: one staged block of H slabs, written, `sinks` sink rows."""
     h, n, d = x.shape
     groups = (n // tile_rows) * (d // group)
     table = torch.tensor([[0, 0, sinks, 1, 0, 0, 0, 0]], dtype=torch.int64)
     mask = torch.full((h, n, d), 7, dtype=torch.uint8)  # the kernel clears its slab first
     gains = torch.full((h, 2 * groups), float("nan"))
     gpos = torch.full((h, 2 * groups), -1, dtype=torch.int32)
-    gpu._select_kernel[(1, h)](x.contiguous(), mask, gains, gpos, table, h, d, n, tile_rows, group, d // group, groups,
-                               tile_rows * group, count, GB=gpu.GROUP_TILE, MB=gpu.ELEM_TILE, RB=gpu.RESCAN_TILE,
-                               ZB=gpu.COPY_TILE)
+    gpu_outliers.select_kernel[(1, h)](x.contiguous(), mask, gains, gpos, table, h, d, n, tile_rows, group, d // group,
+                                       groups, tile_rows * group, count, GB=gpu_outliers.GROUP_TILE,
+                                       MB=gpu_outliers.ELEM_TILE, RB=gpu_outliers.RESCAN_TILE, ZB=gpu_outliers.COPY_TILE)
     return mask.bool()
 
 
@@ -348,7 +351,7 @@ def test_cache_append_ring_wraps_as_the_reference():
         for x in (k, v):  # sequence 1 takes values of three levels: its groups run out of outliers that shrink
             x[1] = x[1].round().clamp(-1, 1)  # them, and its blocks' entries stay partly empty
         ref.cache_append(*buffers_args(want), lengths, k, v, *args, **outliers_args(want))
-        cpu_cache.cache_append(*buffers_args(cpu), lengths, k, v, *args, **outliers_args(cpu))
+        cpu_ops.cache_append(*buffers_args(cpu), lengths, k, v, *args, **outliers_args(cpu))
         gpu.cache_append(*buffers_args(got), lengths, k, v, *args, **outliers_args(got))
         for name in want:
             assert torch.equal(cpu[name].view(torch.uint8), want[name].view(torch.uint8)), name
@@ -402,7 +405,7 @@ def test_paged_append_errors_as_the_cpu_kernel_and_writes_nothing(name):
     s, pool = error_pool()
     before = pool.clone()
     with pytest.raises((ValueError, TypeError)) as cpu_error:
-        paged_call(cpu_paged.paged_append, pool, s, tables, slots, lengths, counts, **kw)
+        paged_call(cpu_ops.paged_append, pool, s, tables, slots, lengths, counts, **kw)
     assert_pools_equal(pool, before)
     with pytest.raises(type(cpu_error.value), match=re.escape(str(cpu_error.value))):
         paged_call(gpu.paged_append, pool, s, tables, slots, lengths, counts, **kw)
@@ -424,7 +427,7 @@ def test_static_errors_as_the_cpu_kernel():
         args = (None, torch.tensor([[2, 1], [0, 3]], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
                 torch.tensor([0, 0]), torch.tensor([0, 1, 2]), k, k, s.k_bits, s.v_bits, s.block, s.recent)
         with pytest.raises((ValueError, TypeError)) as cpu_error:
-            cpu_paged.paged_append(*cache, *args)
+            cpu_ops.paged_append(*cache, *args)
         with pytest.raises(type(cpu_error.value), match=re.escape(str(cpu_error.value))):
             gpu.paged_append(*cache, *args)
 
@@ -436,7 +439,7 @@ def test_cache_append_over_capacity_errors_as_the_cpu_kernel():
     bufs = CacheLayout(s, 2, 1, 32, 10, torch.float32).allocate()
     before = {k: v.clone() for k, v in bufs.items()}
     k = torch.randn(2, 1, 5, 32)
-    for impl in (cpu_cache.cache_append, gpu.cache_append):
+    for impl in (cpu_ops.cache_append, gpu.cache_append):
         with pytest.raises(ValueError, match=re.escape("rkv.cache_append: appending 5 tokens to sequence 1 of 8 "
                                                        "tokens exceeds its capacity of 12 tokens (1 page of 12)")):
             impl(*buffers_args(bufs), torch.tensor([0, 8]), k, k, 4, 4, s.block, s.recent)

@@ -1,5 +1,5 @@
-"""The Triton quantize / dequantize kernels (torch_rkv/gpu/quant.py), run by Triton's interpreter on CPU
-tensors: bit for bit against reference.quantize / dequantize and the C++ CPU ops, on hostile values, with
+"""The Triton quantize / dequantize kernels (torch_rkv/gpu/quant.py, dequant.py), run by Triton's
+interpreter on CPU tensors: bit for bit against reference.quantize / dequantize and the C++ CPU ops, on hostile values, with
 per-slab sinks and excluded values (the cache append's use), inside guarded buffers; edges and errors."""
 
 import contextlib
@@ -14,6 +14,7 @@ from test_quant import FLOATS, case_levels, make_input, quant_args, quant_cases,
 
 from torch_rkv import reference as ref
 from torch_rkv.gpu import quant as Q  # (first: it chooses the interpreter without a GPU)
+from torch_rkv.gpu import dequant as DQ
 
 # the kernels compute with infinities on purpose (empty groups, spans that overflow), which numpy reports
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
@@ -96,7 +97,7 @@ def run_quantize(x, bits, group, block, symmetric, meta, clip=False, sink_rows=0
 
 def run_dequantize(packed, scale, zero, bits, out_dtype, levels=None):
     with guarded_outputs():
-        got = Q.dequantize(packed, scale, zero, bits, out_dtype, levels)
+        got = DQ.dequantize(packed, scale, zero, bits, out_dtype, levels)
     want = ref.dequantize(packed, scale, zero, bits, out_dtype, levels)
     assert torch.equal(got, want)
     assert torch.equal(got, torch.ops.rkv.dequantize(packed, scale, zero, bits, out_dtype, levels))
@@ -108,7 +109,7 @@ def round_trip(x, case, levels, sink_rows=0):
     z = None if case["symmetric"] else zero
     if x.shape[-1] == 0:  # nothing to read the group size off: refused, as by the C++ kernel
         with pytest.raises(ValueError, match="rkv.dequantize: scale's last dim"):
-            Q.dequantize(packed, scale, z, case["bits"], torch.float32, levels)
+            DQ.dequantize(packed, scale, z, case["bits"], torch.float32, levels)
         return
     for out_dtype in {torch.float32, x.dtype}:
         run_dequantize(packed, scale, z, case["bits"], out_dtype, levels)
@@ -236,7 +237,7 @@ def test_quantize_slabs_with_per_slab_sinks_and_excluded_values(case, data):
         by_int = Q.quantize_slabs(x, bits, group, block, symmetric, meta, clip, common)
     assert_same(by_tensor[:2], by_int[:2])
     with guarded_outputs():
-        back = Q.dequantize_slabs(packed, scale, zero, bits, lv, torch.float32)
+        back = DQ.dequantize_slabs(packed, scale, zero, bits, lv, torch.float32)
     assert torch.equal(back, ref.dequantize(packed, scale, zero, bits, torch.float32, lv))
 
 
@@ -248,7 +249,7 @@ def test_dequantize_slabs_on_strided_slabs():
         z = None if symmetric else zero[::2]
         for out_dtype in FLOATS:
             with guarded_outputs():
-                got = Q.dequantize_slabs(packed[::2], scale[::2], z, bits, None, out_dtype)
+                got = DQ.dequantize_slabs(packed[::2], scale[::2], z, bits, None, out_dtype)
             assert torch.equal(got, ref.dequantize(packed[::2], scale[::2], z, bits, out_dtype))
 
 
@@ -328,7 +329,7 @@ def test_dequantize_bad_input_names_the_argument():
     ]
     for args, exc, msg in calls:
         with pytest.raises(exc, match=f"rkv.dequantize: .*{re.escape(msg)}"):
-            Q.dequantize(*args)
+            DQ.dequantize(*args)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from . import switch_on
 
 # the kernel modules, each with KERNELS: {op name: launcher taking the op's schema arguments in order}
-MODULES = ("pack", "rope", "hadamard", "quant", "copy", "attention", "cache")
+MODULES = ("pack", "rope", "hadamard", "quant", "dequant", "copy", "attention", "prefill", "cache")
 
 _libs = []  # the registrations in force (a Library's impls last as long as the object)
 

@@ -38,6 +38,12 @@ def arg_type(value) -> str:
     raise TypeError(f"no Triton type for a launch argument of type {type(value).__name__}")
 
 
+def signature(kernel, types: dict, constexprs: dict) -> dict:
+    """A kernel's signature from the types of its pointer (and other non-i32) parameters: every other
+    parameter i32, the constexprs "constexpr"."""
+    return {name: ("constexpr" if name in constexprs else types.get(name, "i32")) for name in kernel.arg_names}
+
+
 def from_args(label: str, kernel, args: list, constexprs: dict, options: dict | None = None) -> CompileSpec:
     """The CompileSpec of a launch `kernel[grid](*args, **constexprs, **options)`: the runtime arguments'
     types from their values (tensors may be on the meta device), the constexprs as given."""
