@@ -49,6 +49,7 @@ from common import device_ms, emit, print_machine, time_ms, time_ratio  # noqa: 
 
 import torch_rkv  # noqa: E402
 from torch_rkv.layout import CacheLayout  # noqa: E402
+from torch_rkv.ops.structs import AttentionOptions, split_sides  # noqa: E402
 from torch_rkv.outliers import outlier_count  # noqa: E402
 from torch_rkv.reference import outlier_residuals  # noqa: E402
 from torch_rkv.scheme import Scheme  # noqa: E402
@@ -172,9 +173,8 @@ def main() -> int:
                                             "k_window", "v_window", "k_sink", "v_sink")]
 
                 def fused(bufs, lv=None, outl=(None, None)):
-                    return torch_rkv.decode_attention(q, *bufs, lengths, bits, bits, scheme.block, scheme.recent,
-                                                      rope[0], rope[1], k_levels=lv, v_levels=lv, k_outliers=outl[0],
-                                                      v_outliers=outl[1])
+                    return torch_rkv.decode_attention(q, *split_sides(bufs, (lv, lv), outl), lengths, scheme.format,
+                                                      AttentionOptions(rope[0], rope[1]))
 
                 def deq_sdpa(a=a, lv=None, outl=(None, None)):
                     k = torch_rkv.dequantize(torch_rkv.Quantized(a[0], a[1], a[2], bits, lv), torch.float32)

@@ -41,6 +41,7 @@ from torch_rkv import reference as ref  # noqa: E402
 from torch_rkv import scheme as presets  # noqa: E402
 from torch_rkv.layout import CacheLayout, PageLayout  # noqa: E402
 from torch_rkv.ops import paged as ops  # noqa: E402
+from torch_rkv.ops.structs import AttentionOptions, split_sides  # noqa: E402
 
 SHAPES = {"9q/3kv/d64": (9, 3, 64), "32q/8kv/d128": (32, 8, 128)}
 NAMES = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink")
@@ -125,8 +126,8 @@ def rope_args(scheme, d, n):
 
 def ragged(shape_name, lengths, gen) -> SimpleNamespace:
     """rkv-4 sequences of `lengths` tokens: the contiguous buffers (bufs), their paged copy (paged,
-    tables, slots), one query a sequence (q) and the scheme / rope / sign arguments every op takes
-    after the lengths (args)."""
+    tables, slots), one query a sequence (q) and the format (fmt) and rope / sign options (opts) every
+    attention op takes."""
     hq, hkv, d = SHAPES[shape_name]
     s = presets.recommended(4)
     layout, bufs = contiguous_cache(s, lengths, hkv, d, gen)
@@ -134,21 +135,22 @@ def ragged(shape_name, lengths, gen) -> SimpleNamespace:
     paged, tables = paged_copy_of(layout, bufs, lengths, 128, gen)
     return SimpleNamespace(s=s, hkv=hkv, d=d, layout=layout, bufs=bufs, paged=paged, tables=tables,
                            slots=torch.arange(len(lengths), dtype=torch.int32),
-                           q=torch.randn(len(lengths), hq, d, generator=gen),
-                           args=(s.k_bits, s.v_bits, s.block, s.recent, cos, sin, False, None, signs))
+                           q=torch.randn(len(lengths), hq, d, generator=gen), fmt=s.format,
+                           opts=AttentionOptions(cos, sin, False, None, signs))
 
 
 def decode_case(shape_name, batch, lengths, min_run_time, as_json, gen):
     c = ragged(shape_name, lengths, gen)
-    s, q, paged, tables, slots, args = c.s, c.q, c.paged, c.tables, c.slots, c.args
+    s, q, paged, tables, slots, fmt, opts = c.s, c.q, c.paged, c.tables, c.slots, c.fmt, c.opts
     n = torch.tensor(lengths)
     contiguous = [c.bufs[k] for k in NAMES]
 
     def run_contiguous(t):
-        return torch_rkv.decode_attention(q, *t, n, *args)
+        return torch_rkv.decode_attention(q, *split_sides(t), n, fmt, opts)
 
     def run_paged(t):
-        return ops.paged_decode_attention(q, *t, tables, slots, n, *args)
+        return ops.paged_decode_attention(q, *split_sides(t), fmt, opts, lengths=n, block_tables=tables,
+                                          side_slots=slots)
 
     want, got = run_contiguous(contiguous), run_paged(paged)
     assert (got - want).abs().max().item() < 1e-4, "paged != contiguous"
@@ -172,10 +174,11 @@ def prefill_case(shape_name, prefix, chunk, min_run_time, as_json, gen):
     v_new = torch.randn(chunk, hkv, d, generator=gen)
     qsl = torch.tensor([0, chunk])
     n = torch.tensor([prefix])
+    opts = AttentionOptions(cos, sin, False, None, signs)
+    where = {"query_start_loc": qsl, "max_query_len": chunk, "lengths": n, "block_tables": tables, "side_slots": slots}
 
     def fused(t):
-        return ops.paged_prefill_attention(q, k_new, v_new, qsl, chunk, *t, tables, slots, n, s.k_bits, s.v_bits,
-                                           s.block, s.recent, cos, sin, False, None, signs)
+        return ops.paged_prefill_attention(q, k_new, v_new, *split_sides(t), s.format, opts, **where)
 
     positions = torch.arange(prefix + chunk)
     mask = positions[None, :] <= prefix + torch.arange(chunk)[:, None]
@@ -196,8 +199,7 @@ def prefill_case(shape_name, prefix, chunk, min_run_time, as_json, gen):
         return F.scaled_dot_product_attention(qr[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
 
     qr = torch_rkv.rope(q, cos, sin, prefix + torch.arange(chunk)[:, None])
-    got = ops.paged_prefill_attention(qr, k_new, v_new, qsl, chunk, *paged, tables, slots, n, s.k_bits, s.v_bits,
-                                      s.block, s.recent, cos, sin, False, None, signs)
+    got = ops.paged_prefill_attention(qr, k_new, v_new, *split_sides(paged), s.format, opts, **where)
     want = dequantize_then_sdpa(paged).transpose(0, 1)
     assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item() + 1e-4, "fused != dequantize+SDPA"
     copies, nbytes = copies_for(paged, limit=4)
@@ -217,7 +219,7 @@ def prefill_case(shape_name, prefix, chunk, min_run_time, as_json, gen):
 def batch16_case(shape_name, min_run_time, as_json, gen):
     lengths = [int(x) for x in torch.linspace(1024, 16384, 16)]
     c = ragged(shape_name, lengths, gen)
-    s, q, bufs, paged, tables, slots, args = c.s, c.q, c.bufs, c.paged, c.tables, c.slots, c.args
+    s, q, bufs, paged, tables, slots, fmt, opts = c.s, c.q, c.bufs, c.paged, c.tables, c.slots, c.fmt, c.opts
     n = torch.tensor(lengths)
     # 16 contiguous caches of one sequence each, sized to their own length
     singles = []
@@ -230,10 +232,11 @@ def batch16_case(shape_name, min_run_time, as_json, gen):
         singles.append([one[k] for k in NAMES])
 
     def run_paged(t):
-        return ops.paged_decode_attention(q, *t, tables, slots, n, *args)
+        return ops.paged_decode_attention(q, *split_sides(t), fmt, opts, lengths=n, block_tables=tables,
+                                          side_slots=slots)
 
     def run_singles(caches):
-        return torch.cat([torch_rkv.decode_attention(q[b : b + 1], *c, n[b : b + 1], *args)
+        return torch.cat([torch_rkv.decode_attention(q[b : b + 1], *split_sides(c), n[b : b + 1], fmt, opts)
                           for b, c in enumerate(caches)])
 
     assert (run_paged(paged) - run_singles(singles)).abs().max().item() < 1e-4, "one call != 16 calls"
@@ -254,17 +257,19 @@ def step_case(shape_name, min_run_time, as_json, gen):
             n -= 1  # a step the plugin gives the decode kernel
         lengths.append(n)
     c = ragged(shape_name, [n + 1 for n in lengths], gen)  # the caches holding the new token
-    q, paged, tables, slots, args = c.q, c.paged, c.tables, c.slots, c.args
-    fresh = [torch.stack([c.bufs[f"{side}_window"][b, :, n % c.layout.window] for b, n in enumerate(lengths)])
-             for side in ("k", "v")]  # (16, hkv, d): the new token of each sequence, in storage space
+    q, paged, tables, slots, fmt, opts = c.q, c.paged, c.tables, c.slots, c.fmt, c.opts
+    k_new, v_new = (torch.stack([c.bufs[f"{side}_window"][b, :, n % c.layout.window] for b, n in enumerate(lengths)])
+                    for side in ("k", "v"))  # (16, hkv, d): the new token of each sequence, in storage space
     qsl = torch.arange(17)
     n = torch.tensor(lengths)
 
     def run_prefill(t):
-        return ops.paged_prefill_attention(q, *fresh, qsl, 1, *t, tables, slots, n, *args)
+        return ops.paged_prefill_attention(q, k_new, v_new, *split_sides(t), fmt, opts, query_start_loc=qsl,
+                                           max_query_len=1, lengths=n, block_tables=tables, side_slots=slots)
 
     def run_decode(t):
-        return ops.paged_decode_attention(q, *t, tables, slots, n + 1, *args)
+        return ops.paged_decode_attention(q, *split_sides(t), fmt, opts, lengths=n + 1, block_tables=tables,
+                                          side_slots=slots)
 
     assert (run_prefill(paged) - run_decode(paged)).abs().max().item() < 1e-4, "the two kernels disagree"
     copies, nbytes = copies_for(paged)

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import torch_rkv  # noqa: E402
 from torch_rkv import scheme as S  # noqa: E402
 from torch_rkv.gpu import registry  # noqa: E402
+from torch_rkv.ops.structs import AttentionOptions  # noqa: E402
 from torch_rkv.paged import PagedQuantizedKVCache  # noqa: E402
 
 SCALE_TOLERANCE = 1e-4  # attention outputs: |triton - cpu| <= 1e-4 * max |cpu|
@@ -131,10 +132,9 @@ def compiled_step() -> tuple[bool, str]:
         q = torch.randn(2, heads, dim, generator=gen)
 
         def attend(q, tables, slots, lengths):
-            s = scheme
             return torch_rkv.ops.paged.paged_decode_attention(
-                q, *cache.layer_tensors(0), tables, slots, lengths, s.k_bits, s.v_bits, s.block, s.recent,
-                cache.rope_cos, cache.rope_sin)
+                q, *cache.sides(0), scheme.format, AttentionOptions(cache.rope_cos, cache.rope_sin), lengths=lengths,
+                block_tables=tables, side_slots=slots)
 
         eager = attend(q, step.block_tables, step.side_slots, step.lengths)
         compiled = torch.compile(attend, fullgraph=True)(q, step.block_tables, step.side_slots, step.lengths)

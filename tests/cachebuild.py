@@ -9,6 +9,7 @@ import torch
 import torch_rkv
 from torch_rkv import reference as ref
 from torch_rkv.layout import CacheLayout
+from torch_rkv.ops.structs import CacheFormat, CacheSide, split_sides  # noqa: F401  (CacheFormat: for the tests)
 from torch_rkv.scheme import Scheme
 
 BUFFERS = ["k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink"]
@@ -16,6 +17,11 @@ BUFFERS = ["k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_
 
 def buffers_args(bufs: dict) -> list:
     return [bufs.get(name) for name in BUFFERS]
+
+
+def sides(bufs: dict, levels=(None, None)) -> tuple[CacheSide, CacheSide]:
+    """A layout's buffers (with their sparse outliers, if any) as the cache ops' wrappers take them."""
+    return split_sides(buffers_args(bufs), levels, (bufs.get("k_outliers"), bufs.get("v_outliers")))
 
 
 def outliers_args(bufs: dict) -> dict:

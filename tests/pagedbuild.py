@@ -7,6 +7,7 @@ import torch
 
 from torch_rkv import reference as ref
 from torch_rkv.layout import PageLayout
+from torch_rkv.ops.structs import CacheSide, split_sides
 from torch_rkv.scheme import Scheme
 
 SIDES = ("k_window", "v_window", "k_sink", "v_sink")
@@ -44,6 +45,10 @@ class Pool:
         v = self.views
         return [v["k_codes"], v["k_scale"], v.get("k_zero"), v["v_codes"], v["v_scale"], v.get("v_zero"),
                 *(self.side[n] for n in SIDES)]
+
+    def sides(self, levels=(None, None), outliers=(None, None)) -> tuple[CacheSide, CacheSide]:
+        """The pool as the paged ops' wrappers take it, with each side's levels and outliers."""
+        return split_sides(self.tensors(), levels, outliers)
 
     def equal(self, other: "Pool") -> bool:
         same = torch.equal(self.raw.cpu(), other.raw.cpu()) and torch.equal(self.fill.cpu(), other.fill.cpu())

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from cachebuild import BUFFERS, buffers_args
+from cachebuild import BUFFERS, buffers_args, sides
 from conftest import noncontiguous
 from hypothesis import given
 from hypothesis import strategies as st
@@ -142,12 +142,10 @@ def test_appends_touch_nothing_outside_the_buffers_and_rejected_calls_change_not
         before = {n: t.clone() for n, t in whole.items()}
         if int(lengths[0]) + m > layout.max_tokens:
             with pytest.raises(ValueError, match=re.escape(f"exceeds its capacity of {layout.max_tokens} tokens")):
-                torch_rkv.ops.cache.cache_append(*buffers_args(bufs), lengths, k, k.clone(), scheme.k_bits,
-                                                 scheme.v_bits, scheme.block, scheme.recent)
+                torch_rkv.ops.cache.cache_append(*sides(bufs), lengths, k, k.clone(), scheme.format)
             assert all(same_bits(whole[n], before[n]) for n in whole)  # rejected: unchanged
             continue
-        torch_rkv.ops.cache.cache_append(*buffers_args(bufs), lengths, k, k.clone(), scheme.k_bits, scheme.v_bits,
-                                         scheme.block, scheme.recent)
+        torch_rkv.ops.cache.cache_append(*sides(bufs), lengths, k, k.clone(), scheme.format)
         lengths += m
         for n, big in whole.items():
             assert same_bits(big[:pad], before[n][:pad]) and same_bits(big[-pad:], before[n][-pad:]), n
@@ -173,20 +171,18 @@ def test_attention_length_edges_and_nan_in_one_sequence():
     edges = [0, 1, scheme.block, layout.max_tokens]
     for n in edges:
         lengths = torch.tensor([n, n, 1])
-        out = torch_rkv.decode_attention(q, *buffers_args(bufs), lengths, 4, 4, scheme.block, scheme.recent)
+        out = torch_rkv.decode_attention(q, *sides(bufs), lengths, scheme.format)
         want = ref.decode_attention(q, *buffers_args(bufs), lengths, 4, 4, scheme.block, scheme.recent)
         assert torch.allclose(out, want, atol=1e-5)
         if n == 0:
             assert torch.equal(out[0], torch.zeros_like(out[0]))
     with pytest.raises(ValueError, match=rf"lengths\[1\] = {layout.max_tokens + 1} is outside"):
-        torch_rkv.decode_attention(q, *buffers_args(bufs), torch.tensor([1, layout.max_tokens + 1, 1]), 4, 4,
-                                   scheme.block, scheme.recent)
+        torch_rkv.decode_attention(q, *sides(bufs), torch.tensor([1, layout.max_tokens + 1, 1]), scheme.format)
     # NaN in a full-precision window token: documented to reach that sequence's output only
     n = layout.max_tokens
     bufs["v_window"][1, 0, (n - 1) % layout.window, 5] = math.nan
     bufs["k_window"][2, 1, (n - 2) % layout.window, 7] = math.nan  # a NaN key: NaN scores, NaN sum
-    out = torch_rkv.decode_attention(q, *buffers_args(bufs), torch.tensor([n, n, n]), 4, 4, scheme.block,
-                                     scheme.recent)
+    out = torch_rkv.decode_attention(q, *sides(bufs), torch.tensor([n, n, n]), scheme.format)
     assert torch.isnan(out[1, :2]).any() and torch.isfinite(out[0]).all()
     assert torch.isfinite(out[1, 2:]).all()  # the other KV head's query heads are untouched
     assert torch.isnan(out[2, 2:]).all() and torch.isfinite(out[2, :2]).all()
@@ -214,10 +210,9 @@ def run_all_ops():
     scheme, layout, bufs = attention_case()
     before = {n: t.clone() for n, t in bufs.items()}
     kn = torch.randn(3, 2, 5, 32, generator=gen)
-    torch_rkv.ops.cache.cache_append(*buffers_args(bufs), torch.tensor([3, 8, 0]), kn, kn.clone(), 4, 4,
-                                     scheme.block, scheme.recent)
-    att = torch_rkv.decode_attention(torch.randn(3, 4, 32, generator=gen), *buffers_args(bufs),
-                                     torch.tensor([8, 13, 5]), 4, 4, scheme.block, scheme.recent, split_tokens=3)
+    torch_rkv.ops.cache.cache_append(*sides(bufs), torch.tensor([3, 8, 0]), kn, kn.clone(), scheme.format)
+    att = torch_rkv.decode_attention(torch.randn(3, 4, 32, generator=gen), *sides(bufs), torch.tensor([8, 13, 5]),
+                                     scheme.format, split_tokens=3)
     for n in before:
         bufs[n] = bufs[n].clone()
     return [q.packed, q.scale, q.zero, q.dequantize(), att] + [bufs[n] for n in BUFFERS if n in bufs]

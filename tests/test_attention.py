@@ -13,6 +13,7 @@ from cachebuild import (
     float_tolerance,
     outliers_args,
     quantization_bound,
+    sides,
 )
 from conftest import device_params
 from hypothesis import given
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 import torch_rkv
 from torch_rkv import reference as ref
+from torch_rkv.ops.structs import AttentionOptions, split_sides
 from torch_rkv.scheme import Scheme
 
 DEVICES = device_params("decode_attention")
@@ -75,12 +77,11 @@ def case_sink_logits(case, device="cpu"):
 def run_kernel(case, device, bufs, q, rope, k_signs, v_signs, split=None):
     s = case["scheme"]
     lengths = torch.tensor(case["lengths"], device=device)
-    return torch_rkv.decode_attention(
-        q, *buffers_args(bufs), lengths, s.k_bits, s.v_bits, s.block, s.recent, rope[0], rope[1],
-        case["interleaved"], k_signs, v_signs, split_tokens=case["split"] if split is None else split,
-        sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0),
-        k_levels=case_levels(case, device)[0], v_levels=case_levels(case, device)[1], **outliers_args(bufs),
-        sink_logits=case_sink_logits(case, device))
+    opts = AttentionOptions(rope[0], rope[1], case["interleaved"], k_signs, v_signs,
+                            sliding_window=case.get("window", 0), softcap=case.get("softcap", 0.0),
+                            sink_logits=case_sink_logits(case, device))
+    return torch_rkv.decode_attention(q, *sides(bufs, case_levels(case, device)), lengths, s.format, opts,
+                                      split_tokens=case["split"] if split is None else split)
 
 
 def run_reference(case, bufs, q, rope, k_signs, v_signs):
@@ -218,10 +219,10 @@ def test_compile_fullgraph_with_changing_lengths(device):
     case = dict(d=64, kv_heads=2, q_heads=4, scheme=s, capacity=128, lengths=[128, 50], rot=64, interleaved=False,
                 q_dtype=torch.float32, fp_dtype=torch.float32, split=0, seed=2)
     _, bufs, q, _, _, rope, _, _ = build(case, device)
-    args = buffers_args(bufs)
+    args = sides(bufs)
 
     def step(q, lengths):
-        return torch_rkv.decode_attention(q, *args, lengths, 4, 4, s.block, s.recent, rope[0], rope[1])
+        return torch_rkv.decode_attention(q, *args, lengths, s.format, AttentionOptions(rope[0], rope[1]))
 
     from torch._dynamo.utils import counters
 
@@ -243,8 +244,8 @@ def bad_cases(device):
 
     def call(q=q, args=a, lengths=n, cos=rope[0], sin=rope[1], k_signs=None, heads_ok=True, k_levels=None,
              v_levels=None, sink_logits=None):
-        return torch_rkv.decode_attention(q, *args, lengths, 4, 4, s.block, s.recent, cos, sin, False, k_signs,
-                                          k_levels=k_levels, v_levels=v_levels, sink_logits=sink_logits)
+        opts = AttentionOptions(cos, sin, False, k_signs, sink_logits=sink_logits)
+        return torch_rkv.decode_attention(q, *split_sides(args, (k_levels, v_levels)), lengths, s.format, opts)
 
     lv = torch.arange(16, dtype=torch.float32, device=device)
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from cachebuild import BUFFERS, attention_fp32, buffers_args, outliers_args, quantization_bound
+from cachebuild import BUFFERS, attention_fp32, buffers_args, outliers_args, quantization_bound, sides
 from conftest import device_params
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,6 +15,7 @@ from torch_rkv import reference as ref
 from torch_rkv import scheme as presets
 from torch_rkv.cache import QuantizedKVCache
 from torch_rkv.layout import CacheLayout
+from torch_rkv.ops.structs import AttentionOptions, CacheFormat, split_sides
 from torch_rkv.scheme import Scheme
 
 DEVICES = device_params("cache_append")
@@ -69,9 +70,8 @@ def test_append_matches_reference_and_writes_nothing_else(device, case):
         k, v = random_tokens(case, m, gen), random_tokens(case, m, gen)
         ref.cache_append(*buffers_args(want), lengths, k, v, s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip,
                          w, **outliers_args(want))
-        torch_rkv.ops.cache.cache_append(*buffers_args(got), lengths.to(device), k.to(device), v.to(device),
-                                         s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, w,
-                                         **outliers_args(got))
+        torch_rkv.ops.cache.cache_append(*sides(got), lengths.to(device), k.to(device), v.to(device), s.format,
+                                         sliding_window=w)
         lengths = lengths + m
     for name in want:
         assert torch.equal(got[name].cpu(), want[name]), name
@@ -225,8 +225,8 @@ def test_bad_input_is_a_clear_error():
     # the op itself names the buffer that does not fit
     bufs = cache.layer_buffers(0)
     with pytest.raises(ValueError, match=re.escape("rkv.cache_append: k_packed must have shape (batch=3")):
-        torch_rkv.ops.cache.cache_append(*bufs, torch.zeros(3, dtype=torch.int64), torch.randn(3, 2, 1, 32),
-                                         torch.randn(3, 2, 1, 32), 4, 4, 64, 64)
+        torch_rkv.ops.cache.cache_append(*split_sides(bufs), torch.zeros(3, dtype=torch.int64), torch.randn(3, 2, 1, 32),
+                                         torch.randn(3, 2, 1, 32), CacheFormat(4, 4, 64, 64))
     with pytest.raises(RuntimeError, match=r"appending 500 tokens to layer 0 exceeds the capacity of \d+ tokens"):
         cache.append(0, torch.randn(2, 2, 500, 32), torch.randn(2, 2, 500, 32))
     with pytest.raises(ValueError, match=r"group_size 48 does not divide head_dim 32"):
@@ -239,8 +239,8 @@ def test_bad_input_is_a_clear_error():
         Scheme(k_symmetric=True, k_clip=True)
     sym = CacheLayout(presets.recommended(4).replace(v_symmetric=True), 1, 1, 32, 128, torch.float32).allocate()
     with pytest.raises(ValueError, match="rkv.cache_append: v_clip needs asymmetric values"):
-        torch_rkv.ops.cache.cache_append(*buffers_args(sym), torch.zeros(1, dtype=torch.int64), torch.randn(1, 1, 2, 32),
-                                         torch.randn(1, 1, 2, 32), 4, 4, 128, 64, False, True)
+        torch_rkv.ops.cache.cache_append(*sides(sym), torch.zeros(1, dtype=torch.int64), torch.randn(1, 1, 2, 32),
+                                         torch.randn(1, 1, 2, 32), CacheFormat(4, 4, 128, 64, False, True))
 
 
 def test_the_op_rejects_a_full_cache_and_changes_nothing():
@@ -249,18 +249,18 @@ def test_the_op_rejects_a_full_cache_and_changes_nothing():
     bufs = layout.allocate()
     before = {k: v.clone() for k, v in bufs.items()}
     k = torch.randn(1, 1, layout.max_tokens + 1, 32)
+    fmt = CacheFormat(4, 4, s.block, s.recent)
     with pytest.raises(ValueError, match=re.escape(f"exceeds its capacity of {layout.max_tokens} tokens")):
-        torch_rkv.ops.cache.cache_append(*buffers_args(bufs), torch.zeros(1, dtype=torch.int64), k, k, 4, 4, s.block,
-                                         s.recent)
+        torch_rkv.ops.cache.cache_append(*sides(bufs), torch.zeros(1, dtype=torch.int64), k, k, fmt)
     assert all(torch.equal(bufs[n], before[n]) for n in bufs)
     with pytest.raises(TypeError, match="must have the cache's full-precision dtype"):
-        torch_rkv.ops.cache.cache_append(*buffers_args(bufs), torch.zeros(1, dtype=torch.int64), k[:, :, :2].half(),
-                                         k[:, :, :2].half(), 4, 4, s.block, s.recent)
+        torch_rkv.ops.cache.cache_append(*sides(bufs), torch.zeros(1, dtype=torch.int64), k[:, :, :2].half(),
+                                         k[:, :, :2].half(), fmt)
     with pytest.raises(ValueError, match="k_window must be contiguous"):
         args = buffers_args(bufs)
         args[BUFFERS.index("k_window")] = torch.zeros(1, 1, 32, layout.window).transpose(-1, -2)
-        torch_rkv.ops.cache.cache_append(*args, torch.zeros(1, dtype=torch.int64), k[:, :, :2], k[:, :, :2], 4, 4,
-                                         s.block, s.recent)
+        torch_rkv.ops.cache.cache_append(*split_sides(args), torch.zeros(1, dtype=torch.int64), k[:, :, :2],
+                                         k[:, :, :2], fmt)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -288,9 +288,8 @@ def test_sliding_window_ring_attends_as_a_full_cache(device, scheme, window):
             ring.append(0, k, v)
             full.append(0, k, v)
             got = ring.attend(0, q[:, :, 0])
-            want = torch_rkv.decode_attention(q[:, :, 0], *full.layer_buffers(0), full.lengths[0], scheme.k_bits,
-                                              scheme.v_bits, scheme.block, scheme.recent, full.rope_cos, full.rope_sin,
-                                              False, full.k_signs, full.v_signs, sliding_window=window)
+            want = torch_rkv.decode_attention(q[:, :, 0], *full.sides(0), full.lengths[0], scheme.format,
+                                              full.rotations.options(sliding_window=window))
         else:
             got = ring.prefill(0, q, k, v)
             full.sliding_window = window  # its buffers hold every token: the window only masks
@@ -334,8 +333,8 @@ def test_sliding_window_and_softcap_errors_name_the_argument():
     full = make_cache(s, capacity=64, layers=1, batch=1)
     b = ring.layer_buffers(0)
     q = torch.randn(1, 4, 32)
-    call = lambda bufs, **kw: torch_rkv.decode_attention(q, *bufs, ring.lengths[0], s.k_bits, s.v_bits, s.block,  # noqa: E731
-                                                         s.recent, ring.rope_cos, ring.rope_sin, **kw)
+    call = lambda bufs, **kw: torch_rkv.decode_attention(  # noqa: E731
+        q, *split_sides(bufs), ring.lengths[0], s.format, AttentionOptions(ring.rope_cos, ring.rope_sin, **kw))
     with pytest.raises(ValueError, match=re.escape("rkv.decode_attention: sliding_window must be >= 0")):
         call(b, sliding_window=-1)
     with pytest.raises(ValueError, match=re.escape("rkv.decode_attention: softcap must be finite and >= 0")):
@@ -347,7 +346,7 @@ def test_sliding_window_and_softcap_errors_name_the_argument():
     k = torch.randn(1, 2, 18, 32)
     with pytest.raises(ValueError, match=re.escape("rkv.cache_append: a ring of 24 packed rows (sliding_window=20) "
                                                    "takes at most 17 tokens per append (k_new has 18)")):
-        torch_rkv.ops.cache.cache_append(*b, ring.lengths[0], k, k, s.k_bits, s.v_bits, s.block, s.recent,
-                                         sliding_window=20)
+        torch_rkv.ops.cache.cache_append(*split_sides(b), ring.lengths[0], k, k,
+                                         CacheFormat(s.k_bits, s.v_bits, s.block, s.recent), sliding_window=20)
     ring.append(0, k, k)  # the cache appends in pieces
     assert ring.seq_length(0) == 18

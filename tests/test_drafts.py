@@ -12,6 +12,7 @@ from torch_rkv import reference as ref
 from torch_rkv import scheme as presets
 from torch_rkv.layout import PageLayout, side_shapes
 from torch_rkv.ops import paged as ops
+from torch_rkv.ops.structs import split_sides
 
 D, PAGE, PAGES = 64, 128, 6
 
@@ -31,8 +32,8 @@ TABLES, SLOTS = torch.arange(PAGES, dtype=torch.int32)[None], torch.zeros(1, dty
 
 
 def append(scheme, c, n, k, v):
-    ops.paged_append(*c, None, TABLES, SLOTS, torch.tensor([n]), torch.tensor([0, k.shape[0]]), k, v, scheme.k_bits,
-                     scheme.v_bits, scheme.block, scheme.recent, scheme.k_clip, scheme.v_clip)
+    ops.paged_append(*split_sides(c), k, v, scheme.format, lengths=torch.tensor([n]),
+                     query_start_loc=torch.tensor([0, k.shape[0]]), block_tables=TABLES, side_slots=SLOTS)
 
 
 def largest_gap(name, drafts, ring_drafts, seed=0, end=PAGES * PAGE - 8) -> float:

@@ -18,6 +18,7 @@ from torch_rkv.cache import QuantizedKVCache, layer_outliers
 from torch_rkv.eval.simulate import Simulation
 from torch_rkv.integrations.vllm_pool import content_bytes
 from torch_rkv.layout import CacheLayout, PageLayout
+from torch_rkv.ops.structs import CacheFormat, split_sides
 from torch_rkv.paged import PagedQuantizedKVCache
 
 from conftest import device_params
@@ -212,6 +213,7 @@ def test_buffers_not_contiguous_within_a_page_are_refused_when_traced_too(mode):
     bufs = CacheLayout(s, 1, 2, 64, 256).allocate()
     names = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink")
     k = torch.randn(1, 2, 4, 64).half()
+    fmt = CacheFormat(2, 2, s.block, s.recent)
 
     def strided(t):  # the same shape, heads innermost: not contiguous within a page
         return t.transpose(1, 2).contiguous().transpose(1, 2)
@@ -220,8 +222,8 @@ def test_buffers_not_contiguous_within_a_page_are_refused_when_traced_too(mode):
         b = {**bufs, **swap}
 
         def append():
-            torch_rkv.ops.cache.cache_append(*[b[n] for n in names], torch.tensor([0]), k, k, 2, 2, s.block, s.recent,
-                                             k_outliers=b["k_outliers"], v_outliers=b["v_outliers"])
+            sides = split_sides([b[n] for n in names], outliers=(b["k_outliers"], b["v_outliers"]))
+            torch_rkv.ops.cache.cache_append(*sides, torch.tensor([0]), k, k, fmt)
 
         if mode == "fake":
             with FakeTensorMode(allow_non_fake_inputs=True):
@@ -244,8 +246,11 @@ def test_bad_outlier_buffers_name_the_argument():
     args = [bufs.get(n) for n in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window",
                                   "v_window", "k_sink", "v_sink")]
     k = torch.randn(1, 2, 4, 64).half()
-    call = lambda **kw: torch_rkv.ops.cache.cache_append(*args, torch.tensor([0]), k, k, 2, 2, s.block,
-                                                          s.recent, **kw)
+
+    def call(k_outliers=None, v_outliers=None):
+        torch_rkv.ops.cache.cache_append(*split_sides(args, outliers=(k_outliers, v_outliers)), torch.tensor([0]), k,
+                                         k, CacheFormat(2, 2, s.block, s.recent))
+
     with pytest.raises(TypeError, match="rkv.cache_append: k_outliers must be int32"):
         call(k_outliers=bufs["k_outliers"].float())
     with pytest.raises(ValueError, match=r"rkv.cache_append: v_outliers must have shape \(1, 2, 2, outliers"):
@@ -255,11 +260,11 @@ def test_bad_outlier_buffers_name_the_argument():
         CacheLayout(big.replace(outliers=0.01), 1, 1, 128, 1024)
     b = CacheLayout(big, 1, 1, 128, 1024).allocate()  # and the op, for an outlier buffer made by hand
     with pytest.raises(ValueError, match="block x head_dim must be <= 65535"):
-        torch_rkv.ops.cache.cache_append(*[b.get(n) for n in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale",
-                                                               "v_zero", "k_window", "v_window", "k_sink", "v_sink")],
-                                         torch.tensor([0]), torch.randn(1, 1, 4, 128).half(),
-                                         torch.randn(1, 1, 4, 128).half(), 2, 2, 1024, big.recent,
-                                         k_outliers=torch.zeros(1, 1, 1, 8, dtype=torch.int32))
+        sides = split_sides([b.get(n) for n in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero",
+                                                "k_window", "v_window", "k_sink", "v_sink")],
+                            outliers=(torch.zeros(1, 1, 1, 8, dtype=torch.int32), None))
+        torch_rkv.ops.cache.cache_append(*sides, torch.tensor([0]), torch.randn(1, 1, 4, 128).half(),
+                                         torch.randn(1, 1, 4, 128).half(), CacheFormat(2, 2, 1024, big.recent))
 
 
 def test_outlier_positions_bound_block_times_head_dim_when_the_scheme_is_checked():

@@ -20,6 +20,7 @@ from torch_rkv import scheme as presets
 from torch_rkv.cache import QuantizedKVCache
 from torch_rkv.layout import PageLayout
 from torch_rkv.ops import paged as ops
+from torch_rkv.ops.structs import AttentionOptions, CacheFormat, split_sides
 from torch_rkv.paged import PagedQuantizedKVCache
 from torch_rkv.scheme import Scheme
 
@@ -78,8 +79,8 @@ def test_paged_append_matches_reference_and_writes_nothing_else(device, s, data)
         qsl = torch.tensor([0] + counts).cumsum(0)
         ref.paged_append(*want.tensors(), want.fill, tables, slots, lengths, qsl, k, v, s.k_bits, s.v_bits, s.block,
                          s.recent, s.k_clip, s.v_clip, k_levels=kl, v_levels=vl)
-        ops.paged_append(*got.tensors(), got.fill, on(tables), on(slots), on(lengths), on(qsl), on(k), on(v), s.k_bits,
-                         s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, k_levels=on(kl), v_levels=on(vl))
+        ops.paged_append(*got.sides(levels=(on(kl), on(vl))), on(k), on(v), s.format, lengths=on(lengths),
+                         query_start_loc=on(qsl), block_tables=on(tables), side_slots=on(slots), page_fill=got.fill)
         lengths += torch.tensor(counts)
         assert got.equal(want)
 
@@ -158,17 +159,18 @@ def test_paged_decode_matches_reference(device, s, data):
     q = torch.randn(b, c["heads"], c["d"], generator=c["gen"]).to(c["q_dtype"])
     pool = c["pool"].clone(device)
     on = lambda t: None if t is None else t.to(device)  # noqa: E731
-    args = (c["tables"], c["slots"], torch.tensor(c["lengths"]), s.k_bits, s.v_bits, s.block, s.recent)
+    tables, slots, n = c["tables"], c["slots"], torch.tensor(c["lengths"])
+    args = (tables, slots, n, s.k_bits, s.v_bits, s.block, s.recent)
     window, cap = window_and_cap(data)
     sink_logits = draw_sink_logits(data, c["heads"])
     kl, vl = c["levels"]
     want = ref.paged_decode_attention(q, *c["pool"].tensors(), *args, *c["rope"], c["interleaved"], c["k_signs"],
                                       c["v_signs"], sliding_window=window, softcap=cap, k_levels=kl, v_levels=vl,
                                       sink_logits=sink_logits)
-    got = ops.paged_decode_attention(on(q), *pool.tensors(), *(on(a) if torch.is_tensor(a) else a for a in args),
-                                     on(c["rope"][0]), on(c["rope"][1]), c["interleaved"], on(c["k_signs"]),
-                                     on(c["v_signs"]), split_tokens=c["split"], sliding_window=window, softcap=cap,
-                                     k_levels=on(kl), v_levels=on(vl), sink_logits=on(sink_logits))
+    opts = AttentionOptions(on(c["rope"][0]), on(c["rope"][1]), c["interleaved"], on(c["k_signs"]), on(c["v_signs"]),
+                            sliding_window=window, softcap=cap, sink_logits=on(sink_logits))
+    got = ops.paged_decode_attention(on(q), *pool.sides(levels=(on(kl), on(vl))), s.format, opts, lengths=on(n),
+                                     block_tables=on(tables), side_slots=on(slots), split_tokens=c["split"])
     assert got.shape == q.shape and got.dtype == q.dtype
     tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
     assert (got.cpu().float() - want.float()).abs().max().item() <= tol
@@ -190,18 +192,19 @@ def test_paged_prefill_matches_reference(device, s, data):
     qsl = torch.tensor([0] + counts).cumsum(0)
     pool = c["pool"].clone(device)
     on = lambda x: None if x is None else x.to(device)  # noqa: E731
-    args = (c["tables"], c["slots"], torch.tensor(lengths), s.k_bits, s.v_bits, s.block, s.recent)
+    tables, slots, n = c["tables"], c["slots"], torch.tensor(lengths)
+    args = (tables, slots, n, s.k_bits, s.v_bits, s.block, s.recent)
     window, cap = window_and_cap(data)
     sink_logits = draw_sink_logits(data, c["heads"])
     kl, vl = c["levels"]
     want = ref.paged_prefill_attention(q, kn, vn, qsl, *c["pool"].tensors(), *args, *c["rope"], c["interleaved"],
                                        c["k_signs"], c["v_signs"], sliding_window=window, softcap=cap, k_levels=kl,
                                        v_levels=vl, sink_logits=sink_logits)
-    got = ops.paged_prefill_attention(on(q), on(kn), on(vn), on(qsl), max(counts), *pool.tensors(),
-                                      *(on(a) if torch.is_tensor(a) else a for a in args), on(c["rope"][0]),
-                                      on(c["rope"][1]), c["interleaved"], on(c["k_signs"]), on(c["v_signs"]),
-                                      split_tokens=c["split"], sliding_window=window, softcap=cap, k_levels=on(kl),
-                                      v_levels=on(vl), sink_logits=on(sink_logits))
+    opts = AttentionOptions(on(c["rope"][0]), on(c["rope"][1]), c["interleaved"], on(c["k_signs"]), on(c["v_signs"]),
+                            sliding_window=window, softcap=cap, sink_logits=on(sink_logits))
+    got = ops.paged_prefill_attention(on(q), on(kn), on(vn), *pool.sides(levels=(on(kl), on(vl))), s.format, opts,
+                                      query_start_loc=on(qsl), max_query_len=max(counts), lengths=on(n),
+                                      block_tables=on(tables), side_slots=on(slots), split_tokens=c["split"])
     tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
     assert (got.cpu().float() - want.float()).abs().max().item() <= tol
     assert torch.equal(got[-2:].cpu(), torch.zeros_like(got[-2:].cpu()))
@@ -226,18 +229,17 @@ def test_a_decode_step_reads_the_same_through_either_kernel(device, s, data):
     on = lambda x: None if x is None else x.to(device)
     qsl, n = on(torch.arange(b + 1)), on(torch.tensor(lengths))
     kl, vl = c["levels"]
-    common = (on(c["tables"]), on(c["slots"]))
-    attend = {"rope_cos": on(c["rope"][0]), "rope_sin": on(c["rope"][1]), "rope_interleaved": c["interleaved"],
-              "k_signs": on(c["k_signs"]), "v_signs": on(c["v_signs"]), "split_tokens": c["split"],
-              "k_levels": on(kl), "v_levels": on(vl), "sliding_window": window, "softcap": cap,
-              "sink_logits": on(draw_sink_logits(data, c["heads"]))}
-    bits = (s.k_bits, s.v_bits, s.block, s.recent)
-    prefilled = ops.paged_prefill_attention(on(q), on(kn), on(vn), qsl, 1, *c["pool"].clone(device).tensors(),
-                                            *common, n, *bits, **attend)
+    levels = (on(kl), on(vl))
+    common = {"block_tables": on(c["tables"]), "side_slots": on(c["slots"])}
+    opts = AttentionOptions(on(c["rope"][0]), on(c["rope"][1]), c["interleaved"], on(c["k_signs"]), on(c["v_signs"]),
+                            sliding_window=window, softcap=cap, sink_logits=on(draw_sink_logits(data, c["heads"])))
+    prefilled = ops.paged_prefill_attention(on(q), on(kn), on(vn), *c["pool"].clone(device).sides(levels), s.format,
+                                            opts, query_start_loc=qsl, max_query_len=1, lengths=n, **common,
+                                            split_tokens=c["split"])
     pool = c["pool"].clone(device)
-    ops.paged_append(*pool.tensors(), None, *common, n, qsl, on(kn), on(vn), *bits, s.k_clip, s.v_clip,
-                     k_levels=on(kl), v_levels=on(vl))
-    decoded = ops.paged_decode_attention(on(q), *pool.tensors(), *common, n + 1, *bits, **attend)
+    ops.paged_append(*pool.sides(levels), on(kn), on(vn), s.format, lengths=n, query_start_loc=qsl, **common)
+    decoded = ops.paged_decode_attention(on(q), *pool.sides(levels), s.format, opts, lengths=n + 1, **common,
+                                         split_tokens=c["split"])
     tol = float_tolerance(q, c["keys"], c["values"], q.dtype)
     assert (decoded.cpu().float() - prefilled.cpu().float()).abs().max().item() <= tol
 
@@ -706,9 +708,10 @@ def error_setup(device="cpu"):
 def append_call(scheme, pool, tables, slots, lengths, counts, fill=True, slot_mapping=None, device="cpu"):
     qsl = torch.tensor([0] + counts, device=device).cumsum(0)
     k = torch.randn(sum(counts), 1, 32, device=device)
-    ops.paged_append(*pool.tensors(), pool.fill if fill else None, tables, slots,
-                     torch.tensor(lengths, device=device), qsl, k, k.clone(), scheme.k_bits, scheme.v_bits,
-                     scheme.block, scheme.recent, slot_mapping=slot_mapping)
+    fmt = CacheFormat(scheme.k_bits, scheme.v_bits, scheme.block, scheme.recent)
+    ops.paged_append(*pool.sides(), k, k.clone(), fmt, lengths=torch.tensor(lengths, device=device),
+                     query_start_loc=qsl, block_tables=tables, side_slots=slots,
+                     page_fill=pool.fill if fill else None, slot_mapping=slot_mapping)
 
 
 @pytest.mark.parametrize("device", DEVICES + ["meta"])
@@ -775,22 +778,25 @@ def test_decode_and_prefill_errors_name_the_argument():
     s, pool, tables, slots = error_setup()
     append_call(s, pool, tables, slots, [0, 0], [5, 5])
     q = torch.randn(2, 2, 32)
-    args = (s.k_bits, s.v_bits, s.block, s.recent)
+    k, v = pool.sides()
     with pytest.raises(ValueError, match=re.escape("rkv.paged_decode_attention: lengths[1] = 40 is outside [0, 32] "
                                                    "(2 pages of 16 tokens)")):
-        ops.paged_decode_attention(q, *pool.tensors(), tables, slots, torch.tensor([5, 40]), *args)
+        ops.paged_decode_attention(q, k, v, s.format, lengths=torch.tensor([5, 40]), block_tables=tables,
+                                   side_slots=slots)
     with pytest.raises(ValueError, match=re.escape("rkv.paged_decode_attention: lengths must have shape (2,)")):
-        ops.paged_decode_attention(q, *pool.tensors(), tables, slots, torch.tensor([5]), *args)
+        ops.paged_decode_attention(q, k, v, s.format, lengths=torch.tensor([5]), block_tables=tables, side_slots=slots)
     with pytest.raises(ValueError, match=re.escape("rkv.paged_decode_attention: block_tables[0][0] = -1 is outside")):
-        ops.paged_decode_attention(q, *pool.tensors(), torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32), slots,
-                                   torch.tensor([5, 5]), *args)
+        ops.paged_decode_attention(q, k, v, s.format, lengths=torch.tensor([5, 5]),
+                                   block_tables=torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32), side_slots=slots)
     kn = torch.randn(3, 1, 32)
     with pytest.raises(ValueError, match=re.escape("more than max_query_len (1)")):
-        ops.paged_prefill_attention(torch.randn(3, 2, 32), kn, kn, torch.tensor([0, 1, 3]), 1, *pool.tensors(),
-                                    tables, slots, torch.tensor([5, 5]), *args)
+        ops.paged_prefill_attention(torch.randn(3, 2, 32), kn, kn, k, v, s.format,
+                                    query_start_loc=torch.tensor([0, 1, 3]), max_query_len=1, lengths=torch.tensor([5, 5]), block_tables=tables,
+                                    side_slots=slots)
     with pytest.raises(ValueError, match=re.escape("rkv.paged_prefill_attention: k_new must have shape (3, 1, 32)")):
-        ops.paged_prefill_attention(torch.randn(3, 2, 32), kn[:2], kn[:2], torch.tensor([0, 1, 3]), 2,
-                                    *pool.tensors(), tables, slots, torch.tensor([5, 5]), *args)
+        ops.paged_prefill_attention(torch.randn(3, 2, 32), kn[:2], kn[:2], k, v, s.format,
+                                    query_start_loc=torch.tensor([0, 1, 3]), max_query_len=2,
+                                    lengths=torch.tensor([5, 5]), block_tables=tables, side_slots=slots)
 
 
 def test_paged_copy_copies_pages_and_slots_and_names_bad_ids():
@@ -799,16 +805,16 @@ def test_paged_copy_copies_pages_and_slots_and_names_bad_ids():
     want = pool.clone()
     ref.paged_copy(*want.tensors(), want.fill, torch.tensor([1]), torch.tensor([3]), torch.tensor([0]),
                    torch.tensor([1]))
-    ops.paged_copy(*pool.tensors(), pool.fill, torch.tensor([1]), torch.tensor([3]), torch.tensor([0]),
-                   torch.tensor([1]))
+    ops.paged_copy(*pool.sides(), src_pages=torch.tensor([1]), dst_pages=torch.tensor([3]),
+                   src_slots=torch.tensor([0]), dst_slots=torch.tensor([1]), page_fill=pool.fill)
     assert pool.equal(want) and torch.equal(pool.raw[3], pool.raw[1])
     with pytest.raises(ValueError, match=re.escape("rkv.paged_copy: src_pages[0] = 4 or dst_pages[0] = 0 is outside "
                                                    "the 4 pages")):
-        ops.paged_copy(*pool.tensors(), pool.fill, torch.tensor([4]), torch.tensor([0]), torch.tensor([0]),
-                       torch.tensor([1]))
+        ops.paged_copy(*pool.sides(), src_pages=torch.tensor([4]), dst_pages=torch.tensor([0]),
+                       src_slots=torch.tensor([0]), dst_slots=torch.tensor([1]), page_fill=pool.fill)
     with pytest.raises(ValueError, match=re.escape("rkv.paged_copy: dst_slots names side slots 1 twice")):
-        ops.paged_copy(*pool.tensors(), pool.fill, torch.tensor([1]), torch.tensor([3]), torch.tensor([0, 0]),
-                       torch.tensor([1, 1]))
+        ops.paged_copy(*pool.sides(), src_pages=torch.tensor([1]), dst_pages=torch.tensor([3]),
+                       src_slots=torch.tensor([0, 0]), dst_slots=torch.tensor([1, 1]), page_fill=pool.fill)
 
 
 @pytest.mark.parametrize("device", DEVICES + ["meta"])
@@ -819,10 +825,11 @@ def test_paged_copy_names_bad_buffers(device):
     t = pool.tensors()
     outl = torch.zeros(4, 1, 1, 3, dtype=torch.int32, device=dev)  # pages, heads, blocks per page, entries
 
-    def call(tensors=t, src=(1,), dst=(3,), **kw):
+    def call(tensors=t, src=(1,), dst=(3,), k_outliers=None, v_outliers=None):
         def copy():
             ids = [torch.tensor(v, device=dev) for v in (src, dst, (0,), (1,))]
-            return ops.paged_copy(*tensors, pool.fill, *ids, **kw)
+            return ops.paged_copy(*split_sides(tensors, outliers=(k_outliers, v_outliers)), page_fill=pool.fill,
+                                  **dict(zip(("src_pages", "dst_pages", "src_slots", "dst_slots"), ids)))
 
         return _fake(copy) if device == "meta" else copy()
 

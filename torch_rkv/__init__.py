@@ -16,7 +16,7 @@ from .ops.hadamard import hadamard, hadamard_signs
 from .ops.pack import pack, unpack
 from .ops.quant import Quantized, dequantize, quantize
 from .ops.rope import rope, rope_tables
-from . import scheme  # noqa: E402  (presets: torch_rkv.scheme.recommended(3), ...)
+from . import scheme  # noqa: E402, F401  (presets: torch_rkv.scheme.recommended(3), ...)
 from .cache import QuantizedKVCache
 from .scheme import Scheme
 

@@ -17,11 +17,13 @@ from .codebook import layer_levels, level_buffers
 from .layout import CacheLayout
 from .ops.attention import decode_attention
 from .ops.cache import cache_append
+from .ops.hadamard import hadamard
 from .ops.paged import paged_prefill_attention
-from .ops.hadamard import hadamard, hadamard_signs
 from .ops.quant import Quantized, dequantize
 from .ops.rope import rope
+from .ops.structs import CacheSide, split_sides
 from .reference import outlier_residuals, quantized_count
+from .rotations import RotatedCache, scheme_rotations
 from .scheme import Scheme
 
 BUFFERS = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink")
@@ -34,7 +36,7 @@ def layer_outliers(cache, layer: int) -> tuple[Optional[torch.Tensor], Optional[
                  for name in ("k_outliers", "v_outliers"))
 
 
-class QuantizedKVCache(torch.nn.Module):
+class QuantizedKVCache(RotatedCache, torch.nn.Module):
     """layers x batch x kv_heads x capacity x head_dim, stored as `scheme` says.
 
     rope: (cos, sin) tables of shape (P, rot_dim/2), P >= max_tokens, the model's own rotation (needed
@@ -76,23 +78,11 @@ class QuantizedKVCache(torch.nn.Module):
         for name, (shape, dt) in self.layout.shapes().items():
             self.register_buffer(name, torch.zeros((num_layers, *shape), dtype=dt, device=device))
         self.register_buffer("lengths", torch.zeros(num_layers, batch, dtype=torch.int64, device=device))
-        self.register_buffer("rope_cos", None)
-        self.register_buffer("rope_sin", None)
-        if scheme.pre_rope:
-            if rope is None:
-                raise ValueError(f"QuantizedKVCache: scheme {scheme.name} stores pre-RoPE keys and needs the model's "
-                                 "rope tables: rope=(cos, sin), each (positions, rot_dim / 2)")
-            cos, sin = rope
-            if cos.shape[0] < self.layout.max_tokens:
-                raise ValueError(f"QuantizedKVCache: the rope tables cover {cos.shape[0]} positions, fewer than the "
-                                 f"cache's {self.layout.max_tokens} tokens")
-            self.rope_cos = cos.to(device=device, dtype=torch.float32).contiguous()
-            self.rope_sin = sin.to(device=device, dtype=torch.float32).contiguous()
+        rot = scheme_rotations(scheme, head_dim, rope, rope_interleaved, device, "QuantizedKVCache",
+                               self.layout.max_tokens, "the cache's")
+        self.register_rotations(rot)
         for name, t in level_buffers(scheme, num_layers, model_layers, device, "QuantizedKVCache").items():
             self.register_buffer(name, t)
-        self.register_buffer("k_signs", hadamard_signs(head_dim, scheme.hadamard_seed, device) if scheme.k_hadamard else None)
-        self.register_buffer("v_signs", hadamard_signs(head_dim, scheme.hadamard_seed + 1, device)
-                             if scheme.v_hadamard else None)
 
     # ---------------------------------------------------------------------------------------------
     @property
@@ -101,8 +91,13 @@ class QuantizedKVCache(torch.nn.Module):
         return self.layout.max_tokens
 
     def layer_buffers(self, layer: int) -> list[Optional[torch.Tensor]]:
+        """The layer's ten buffers in the ops' order (BUFFERS)."""
         self._check_layer(layer)
         return [None if getattr(self, name, None) is None else getattr(self, name)[layer] for name in BUFFERS]
+
+    def sides(self, layer: int) -> tuple[CacheSide, CacheSide]:
+        """The layer's keys and values as the cache ops take them: buffers, levels and sparse outliers."""
+        return split_sides(self.layer_buffers(layer), layer_levels(self, layer), layer_outliers(self, layer))
 
     def nbytes(self) -> int:
         """Exact bytes of the KV buffers (all layers), from the same layout that allocated them."""
@@ -121,14 +116,8 @@ class QuantizedKVCache(torch.nn.Module):
     # ---------------------------------------------------------------------------------------------
     def to_storage(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Post-RoPE keys / values (B, Hkv, m, D) -> the cache's storage space and dtype."""
-        if self.scheme.pre_rope:
-            m = k.shape[-2]
-            pos = self.lengths[layer][:, None, None] + torch.arange(m, device=k.device)  # (B, 1, m)
-            k = rope(k, self.rope_cos, self.rope_sin, pos, self.rope_interleaved, inverse=True)
-        if self.k_signs is not None:
-            k = hadamard(k, self.k_signs)
-        if self.v_signs is not None:
-            v = hadamard(v, self.v_signs)
+        pos = self.lengths[layer][:, None, None] + torch.arange(k.shape[-2], device=k.device)  # (B, 1, m)
+        k, v = self.rotations.to_storage(k, v, pos)
         return k.to(self.layout.dtype), v.to(self.layout.dtype)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -156,9 +145,8 @@ class QuantizedKVCache(torch.nn.Module):
         # must not wrap onto each other): a long prefill goes in pieces
         step = m if self.sliding_window == 0 else self.layout.packed_capacity - s.block + 1
         for i in range(0, m, step):
-            cache_append(*self.layer_buffers(layer), self.lengths[layer], ks[:, :, i : i + step], vs[:, :, i : i + step],
-                         s.k_bits, s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, self.sliding_window,
-                         *layer_levels(self, layer), *layer_outliers(self, layer))
+            cache_append(*self.sides(layer), self.lengths[layer], ks[:, :, i : i + step], vs[:, :, i : i + step],
+                         s.format, sliding_window=self.sliding_window)
             self.lengths[layer] += min(step, m - i)
 
     def attend(self, layer: int, q: torch.Tensor, scale: Optional[float] = None, split_tokens: int = 0,
@@ -166,11 +154,8 @@ class QuantizedKVCache(torch.nn.Module):
         """Attention of q (B, Hq, D), the newest token's post-RoPE query, over this layer's cache. sink_logits
         (Hq,): the layer's learned attention sinks (GPT-OSS; decode_attention), None: none."""
         self._check_layer(layer)
-        s = self.scheme
-        return decode_attention(q, *self.layer_buffers(layer), self.lengths[layer], s.k_bits, s.v_bits, s.block,
-                                s.recent, self.rope_cos, self.rope_sin, self.rope_interleaved, self.k_signs,
-                                self.v_signs, scale, split_tokens, self.sliding_window, self.softcap,
-                                *layer_levels(self, layer), *layer_outliers(self, layer), sink_logits)
+        return decode_attention(q, *self.sides(layer), self.lengths[layer], self.scheme.format,
+                                self.options(scale, sink_logits), split_tokens=split_tokens)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
                 split_tokens: int = 0, sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -194,12 +179,9 @@ class QuantizedKVCache(torch.nn.Module):
         b, hq, m, d = q.shape
         rows = lambda t: t.transpose(1, 2).reshape(b * m, t.shape[1], d)  # noqa: E731  (B, H, m, D) -> (B*m, H, D)
         qsl = torch.arange(b + 1, device=q.device) * m
-        s = self.scheme
-        out = paged_prefill_attention(rows(q), rows(ks), rows(vs), qsl, m, *self.layer_buffers(layer), None, None,
-                                      self.lengths[layer], s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
-                                      self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
-                                      split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer),
-                                      *layer_outliers(self, layer), sink_logits)
+        out = paged_prefill_attention(rows(q), rows(ks), rows(vs), *self.sides(layer), self.scheme.format,
+                                      self.options(scale, sink_logits), query_start_loc=qsl, max_query_len=m,
+                                      lengths=self.lengths[layer], split_tokens=split_tokens)
         return out.reshape(b, m, hq, d).transpose(1, 2)
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

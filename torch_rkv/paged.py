@@ -30,9 +30,9 @@ import torch
 from .cache import layer_outliers
 from .codebook import layer_levels, level_buffers
 from .layout import PageLayout, default_page_size
-from .ops.hadamard import hadamard, hadamard_signs
 from .ops.paged import paged_append, paged_copy, paged_decode_attention, paged_prefill_attention
-from .ops.rope import rope
+from .ops.structs import CacheSide, split_sides
+from .rotations import RotatedCache, scheme_rotations
 from .scheme import Scheme, per_layer
 
 
@@ -61,7 +61,7 @@ class _Sequence:
     length: int = 0
 
 
-class PagedQuantizedKVCache(torch.nn.Module):
+class PagedQuantizedKVCache(RotatedCache, torch.nn.Module):
     """num_layers x num_pages pages of page_size tokens (every kv head), and max_seqs side slots.
 
     scheme: one for every layer, or one per layer (a per-layer bit allocation, torch_rkv.allocate: the
@@ -113,23 +113,11 @@ class PagedQuantizedKVCache(torch.nn.Module):
         for name, (shape, dt) in self.layout.side_shapes(max_seqs).items():
             self.register_buffer(name, torch.zeros((num_layers, *shape), dtype=dt, device=device))
         self.register_buffer("page_fill", torch.zeros(num_layers, num_pages, dtype=torch.int32, device=device))
-        self.register_buffer("rope_cos", None)
-        self.register_buffer("rope_sin", None)
-        if scheme.pre_rope:
-            if rope is None:
-                raise ValueError(f"PagedQuantizedKVCache: scheme {scheme.name} stores pre-RoPE keys and needs the "
-                                 "model's rope tables: rope=(cos, sin), each (positions, rot_dim / 2)")
-            if rope[0].shape[0] < self.max_tokens:
-                raise ValueError(f"PagedQuantizedKVCache: the rope tables cover {rope[0].shape[0]} positions, fewer "
-                                 f"than a sequence's {self.max_tokens} tokens")
-            self.rope_cos = rope[0].to(device=device, dtype=torch.float32).contiguous()
-            self.rope_sin = rope[1].to(device=device, dtype=torch.float32).contiguous()
+        rot = scheme_rotations(scheme, head_dim, rope, rope_interleaved, device, "PagedQuantizedKVCache",
+                               self.max_tokens, "a sequence's")
+        self.register_rotations(rot)
         for name, t in level_buffers(scheme, num_layers, model_layers, device, "PagedQuantizedKVCache").items():
             self.register_buffer(name, t)
-        self.register_buffer("k_signs", hadamard_signs(head_dim, scheme.hadamard_seed, device)
-                             if scheme.k_hadamard else None)
-        self.register_buffer("v_signs", hadamard_signs(head_dim, scheme.hadamard_seed + 1, device)
-                             if scheme.v_hadamard else None)
         # host-side bookkeeping: which pages and slots are free, who references each page
         self._free_pages = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
@@ -218,7 +206,8 @@ class PagedQuantizedKVCache(torch.nn.Module):
         dst = torch.tensor(copy_dst, dtype=torch.int64, device=dev)
         slots = (torch.tensor([parent.slot], device=dev), torch.tensor([c.slot], device=dev))
         for layer in range(self.num_layers):
-            paged_copy(*self.layer_tensors(layer), self.page_fill[layer], src, dst, *slots, *layer_outliers(self, layer))
+            paged_copy(*self.sides(layer), src_pages=src, dst_pages=dst, src_slots=slots[0], dst_slots=slots[1],
+                       page_fill=self.page_fill[layer])
         return child
 
     def schedule(self, seqs: Sequence[int], counts: Sequence[int]) -> PagedBatch:
@@ -276,6 +265,11 @@ class PagedQuantizedKVCache(torch.nn.Module):
                 region("v_scale", layer), region("v_zero", layer), self.k_window[layer], self.v_window[layer],
                 self.k_sink[layer], self.v_sink[layer]]
 
+    def sides(self, layer: int) -> tuple[CacheSide, CacheSide]:
+        """The layer's keys and values as the paged ops take them: page regions, side slots, levels and
+        sparse outliers."""
+        return split_sides(self.layer_tensors(layer), layer_levels(self, layer), layer_outliers(self, layer))
+
     def _region(self, name: str, layer: int) -> Optional[torch.Tensor]:
         """Region `name` of `layer`'s pages (num_pages, kv_heads, rows, last dim), or None (not in the scheme)."""
         if name not in self.regions:
@@ -284,12 +278,7 @@ class PagedQuantizedKVCache(torch.nn.Module):
 
     def to_storage(self, batch: PagedBatch, k: torch.Tensor, v: torch.Tensor):
         """Post-RoPE keys / values (T, Hkv, D) at batch.positions -> the storage space and dtype."""
-        if self.scheme.pre_rope:
-            k = rope(k, self.rope_cos, self.rope_sin, batch.positions[:, None], self.rope_interleaved, inverse=True)
-        if self.k_signs is not None:
-            k = hadamard(k, self.k_signs)
-        if self.v_signs is not None:
-            v = hadamard(v, self.v_signs)
+        k, v = self.rotations.to_storage(k, v, batch.positions[:, None])
         return k.to(self.layout.dtype), v.to(self.layout.dtype)
 
     def append(self, layer: int, batch: PagedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -297,22 +286,19 @@ class PagedQuantizedKVCache(torch.nn.Module):
         self._append_storage(layer, batch, *self.to_storage(batch, k, v))
 
     def _append_storage(self, layer, batch, ks, vs) -> None:
-        s = self.schemes[layer]
-        paged_append(*self.layer_tensors(layer), self.page_fill[layer], batch.block_tables, batch.side_slots,
-                     batch.lengths, batch.query_start_loc, ks, vs, s.k_bits, s.v_bits, s.block, s.recent, s.k_clip,
-                     s.v_clip, None, *layer_levels(self, layer), *layer_outliers(self, layer))
+        paged_append(*self.sides(layer), ks, vs, self.schemes[layer].format, lengths=batch.lengths,
+                     query_start_loc=batch.query_start_loc, block_tables=batch.block_tables,
+                     side_slots=batch.side_slots, page_fill=self.page_fill[layer])
 
     def attend(self, layer: int, batch: PagedBatch, q: torch.Tensor, scale: Optional[float] = None,
                split_tokens: int = 0, sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Decode: attention (B, Hq, D) of each sequence's newest post-RoPE query q (B, Hq, D) over all its
         tokens, this step's appended ones included (call append first). sink_logits (Hq,): the layer's learned
         attention sinks (GPT-OSS), None: none."""
-        s = self.schemes[layer]
-        return paged_decode_attention(q, *self.layer_tensors(layer), batch.block_tables, batch.side_slots,
-                                      batch.lengths_after, s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos,
-                                      self.rope_sin, self.rope_interleaved, self.k_signs, self.v_signs, scale,
-                                      split_tokens, self.sliding_window, self.softcap, *layer_levels(self, layer),
-                                      *layer_outliers(self, layer), sink_logits)
+        return paged_decode_attention(q, *self.sides(layer), self.schemes[layer].format,
+                                      self.options(scale, sink_logits), lengths=batch.lengths_after,
+                                      block_tables=batch.block_tables, side_slots=batch.side_slots,
+                                      split_tokens=split_tokens)
 
     def prefill(self, layer: int, batch: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: Optional[float] = None, split_tokens: int = 0, sink_logits: Optional[torch.Tensor] = None
@@ -321,13 +307,11 @@ class PagedQuantizedKVCache(torch.nn.Module):
         cache and the chunk itself (in full precision), then the chunk's keys / values (T, Hkv, D)
         appended. Serves chunked prefill, a later turn and speculative verification. sink_logits: as attend's."""
         ks, vs = self.to_storage(batch, k, v)
-        s = self.schemes[layer]
-        out = paged_prefill_attention(q, ks, vs, batch.query_start_loc, batch.max_query_len,
-                                      *self.layer_tensors(layer), batch.block_tables, batch.side_slots, batch.lengths,
-                                      s.k_bits, s.v_bits, s.block, s.recent, self.rope_cos, self.rope_sin,
-                                      self.rope_interleaved, self.k_signs, self.v_signs, scale, split_tokens,
-                                      self.sliding_window, self.softcap, *layer_levels(self, layer),
-                                      *layer_outliers(self, layer), sink_logits)
+        out = paged_prefill_attention(q, ks, vs, *self.sides(layer), self.schemes[layer].format,
+                                      self.options(scale, sink_logits), query_start_loc=batch.query_start_loc,
+                                      max_query_len=batch.max_query_len, lengths=batch.lengths,
+                                      block_tables=batch.block_tables, side_slots=batch.side_slots,
+                                      split_tokens=split_tokens)
         self._append_storage(layer, batch, ks, vs)
         return out
 

@@ -678,6 +678,58 @@ def paged_prefill_attention(
     return out.to(q.dtype)
 
 
+def _paged_append_plan(num_pages: int, p: int, page_fill, block_tables, side_slots, lengths, query_start_loc,
+                       slot_mapping, ring: bool) -> list:
+    """paged_append's checks, all before its first write, and its plan: (sequence, tokens before and
+    after, first row in k_new / v_new, the sequence's pages, its side slot) per sequence."""
+    starts = [int(x) for x in query_start_loc]
+    plan = []
+    for b in range(len(starts) - 1):
+        n0, lo, hi = int(lengths[b]), starts[b], starts[b + 1]
+        n1 = n0 + hi - lo
+        pages = _pages_of(block_tables, b)
+        if ring:
+            pages = pages.repeat(-(-n1 // p))  # page b for every row of the ring, however long the sequence
+        elif n1 > len(pages) * p:
+            raise ValueError(f"rkv.paged_append: sequence {b} would hold {n1} tokens, beyond its table's "
+                             f"{len(pages)} pages of {p}")
+        for t in range(n0, n1):
+            page = int(pages[t // p])
+            if not 0 <= page < num_pages:
+                raise ValueError(f"rkv.paged_append: page id {page} (sequence {b}) is outside the pool of "
+                                 f"{num_pages} pages")
+            if page_fill is not None and int(page_fill[page]) > t % p:
+                raise ValueError(f"rkv.paged_append: sequence {b} writes row {t % p} of page {page}, which already "
+                                 f"holds {int(page_fill[page])} quantized rows (a full page is immutable)")
+            if slot_mapping is not None and int(slot_mapping[lo + t - n0]) != page * p + t % p:
+                raise ValueError(f"rkv.paged_append: slot_mapping[{lo + t - n0}] = {int(slot_mapping[lo + t - n0])} "
+                                 f"but the block table puts that token at slot {page * p + t % p}")
+        plan.append((b, n0, n1, lo, pages, _slot_of(side_slots, b)))
+    return plan
+
+
+def _write_block(codes, scale, zero, outliers, page: int, row: int, src: torch.Tensor, bits: int, clip: bool,
+                 levels, sinks_here: int) -> None:
+    """One completed block src (H, block, D) quantized into rows row.. of `page` (codes, metadata and,
+    with outliers, its row of sparse-outlier entries); its first sinks_here tokens are sink rows."""
+    block, p = src.shape[1], codes.shape[2]
+    per_meta = p // scale.shape[2]  # tokens per metadata row (the quantizer tile)
+    group = codes.shape[-1] * 8 // bits // scale.shape[-1]
+    taken = None
+    if outliers is not None:
+        taken = select_outliers(src.float().cpu(), outliers.shape[-1], per_meta, group, sinks_here)
+    c, sc, zr = quantize(src, bits, group, per_meta, zero is None, scale.dtype, clip, sink_rows=sinks_here,
+                         levels=levels, excluded=None if taken is None else taken.to(src.device))
+    if outliers is not None:
+        x_hat = dequantize(c, sc, zr if zero is not None else None, bits, levels=levels)
+        outliers[page, :, row // block] = outlier_entries(src.float().cpu(), x_hat.cpu(), taken,
+                                                          outliers.shape[-1]).to(outliers.device)
+    codes[page, :, row : row + block] = c
+    scale[page, :, row // per_meta : (row + block) // per_meta] = sc
+    if zero is not None:
+        zero[page, :, row // per_meta : (row + block) // per_meta] = zr
+
+
 def paged_append(
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     k_window, v_window, k_sink, v_sink,
@@ -713,29 +765,8 @@ def paged_append(
             raise ValueError(f"rkv.paged_append: {side}_clip needs asymmetric {'keys' if side == 'k' else 'values'} "
                              f"({side}_zero)")
     p, s, w = k_codes.shape[2], k_sink.shape[2], k_window.shape[2]
-    starts = [int(x) for x in query_start_loc]
-    plan = []
-    for b in range(len(starts) - 1):  # every check before the first write
-        n0, lo, hi = int(lengths[b]), starts[b], starts[b + 1]
-        n1 = n0 + hi - lo
-        pages = _pages_of(block_tables, b)
-        if ring:
-            pages = pages.repeat(-(-n1 // p))  # page b for every row of the ring, however long the sequence
-        elif n1 > len(pages) * p:
-            raise ValueError(f"rkv.paged_append: sequence {b} would hold {n1} tokens, beyond its table's "
-                             f"{len(pages)} pages of {p}")
-        for t in range(n0, n1):
-            page = int(pages[t // p])
-            if not 0 <= page < k_codes.shape[0]:
-                raise ValueError(f"rkv.paged_append: page id {page} (sequence {b}) is outside the pool of "
-                                 f"{k_codes.shape[0]} pages")
-            if page_fill is not None and int(page_fill[page]) > t % p:
-                raise ValueError(f"rkv.paged_append: sequence {b} writes row {t % p} of page {page}, which already "
-                                 f"holds {int(page_fill[page])} quantized rows (a full page is immutable)")
-            if slot_mapping is not None and int(slot_mapping[lo + t - n0]) != page * p + t % p:
-                raise ValueError(f"rkv.paged_append: slot_mapping[{lo + t - n0}] = {int(slot_mapping[lo + t - n0])} "
-                                 f"but the block table puts that token at slot {page * p + t % p}")
-        plan.append((b, n0, n1, lo, pages, _slot_of(side_slots, b)))
+    plan = _paged_append_plan(k_codes.shape[0], p, page_fill, block_tables, side_slots, lengths, query_start_loc,
+                              slot_mapping, ring)
     for b, n0, n1, lo, pages, slot in plan:
         q1 = quantized_count(n1, recent, block)
         for codes, scale, zero, bits, window, sink, new, clip, lv, outliers in (
@@ -750,26 +781,10 @@ def paged_append(
                 return sink[:, t] if t < s else window[:, t % w]
 
             for j in range(n0 // block, n1 // block):  # the blocks this append completes
-                per_meta = p // scale.shape[2]  # tokens per metadata row (the quantizer tile)
-                group = codes.shape[-1] * 8 // bits // scale.shape[-1]
                 first = j * block
                 src = torch.stack([token(t) for t in range(first, first + block)], dim=1)  # (H, block, D)
-                sinks_here = max(0, min(s - first, block))
-                taken = None
-                if outliers is not None:
-                    taken = select_outliers(src.float().cpu(), outliers.shape[-1], per_meta, group, sinks_here)
-                c, sc, zr = quantize(src, bits, group, per_meta, zero is None, scale.dtype, clip,
-                                     sink_rows=sinks_here, levels=lv,
-                                     excluded=None if taken is None else taken.to(src.device))
-                page, row = int(pages[first // p]), first % p
-                if outliers is not None:
-                    x_hat = dequantize(c, sc, zr if zero is not None else None, bits, levels=lv)
-                    outliers[page, :, row // block] = outlier_entries(src.float().cpu(), x_hat.cpu(), taken,
-                                                                      outliers.shape[-1]).to(outliers.device)
-                codes[page, :, row : row + block] = c
-                scale[page, :, row // per_meta : (row + block) // per_meta] = sc
-                if zero is not None:
-                    zero[page, :, row // per_meta : (row + block) // per_meta] = zr
+                _write_block(codes, scale, zero, outliers, int(pages[first // p]), first % p, src, bits, clip, lv,
+                             max(0, min(s - first, block)))
             for t in range(n0, min(n1, s)):
                 sink[:, t] = new[:, t - n0]
             for t in range(max(n0, s, q1), n1):

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from .ops.structs import CacheFormat
 from .outliers import outlier_bits
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -108,6 +109,11 @@ class Scheme:
     def block(self) -> int:
         """Tokens quantized together when the cache fills a block."""
         return max(self.k_block_tokens, self.v_block_tokens)
+
+    @property
+    def format(self) -> CacheFormat:
+        """The fields the cache ops take (bits, block, recent window, clipped ranges)."""
+        return CacheFormat(self.k_bits, self.v_bits, self.block, self.recent, self.k_clip, self.v_clip)
 
     def replace(self, **changes) -> "Scheme":
         return dataclasses.replace(self, **changes)
@@ -252,7 +258,7 @@ def vllm_fp8() -> Scheme:
 def recommended(bits: int = 4) -> Scheme:
     """The library's default: pre-RoPE per-channel keys (blocks of 128 tokens; at 2 bits with clipped
     ranges), Hadamard-rotated per-token values, the first 4 tokens and the newest 64 (128 at 2 bits) in
-    full precision. Chosen from the measurements in docs/guide.md: recent tokens and sinks help most,
+    full precision. Chosen from docs/measurements.md: recent tokens and sinks help most,
     values need as much care as keys, pre-RoPE per-channel keys beat every other key layout, and at 2
     bits a least-squares key range cuts the perplexity loss 4x (at 3 and 4 bits it gains nothing and
     costs attention fidelity)."""

