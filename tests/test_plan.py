@@ -562,7 +562,7 @@ def test_a_hybrids_recurrent_layers_keep_no_cache_in_the_plan(tmp_path, monkeypa
             for scheme in (S.recommended(4), S.per_token(2)):
                 for context in (8, 300):
                     cache = RKVCache(model.eval(), scheme, capacity=context, batch=2, dtype=torch.float16)
-                    # (the recurrent states: checked against a forward's in tests/test_families.py)
+                    # (the recurrent states: checked against a forward's in tests/test_families_hybrid.py)
                     assert plan.kv_bytes(shape, scheme, context, 2) == cache.nbytes() + 2 * shape.state_bytes()
         assert shape.state_bytes() > 0
         stateless = dataclasses.replace(shape, state=None)  # (a paged cache holds them once a sequence too)

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: a subcommand for each job, with its options."""
     parser = argparse.ArgumentParser(prog="python -m torch_rkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -57,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("export-model", help="write the default model as a plain Hugging Face directory (cached) and "
                    "print its path: what vLLM loads")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the subcommand `argv` (default: the process's arguments) names; its exit status."""
+    args = build_parser().parse_args(argv)
     if args.command == "export-model":
         from .eval import data
 

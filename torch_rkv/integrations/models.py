@@ -3,7 +3,7 @@ where the attention modules and the rotary table are, how RoPE pairs the channel
 GPT-J's interleaved pairs) and over how many (partial rotary), and which features of the model it cannot
 honour yet, each refused by name (UnsupportedModelFeature) rather than served wrong.
 
-Supported (tested on tiny random models of each: tests/test_families.py): Llama, Qwen2 / 2.5 (qkv bias,
+Supported (tested on tiny random models of each: tests/test_families_*.py): Llama, Qwen2 / 2.5 (qkv bias,
 use_sliding_window), Qwen3 (q/k RMSNorm before RoPE: the pre-RoPE keys are the normed ones), Mistral
 (v0.1's sliding window too), Phi-3-style models (fused qkv, LongRoPE), Gemma 2
 (sliding layers interleaved with global ones, attention-logit soft-capping, query_pre_attn_scalar) and
@@ -155,7 +155,7 @@ def attention_modules(model) -> tuple[nn.Module, ...]:
 
 def applies_rope(model_type: str, module: nn.Module) -> bool:
     """Whether a layer rotates its queries and keys, as its transformers module decides it (vLLM decides
-    some edge cases otherwise: vllm_backend.vllm_applies_rope). A family that skips RoPE in layers not
+    some edge cases otherwise: vllm_rope.vllm_applies_rope). A family that skips RoPE in layers not
     listed here would still be served right (a pre-RoPE cache un-rotates and re-rotates by one table),
     but its keys would quantize in a basis that turns with the position, as post-RoPE keys do."""
     if hasattr(module, "use_rope"):  # SmolLM3 (config.no_rope_layers)
@@ -234,6 +234,20 @@ def inspect(model) -> ModelAttention:
             if named != w:
                 _refuse(kind, f"layer {m.layer_idx}'s sliding window {m.sliding_window} that differs from its "
                               f"mask's {w}")
+    rotary, rope_types, length_dependent = _rope_types(model, cfg, kind, modules, layer_types)
+    sources = kv_sources(kind, modules, [(shapes[i], windows[i], rope_types[i]) for i in range(len(modules))])
+    return ModelAttention(kind, cfg.num_hidden_layers, tuple(s[0] for s in shapes), tuple(s[1] for s in shapes), rotary,
+                          interleaved=kind in _INTERLEAVED + _INTERLEAVED_TABLES,
+                          modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),
+                          softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
+                          length_dependent=length_dependent,
+                          learned_sinks=learned_sinks(modules), kv_sources=sources, layer_types=tuple(layer_types))
+
+
+def _rope_types(model, cfg, kind: str, modules: tuple, layer_types: list[str]) -> tuple[object, list, bool]:
+    """(the model's rotary embedding, None where it keeps none; each layer's rope type, NO_ROPE where its keys
+    are not rotated; whether the rotary table depends on the context length), for inspect: `modules` are the
+    layers' attention modules (None where a layer keeps no KV cache), `layer_types` their types."""
     base = getattr(model, "base_model", model)
     # (a vision-language model keeps its decoder's, M-RoPE in Qwen2/2.5/3-VL, in its language model)
     rotary = getattr(base, "rotary_emb", None) or getattr(getattr(base, "language_model", None), "rotary_emb", None)
@@ -257,13 +271,7 @@ def inspect(model) -> ModelAttention:
             _refuse(kind, f"the rotary table of {type(rotary).__name__}")
         rope_types = [t if m is None or applies_rope(kind, m) else NO_ROPE for m, t in zip(modules, rope_types)]
     rope_types = [t if m is not None else NO_ROPE for m, t in zip(modules, rope_types)]  # (no keys to rotate)
-    sources = kv_sources(kind, modules, [(shapes[i], windows[i], rope_types[i]) for i in range(len(modules))])
-    return ModelAttention(kind, cfg.num_hidden_layers, tuple(s[0] for s in shapes), tuple(s[1] for s in shapes), rotary,
-                          interleaved=kind in _INTERLEAVED + _INTERLEAVED_TABLES,
-                          modules=modules, windows=tuple(int(w) for w in windows), rope_types=tuple(rope_types),
-                          softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
-                          length_dependent=length_dependent,
-                          learned_sinks=learned_sinks(modules), kv_sources=sources, layer_types=tuple(layer_types))
+    return rotary, rope_types, length_dependent
 
 
 def check_attention_interface(model, implementation: str) -> None:
