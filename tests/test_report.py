@@ -493,17 +493,19 @@ def test_an_allocation_with_sparse_outliers_is_served_as_simulated(smollm2_alice
 def test_second_text_losses_pool_every_window():
     """A row's relative loss over several windows is the perplexity ratio over all their tokens (not one
     window's, nor a mean of per-window ratios), and its intervals draw from every window's tokens."""
-    from torch_rkv.eval.report import FULL, SECOND, Report
+    from torch_rkv.eval.report.losses import TokenLosses
+    from torch_rkv.eval.report.names import FULL_PRECISION, SECOND, RowName, TextRow
 
-    report = Report.__new__(Report)  # only the kept losses: no model
+    losses = TokenLosses()  # only the kept losses: no model
     g = torch.Generator().manual_seed(0)
     fp = [torch.rand(255, generator=g, dtype=torch.float64) + 2 for _ in range(3)]
     row = [fp[0] + 0.01, fp[1] + 0.05, fp[2] + 0.03]  # window losses of 1%, 5%, 3% (in log terms)
-    report.token_nll = {FULL: fp, "r": row, SECOND + FULL: fp[:2], SECOND + "r": [fp[0] + 0.02, fp[1] + 0.04]}
-    report.token_kl = {}
-    assert report.relative("r") == pytest.approx(math.exp(0.03) - 1, rel=1e-9)
-    assert report.relative(SECOND + "r") == pytest.approx(math.exp(0.03) - 1, rel=1e-9)
-    iv = report.loss_intervals("r")
+    r = RowName.parse("r")
+    losses.nll = {TextRow(FULL_PRECISION): fp, TextRow(r): row, TextRow(FULL_PRECISION, SECOND): fp[:2],
+                  TextRow(r, SECOND): [fp[0] + 0.02, fp[1] + 0.04]}
+    assert losses.relative(TextRow(r)) == pytest.approx(math.exp(0.03) - 1, rel=1e-9)
+    assert losses.relative(TextRow(r, SECOND)) == pytest.approx(math.exp(0.03) - 1, rel=1e-9)
+    iv = losses.intervals(r)
     assert iv["first_relative_interval"][0] < math.exp(0.03) - 1 < iv["first_relative_interval"][1]
     # one window's loss would be outside the pooled interval: the draws see all three windows
     assert not iv["first_relative_interval"][0] <= math.exp(0.01) - 1 <= iv["first_relative_interval"][1]
@@ -520,6 +522,80 @@ def test_second_text_windows_must_fit_in_the_text():
     with pytest.raises(data.MissingMaterial, match="second_windows 4 x --tokens 256"):
         report.opts = Options(tokens=256, second_windows=4)
         report.text_windows(torch.arange(800)[None], "t")
+
+
+class CharTokenizer:
+    """Characters as tokens (a code below the tiny model's vocabulary each): a Report without a real tokenizer."""
+
+    bos_token_id = bos_token = eos_token = None
+
+    def __call__(self, text, return_tensors=None):
+        class Out:
+            input_ids = torch.tensor([[ord(c) % 160 for c in text]])
+
+        return Out()
+
+
+ETA_MODES = {  # the options of each mode, and the sections that run
+    "quick": (lambda options: options.quick(), (
+        "full precision", "reproduction", "schemes", "8 bits", "allocation", "localization", "decode protocol",
+        "chunked prefill", "plots")),
+    "default": (lambda options: options(), (
+        "full precision", "reproduction", "schemes", "8 bits", "allocation", "localization", "decode protocol",
+        "chunked prefill", "plots")),
+    "full": (lambda options: options.full(), (
+        "full precision", "reproduction", "schemes", "8 bits", "long context", "allocation", "second text",
+        "localization", "decode protocol", "chunked prefill", "peers", "plots")),
+    # a model that cannot take several tokens over its cache (Jamba's): no localization or chunked prefill
+    "quick without chunks": (lambda options: options.quick().without_chunks(), (
+        "full precision", "reproduction", "schemes", "8 bits", "allocation", "decode protocol", "plots")),
+}
+
+
+@pytest.mark.parametrize("mode", list(ETA_MODES))
+def test_the_eta_is_the_cost_of_exactly_the_sections_that_run(mode, tmp_path, monkeypatch):
+    """The progress total (the ETA's whole) is the sum of the costs of the sections run() executes, each
+    counted once and none left out, plus measuring the sensitivity profile once (not stored here), for
+    the --quick, default and --full options, and for options less some sections. The sections that run
+    are the ones each mode asks for; the others leave an empty list in the results."""
+    from torch_rkv.eval.report import SECTIONS, Options, Report
+
+    monkeypatch.setenv("TORCH_RKV_CACHE", str(tmp_path))  # no stored profile: measuring it is planned
+    second = tmp_path / "second.txt"
+    second.write_text("the second text " * 1100)
+    monkeypatch.setattr(data, "text_path", lambda name: second)
+    make, expected = ETA_MODES[mode]
+    opts = make(Options)
+    report = Report(tiny_llama(), CharTokenizer(), "a first text " * 1400, opts, log=lambda line: None)
+    ran = []
+    for section in SECTIONS:  # each section's run, recorded instead of measured
+        monkeypatch.setattr(section, "run", lambda report, section=section: ran.append(section) or [])
+    results = report.run()
+    assert tuple(s.timing for s in ran) == expected == tuple(opts.timings)
+    assert all(s.cost(report) > 0 for s in ran)
+    profile = report.profile_cost()
+    assert profile > 0 and any(s.needs_profile(report) for s in ran)
+    assert report.progress.total == pytest.approx(sum(s.cost(report) for s in ran) + profile, rel=1e-12)
+    assert list(results) == [s.key for s in SECTIONS]
+    assert all(results[s.key] == [] for s in SECTIONS if s not in ran)
+
+
+def test_row_names_render_back_to_the_names_the_options_write():
+    """Every scheme name of the --quick, default and --full options parses into a RowName that prints as
+    the same string (the JSON's names); the kinds tell the profiled and per-layer rows apart."""
+    from torch_rkv.eval.report import FULL, Options, RowName
+
+    for opts in (Options.quick(), Options(), Options.full()):
+        for name in opts.named_schemes():
+            assert str(RowName.parse(name)) == name and f"{RowName.parse(name):>24s}" == f"{name:>24s}"
+    sparse, split, nu = (RowName.parse(n) for n in ("rkv-sparse-alloc-2.5", "rkv-split-3", "rkv-nu-3"))
+    assert (sparse.kind, sparse.bits, sparse.profiled) == ("sparse allocation", 2.5, True)
+    assert split == RowName.split(3.0) and str(split) == "rkv-split-3" and split.profiled
+    assert nu.per_layer and not nu.profiled and nu.bits == 3
+    assert RowName.parse("rkv-alloc-2.5") == RowName.allocation(2.5) != RowName.parse("rkv-sparse-alloc-2.5")
+    kivi = RowName.parse("kivi-2")
+    assert (kivi.kind, kivi.preset, kivi.per_layer) == ("preset", "kivi-2", False)
+    assert str(RowName.parse(FULL)) == FULL and RowName.parse(FULL).kind == "full precision"
 
 
 @pytest.mark.slow
