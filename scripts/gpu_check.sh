@@ -42,7 +42,7 @@ xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
 # the transformers modules are left out: they run no CUDA kernels, and a lent image's transformers may be
 # one the integration refuses (import error by design)
 timeout -k 10 "$(lim "${RKV_TESTS_S:-150}")" python -m pytest -q -p no:cacheprovider $xdist tests -k cuda \
-  --ignore=tests/test_families.py --ignore=tests/test_report.py --ignore=tests/test_transformers.py \
+  --ignore-glob='tests/test_families_*.py' --ignore=tests/test_report.py --ignore=tests/test_transformers.py \
   > "$out/tests_cuda.log" 2>&1
 rc=$?
 grep -E "^(FAILED|ERROR)" "$out/tests_cuda.log" | head -20 | tee -a "$out/summary.txt"

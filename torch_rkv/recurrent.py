@@ -4,7 +4,7 @@ caches, as transformers' mixers allocate it (LinearAttentionLayer's conv_states 
 It does not grow with the context, but every sequence holds one per recurrent layer: for Qwen3-Next-80B, 36
 gated-DeltaNet layers of 2.1 MB each, 78 MB a sequence, 15% of what a 128K-token sequence holds at rkv-2. The
 planner adds it to every row. Shapes are the mixers' own (each family names its dimensions in keys of its own),
-so only the families below are known; tests/test_families.py checks each against the states a forward allocates.
+so only the families below are known; tests/test_families_hybrid.py checks each against the states a forward allocates.
 """
 
 from __future__ import annotations

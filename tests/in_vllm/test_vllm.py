@@ -169,7 +169,7 @@ def test_a_qwen3_model_agrees_at_8_bits_with_vllms_own_cache(tiny_qwen3):
 
 # Gemma 4 scores q . k of RMS-normed heads with a scale of 1 (not 1 / sqrt(head_dim)): its log-probabilities
 # move about 3x more for the same key error, and where layers share caches a key's error reaches twice the
-# layers (tests/test_families.py)
+# layers (tests/familybuild.py)
 FAMILY_SENSITIVITY = {"gemma4": 0.6, "gemma4_shared": 1.2}
 
 
