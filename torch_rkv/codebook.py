@@ -191,6 +191,6 @@ def fp8_round_trip(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     x / scale rounded to the nearest e4m3 value, saturated at +-448, times scale (vLLM's scale is 1
     unless the checkpoint carries calibrated ones). 3 mantissa bits: steps of 2^(e - 3) in
     [2^e, 2^(e + 1)), 2^-9 below 2^-6. (vLLM's CPU kernels truncate instead, csrc/cpu/cpu_attn_fp8.hpp,
-    and lose more: docs/serving.md.)"""
+    and lose more: docs/measurements.md, "Peers".)"""
     y = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
     return y.to(torch.float8_e4m3fn).float() * scale

@@ -71,7 +71,7 @@ def quantize(
 
     clip=True (asymmetric only) picks each group's range among 11 shrinkages of [min, max] (0 to 25% of
     the span cut off each side) by least squared error: values beyond the chosen range saturate, the
-    rest get a finer grid. It pays at 2 bits (see docs/guide.md).
+    rest get a finer grid. It pays at 2 bits (docs/measurements.md, "Clipped key ranges").
 
     sink_rows: tokens [0, sink_rows) are attention sinks that a cache keeps in full precision: they are
     encoded but do not set the range of a group they share with other tokens.
