@@ -1,7 +1,8 @@
 """The report's long-context rows by themselves: each named scheme's perplexity change at --tokens tokens
 (default 8192, SmolLM2's window), its bits at the window split into codes, metadata, outliers and
-full-precision tokens, and its top-8 attention recall. `report --full` measures its own set of these rows
-among an hour of others; this measures any set in minutes, to find where a quality goal is reached.
+full-precision tokens, its top-8 attention recall and its mean KL divergence from full precision.
+`report --full` measures its own set of these rows among an hour of others; this measures any set in
+minutes, to find where a quality goal is reached.
 
     python scripts/long_context.py rkv-2 rkv-alloc-2.2 rkv-sparse-alloc-2.2 rkv-alloc-2.3 rkv-alloc-2.5
     # about a minute a row on 2 cores, the sensitivity profile cached (rkv-alloc-<bits>: the report's
@@ -9,6 +10,7 @@ among an hour of others; this measures any set in minutes, to find where a quali
 """
 
 import argparse
+import json
 import time
 
 import torch
@@ -23,6 +25,8 @@ def main() -> None:
                    "rkv-sparse-alloc-<bits>, rkv-split-<bits>")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--text", default=None, help="a local text file (default: alice29.txt)")
+    p.add_argument("--json", help="also write the rows here: a list with one entry per row (name, bits at the "
+                   "window, delta, top-8 recall, mean KL from full precision, and the rest the report keeps)")
     args = p.parse_args()
     model, tok = data.load_model()
     if args.tokens > model.config.max_position_embeddings:
@@ -37,7 +41,12 @@ def main() -> None:
         if name.startswith(PER_LAYER):
             widths = " ".join(f"{s.k_bits}{s.v_bits}" for s in report.layer_schemes(name))
             print(f"{name}: K/V bits by layer {widths}", flush=True)
-    print(format_long_context(report.long_context()))
+    rows = report.long_context()
+    print(format_long_context(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"name": x["scheme"], **{k: v for k, v in x.items() if k != "scheme"}} for x in rows], f,
+                      indent=1)
     print(f"\n{time.time() - start:.0f} s, {torch.get_num_threads()} threads")
 
 

@@ -431,8 +431,9 @@ def test_second_text_table_prints_intervals_and_judges_the_ratios():
 @pytest.mark.slow
 def test_the_full_modes_rows_on_smollm2(smollm2_alice):
     """--full's long-context row and several localization documents per length (CI-sized: 1024 and 512
-    tokens, 2 documents): full precision first, each scheme's bits counted at the window, 12 needles a
-    length, and the table prints the exact rate's interval and the log-probability gap."""
+    tokens, 2 documents): full precision first, each scheme's bits counted at the window and its mean KL
+    from full precision, 12 needles a length, and the table prints the exact rate's interval and the
+    log-probability gap."""
     from torch_rkv.eval.report import Options, Report, format_tables
 
     model, tok, text = smollm2_alice
@@ -445,13 +446,14 @@ def test_the_full_modes_rows_on_smollm2(smollm2_alice):
     assert 0 < long[1]["delta"] < 0.5 and long[1]["bits_at_window"] > S.by_name("rkv-4").effective_bits(64)
     assert sum(long[1]["bits_parts"].values()) == pytest.approx(long[1]["bits_at_window"])
     assert 0.5 < long[1]["top8_recall"] < 1 and long[0]["top8_recall"] == 1.0  # measured, not full precision's
+    assert long[0]["kl"] == 0.0 and 0 < long[1]["kl"] < 0.1  # each position's KL from full precision, averaged
     loc = report.localization()
     assert len([x for x in loc if x["scheme"] == "rkv-4"]) == 12
     assert len({(x["depth"], x["article"]) for x in loc if x["scheme"] == "full precision"}) == 12  # distinct
     text = format_tables({**{k: [] for k in ("reproduction", "schemes", "decode_protocol")},
                           "full_precision_ppl": 0.0, "long_context": long, "localization": loc})
     assert "Long context (1024 tokens" in text and "[0." in text
-    assert f"{long[1]['top8_recall']:6.3f}" in text.split("Long context")[1].splitlines()[3]
+    assert f"{long[1]['kl']:7.4f} {long[1]['top8_recall']:6.3f}" in text.split("Long context")[1].splitlines()[3]
 
 
 @pytest.mark.slow

@@ -73,11 +73,16 @@ class Report:
 
     # Measuring, each call advancing the progress by its cost.
 
+    def _logprobs(self, ids, sim) -> torch.Tensor:
+        """Each next token's log-probabilities over ids under sim (perplexity.simulated_logprobs)."""
+        logprobs = perplexity.simulated_logprobs(self.model, ids, sim)
+        self.progress.advance(forward_units(ids.shape[1]))
+        return logprobs
+
     def _simulated(self, ids, sim, keep: TextRow | None = None) -> float:
         """Perplexity of ids under sim; keep: also keep each token's loss under that row (TokenLosses.keep;
         the first text's rows, for the second text's intervals)."""
-        logprobs = perplexity.simulated_logprobs(self.model, ids, sim)
-        self.progress.advance(forward_units(ids.shape[1]))
+        logprobs = self._logprobs(ids, sim)
         if keep is not None:
             self.losses.keep(keep, logprobs, ids, reference=bool(self.opts.second_text))
         return perplexity.perplexity_of(logprobs, ids)

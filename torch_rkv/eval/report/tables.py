@@ -67,17 +67,18 @@ def second_text_table(rows: list[dict], measure: str, fmt) -> list[str]:
 
 
 def format_long_context(rows: list[dict]) -> str:
-    """The long-context rows: bits at the window and what they are spent on, perplexity, top-8 recall."""
+    """The long-context rows: bits at the window and what they are spent on, perplexity, mean KL from full
+    precision, top-8 recall."""
     lines = [f"\nLong context ({rows[0]['tokens']} tokens; bits at the window = codes + metadata + outliers + the "
-             "full-precision sinks, recent window and open block at 16 bits)",
+             "full-precision sinks, recent window and open block at 16 bits; KL: mean over positions, nats)",
              f"{'scheme':22s} {'bits':>5s} {'codes':>6s} {'meta':>5s} {'outl':>5s} {'fp16':>5s} {'ppl':>9s} "
-             f"{'delta':>8s} {'top-8':>6s}"]
+             f"{'delta':>8s} {'KL':>7s} {'top-8':>6s}"]
     for x in rows:
         parts = x["bits_parts"]
         cells = " ".join(f"{parts.get(k, 0.0):{w}.2f}" for k, w in
                          (("codes", 6), ("metadata", 5), ("outliers", 5), ("full_precision", 5)))
         lines.append(f"{x['scheme']:22s} {x['bits_at_window']:5.2f} {cells} {x['ppl']:9.3f} {x['delta']:+8.3f} "
-                     f"{x['top8_recall']:6.3f}")
+                     f"{x['kl']:7.4f} {x['top8_recall']:6.3f}")
     return "\n".join(lines)
 
 
