@@ -24,7 +24,7 @@ import torch
 
 from torch_rkv.allocate import allocate_average, refine
 from torch_rkv.eval import data, perplexity, sensitivity
-from torch_rkv.eval.report import ALLOCATED, Options, Report
+from torch_rkv.eval.report import Options, Report, RowName
 
 
 def main() -> None:
@@ -66,7 +66,7 @@ def main() -> None:
                                                        f"{layer}/{layers}", file=sys.stderr, flush=True))
         for target in args.targets:
             alloc = allocate_average(profile, target)
-            rows.append((f"{ALLOCATED}{target:g}", f"{n} tokens", alloc.schemes(),
+            rows.append((str(RowName.allocation(target)), f"{n} tokens", alloc.schemes(),
                          f"{alloc.describe()}  (predicted {alloc.predicted:.4f})"))
             if args.refine:
                 ids = sensitivity.calibration_ids(tok, sensitivity.CALIBRATION_TEXT, n)
@@ -75,7 +75,7 @@ def main() -> None:
                     progress=lambda i, total, n=n, t=target: print(f"refining {t:g} bits on {n} tokens: {i}/{total}",
                                                                    file=sys.stderr, flush=True) if i % 20 == 0 else None)
                 better = refine(alloc, cost, moves)
-                rows.append((f"{ALLOCATED}{target:g}+r", f"{n} tokens", better.schemes(),
+                rows.append((f"{RowName.allocation(target)}+r", f"{n} tokens", better.schemes(),
                              f"{better.describe()}  (measured {cost:.4f}, predicted {better.predicted:.4f})"))
     first, second = list(texts)[:2] if len(texts) > 1 else (args.texts[0], args.texts[0])
     print(f"SmolLM2, {args.tokens} tokens; full precision "

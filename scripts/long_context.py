@@ -16,7 +16,7 @@ import time
 import torch
 
 from torch_rkv.eval import data
-from torch_rkv.eval.report import PER_LAYER, Options, Report, format_long_context
+from torch_rkv.eval.report import Options, Report, RowName, format_long_context
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     start = time.time()
     report = Report(model, tok, data.read_text(args.text), opts, log=lambda s: print(s, flush=True))
     for name in args.schemes:
-        if name.startswith(PER_LAYER):
+        if RowName.parse(name).profiled:
             widths = " ".join(f"{s.k_bits}{s.v_bits}" for s in report.layer_schemes(name))
             print(f"{name}: K/V bits by layer {widths}", flush=True)
     rows = report.long_context()

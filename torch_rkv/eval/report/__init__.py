@@ -22,7 +22,7 @@ Rows are named by RowName (names.py). This package's names below are the ones ca
 from .bits import bits_parts_at, effective_bits_at
 from .cli import main
 from .families import CALIBRATED_LEVELS, DEFAULT_FAMILIES, FAMILIES, FULL_FAMILIES
-from .names import ALLOCATED, FULL, NON_UNIFORM, PER_LAYER, SPARSE_ALLOCATED, SPLIT, RowName, TextRow
+from .names import ALLOCATED, FULL, NON_UNIFORM, SPARSE_ALLOCATED, SPLIT, RowName, TextRow
 from .options import Options
 from .plan import SECTIONS, Plan
 from .report import Report
@@ -31,6 +31,6 @@ from .section import Section
 from .tables import format_localization, format_long_context, format_second_text, format_tables
 
 __all__ = ["ALLOCATED", "CALIBRATED_LEVELS", "DEFAULT_FAMILIES", "FAMILIES", "FULL", "FULL_FAMILIES", "NON_UNIFORM",
-           "PER_LAYER", "REFERENCE", "SECTIONS", "SPARSE_ALLOCATED", "SPLIT", "TOLERANCE", "Options", "Plan",
+           "REFERENCE", "SECTIONS", "SPARSE_ALLOCATED", "SPLIT", "TOLERANCE", "Options", "Plan",
            "Report", "RowName", "Section", "TextRow", "bits_parts_at", "effective_bits_at", "format_localization",
            "format_long_context", "format_second_text", "format_tables", "main", "reference_scheme"]

@@ -14,9 +14,6 @@ ALLOCATED = "rkv-alloc-"  # a per-layer allocation: rkv-alloc-<average code bits
 SPLIT = "rkv-split-"  # every layer the same key + value bits, split by the profile (pages of one size)
 SPARSE_ALLOCATED = "rkv-sparse-alloc-"  # rkv-alloc-<bits> with rkv-sparse's outliers in every layer
 NON_UNIFORM = "rkv-nu-"  # rkv-<bits> with the model's calibrated levels (torch_rkv.eval.levels)
-# The prefixes of the names resolved through the sensitivity profile. The report itself asks
-# RowName.profiled; the scripts under scripts/ test names against these prefixes.
-PER_LAYER = (ALLOCATED, SPLIT, SPARSE_ALLOCATED)
 
 # The kinds of row.
 PRESET = "preset"
