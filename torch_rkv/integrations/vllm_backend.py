@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..layout import PageLayout, side_shapes
 from ..ops.paged import paged_append, paged_decode_attention, paged_prefill_attention
-from ..ops.structs import CacheSide
+from ..ops.structs import CacheFormat, CacheSide
 from ..rotations import Rotations, scheme_rotations
 from ..scheme import Scheme
 from .models import identity_rope
@@ -292,15 +292,15 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         the decode kernel (the new tokens already appended), or the prefill kernel over the cache as stored
         and the step's tokens k, v in full precision."""
         opts = st.rotations.options(self.scale, self.sliding_window, self.softcap, self.sink_logits)
-        fmt, index = st.scheme.format, {"block_tables": md.block_tables, "side_slots": md.side_slots}
+        index = {"block_tables": md.block_tables, "side_slots": md.side_slots}
         if md.decode:
-            return paged_decode_attention(query, st.k, st.v, fmt, opts, lengths=md.seq_lens, **index)
-        return paged_prefill_attention(query, k, v, st.k, st.v, fmt, opts, query_start_loc=md.query_start_loc,
+            return paged_decode_attention(query, st.k, st.v, st.format, opts, lengths=md.seq_lens, **index)
+        return paged_prefill_attention(query, k, v, st.k, st.v, st.format, opts, query_start_loc=md.query_start_loc,
                                        max_query_len=md.max_query_len, lengths=md.lengths, **index)
 
     @staticmethod
     def _append(st: LayerState, md: RKVMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        paged_append(st.k, st.v, k, v, st.scheme.format, lengths=md.lengths, query_start_loc=md.query_start_loc,
+        paged_append(st.k, st.v, k, v, st.format, lengths=md.lengths, query_start_loc=md.query_start_loc,
                      block_tables=md.block_tables, side_slots=md.side_slots)
 
     def _forward_shared(self, layer, query: torch.Tensor, md: RKVMetadata, output: torch.Tensor) -> torch.Tensor:
@@ -361,7 +361,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         if self.state is None or self.state.side is not side or self.state.views is not views:
             k, v = (CacheSide(views[f"{x}_codes"], views[f"{x}_scale"], views.get(f"{x}_zero"), side[f"{x}_window"],
                               side[f"{x}_sink"], levels[i], outliers[i]) for i, x in enumerate("kv"))
-            self.state = LayerState(self.scheme, k, v, rotations, side, views)
+            self.state = LayerState(self.scheme.format, k, v, rotations, side, views)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: RKVMetadata | None, output: torch.Tensor, output_scale=None,
@@ -400,12 +400,12 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
 
 @dataclass
 class LayerState:
-    """A layer's tensors for its steps, gathered by its metadata builder (RKVAttentionImpl.prepare): the
-    scheme, each side's cache as the paged ops take it (page regions, side slots, levels, sparse
+    """A layer's tensors for its steps, gathered by its metadata builder (RKVAttentionImpl.prepare): its
+    scheme's format, each side's cache as the paged ops take it (page regions, side slots, levels, sparse
     outliers), the rotations, and the side pool and page views they were gathered from (a pool that
     grows, or a cache tensor vLLM replaces, makes a new state)."""
 
-    scheme: Scheme
+    format: CacheFormat
     k: CacheSide
     v: CacheSide
     rotations: Rotations
