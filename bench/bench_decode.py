@@ -78,7 +78,7 @@ def store_quantized(bufs: dict, s, side: str, x: torch.Tensor):
     """Quantize x (B, H, C, D) as the scheme's `side` ("k" or "v") into the cache buffers; the result."""
     group = getattr(s, f"{side}_group_size") or x.shape[-1]
     q = torch_rkv.quantize(x, getattr(s, f"{side}_bits"), group, getattr(s, f"{side}_block_tokens"),
-                           getattr(s, f"{side}_symmetric"), s.meta_dtype)
+                           getattr(s, f"{side}_symmetric"), s.side_meta_dtype(side))
     bufs[f"{side}_packed"].copy_(q.packed)
     bufs[f"{side}_scale"].copy_(q.scale)
     if q.zero is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from hypothesis import strategies as st
 
 import torch_rkv
 from torch_rkv import reference as ref
@@ -13,6 +14,14 @@ from torch_rkv.ops.structs import CacheFormat, CacheSide, split_sides  # noqa: F
 from torch_rkv.scheme import Scheme
 
 BUFFERS = ["k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink"]
+
+
+def meta_dtypes(draw) -> dict:
+    """A Scheme's metadata dtypes as the property tests draw them (inside a composite strategy): one of
+    the three floats for both sides, and now and then float8 e4m3 for the keys, the values or both."""
+    e4m3 = torch.float8_e4m3fn
+    return dict(meta_dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])),
+                k_meta_dtype=draw(st.sampled_from([None, None, e4m3])), v_meta_dtype=draw(st.sampled_from([None, None, e4m3])))
 
 
 def buffers_args(bufs: dict) -> list:

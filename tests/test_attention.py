@@ -11,6 +11,7 @@ from cachebuild import (
     build,
     case_levels,
     float_tolerance,
+    meta_dtypes,
     outliers_args,
     quantization_bound,
     sides,
@@ -43,7 +44,7 @@ def attention_cases(draw):
         v_block_tokens=1, k_symmetric=draw(st.booleans()), v_symmetric=draw(st.booleans()),
         pre_rope=key_space == "pre", k_hadamard=key_space == "hadamard", v_hadamard=draw(st.booleans()),
         sinks=draw(st.sampled_from([0, 1, 4])), recent=draw(st.sampled_from([0, 8])),
-        meta_dtype=draw(st.sampled_from([torch.float16, torch.float32, torch.bfloat16])),
+        **meta_dtypes(draw),
         outliers=draw(st.sampled_from([0.0, 0.0, 0.02])),  # sparse outliers in both sides' blocks
     )
     batch = draw(st.integers(1, 3))

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from cachebuild import BUFFERS, attention_fp32, buffers_args, outliers_args, quantization_bound, sides
+from cachebuild import BUFFERS, attention_fp32, buffers_args, meta_dtypes, outliers_args, quantization_bound, sides
 from conftest import device_params
 from hypothesis import given
 from hypothesis import strategies as st
@@ -32,7 +32,7 @@ def append_cases(draw):
         v_block_tokens=1 if k_kind != "token" else draw(st.sampled_from([1, block])),
         k_symmetric=draw(st.booleans()), v_symmetric=draw(st.booleans()),
         sinks=draw(st.sampled_from([0, 2])), recent=draw(st.sampled_from([0, 3, 8])),
-        meta_dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])),
+        **meta_dtypes(draw),
         outliers=draw(st.sampled_from([0.0, 0.0, 0.05])),  # sparse outliers: each block's entries too
     )
     scheme = scheme.replace(k_clip=not scheme.k_symmetric and draw(st.booleans()),

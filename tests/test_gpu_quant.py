@@ -339,7 +339,7 @@ def test_dequantize_bad_input_names_the_argument():
 
 def test_round_meta_is_the_reference_s_on_edges():
     """Directed rounding to each metadata dtype (the float64 -> float32 step, the nextafter on bits, the
-    float16 / bfloat16 step with its next_toward), saturation and signed zeros."""
+    float16 / bfloat16 step with its next_toward, float8 e4m3's grid), saturation and signed zeros."""
     import triton
     import triton.language as tl
 
@@ -352,7 +352,10 @@ def test_round_meta_is_the_reference_s_on_edges():
 
     vals = [0.0, -0.0, 1e-320, -1e-320, 1e-45, 1.4e-45, 3e-39, 1e-8, -1e-8, 5.9e-8, 0.1, -0.1, 1 / 3, 1.0,
             1.0 + 2**-30, -(1.0 + 2**-30), 65504.0, 65504.5, 65519.9, 65520.0, 7e4, -7e4, 3.3895313892515355e38,
-            3.39e38, 3.4028234663852886e38, -3.4028234663852886e38, 1e300 * 0 + 2.0**100 + 1, 12345.678]
+            3.39e38, 3.4028234663852886e38, -3.4028234663852886e38, 1e300 * 0 + 2.0**100 + 1, 12345.678,
+            # float8 e4m3's edges: its largest values, normal and subnormal boundaries, a carry into the exponent
+            448.0, -448.0, 448.5, 464.0, 479.9, 480.0, 240.0, 241.0, 15.5, 15.99, 0.015625, 0.0156, -0.0156,
+            0.001953125, 0.0009765625, 0.00293, -0.00293]
     vals += torch.randn(200, generator=torch.Generator().manual_seed(0), dtype=torch.float64).mul(1e3).tolist()
     v = torch.tensor(vals, dtype=torch.float64)
     for meta, code in Q.META_CODE.items():

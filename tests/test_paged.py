@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from cachebuild import attention_fp32, float_tolerance, levels_of, random_levels
+from cachebuild import attention_fp32, float_tolerance, levels_of, meta_dtypes, random_levels
 from conftest import device_params
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -40,7 +40,7 @@ def schemes(draw, d=32):
         k_symmetric=draw(st.booleans()), v_symmetric=draw(st.booleans()),
         pre_rope=key_space == "pre", k_hadamard=key_space == "hadamard", v_hadamard=draw(st.booleans()),
         sinks=draw(st.sampled_from([0, 2, 5])), recent=draw(st.sampled_from([0, 3, 8])),
-        meta_dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])),
+        **meta_dtypes(draw),
     )
     return s.replace(k_clip=not s.k_symmetric and draw(st.booleans()),
                      v_clip=not s.v_symmetric and draw(st.booleans()))

@@ -66,9 +66,9 @@ def page_regions(scheme: Scheme, kv_heads: int, head_dim: int, rows: int):
     for side in ("k", "v"):
         group = getattr(s, f"{side}_group_size") or d
         meta = (h, rows // getattr(s, f"{side}_block_tokens"), d // group)
-        out.append((f"{side}_scale", meta, s.meta_dtype))
+        out.append((f"{side}_scale", meta, s.side_meta_dtype(side)))
         if not getattr(s, f"{side}_symmetric"):
-            out.append((f"{side}_zero", meta, s.meta_dtype))
+            out.append((f"{side}_zero", meta, s.side_meta_dtype(side)))
     if s.outliers:
         k = outlier_count(s.outliers, s.block, d)
         out += [(f"{side}_outliers", (h, rows // s.block, k), torch.int32) for side in ("k", "v")]

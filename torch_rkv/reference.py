@@ -47,29 +47,33 @@ def check_levels(op: str, arg: str, lv: Optional[torch.Tensor], bits: int, symme
         raise ValueError(f"rkv.{op}: {arg} must be strictly ascending code values within [0, {levels(bits)}]")
 
 
-def _next16(h: torch.Tensor, up: bool) -> torch.Tensor:
-    """Next representable float16 / bfloat16 toward +inf (up) or -inf."""
-    b = h.view(torch.int16).to(torch.int32) & 0xFFFF
-    neg = (b & 0x8000) != 0
+def _next_float(h: torch.Tensor, up: bool) -> torch.Tensor:
+    """Next representable float16, bfloat16 or float8 toward +inf (up) or -inf, stepping the bit pattern."""
+    nbits = torch.finfo(h.dtype).bits
+    sign, full = 1 << (nbits - 1), 1 << nbits
+    view = torch.int16 if nbits == 16 else torch.int8
+    b = h.view(view).to(torch.int32) & (full - 1)
+    neg = (b & sign) != 0
     toward_zero = neg if up else ~neg
     nb = torch.where(toward_zero, b - 1, b + 1)
-    nb = torch.where((b & 0x7FFF) == 0, torch.full_like(b, 0x0001 if up else 0x8001), nb)
-    nb = torch.where(nb >= 0x8000, nb - 0x10000, nb)
-    return nb.to(torch.int16).view(h.dtype)
+    nb = torch.where((b & (sign - 1)) == 0, torch.full_like(b, 0x1 if up else sign | 0x1), nb)
+    nb = torch.where(nb >= sign, nb - full, nb)
+    return nb.to(view).view(h.dtype)
 
 
 def round_meta(v: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     """Finite float64 values rounded to ``dtype`` toward +inf (up) or -inf, as float32, saturated to
-    the dtype's finite range."""
+    the dtype's finite range (a value beyond it becomes the largest finite value of its sign)."""
     f = v.to(torch.float32)
     adj = f.double() < v if up else f.double() > v
     f = torch.where(adj, torch.nextafter(f, torch.full_like(f, math.inf if up else -math.inf)), f)
+    mx = torch.finfo(dtype).max
+    f = f.clamp(-mx, mx)
     if dtype != torch.float32:
         h = f.to(dtype)
         adj = h.float() < f if up else h.float() > f
-        f = torch.where(adj, _next16(h, up), h).float()
-    mx = torch.finfo(dtype).max
-    return f.clamp(-mx, mx)
+        f = torch.where(adj, _next_float(h, up), h).float()
+    return f
 
 
 def quant_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool, meta_dtype: torch.dtype):

@@ -12,7 +12,7 @@ import torch
 from .ops.structs import CacheFormat
 from .outliers import outlier_bits
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "e4m3"}
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,9 @@ class Scheme:
     A group of k_block_tokens tokens x k_group_size channels shares one scale and zero: per-token keys
     are (1, head_dim), grouped keys (1, g), per-channel keys (T, 1). Values likewise. pre_rope: keys are
     stored before RoPE and rotated inside attention. k_clip / v_clip: each group's range is the
-    least-squared-error shrinkage of [min, max] (rkv.quantize's clip; asymmetric only). k_hadamard / v_hadamard: stored after a random
+    least-squared-error shrinkage of [min, max] (rkv.quantize's clip; asymmetric only). meta_dtype: the
+    scales' and zeros' dtype, k_meta_dtype / v_meta_dtype one side's instead (float8 e4m3 halves a
+    group's metadata; inside its range of +-448 the half-step bound holds, beyond it values saturate). k_hadamard / v_hadamard: stored after a random
     Hadamard rotation (keys only post-RoPE). sinks: the first tokens in full precision; recent: at least
     this many newest tokens in full precision (KIVI's residual). levels: "uniform" (a uniform grid in
     each group's range), "calibrated": per-layer, per-side non-uniform code values read from the
@@ -53,6 +55,8 @@ class Scheme:
     sinks: int = 0
     recent: int = 0
     meta_dtype: torch.dtype = torch.float16
+    k_meta_dtype: Optional[torch.dtype] = None  # None: meta_dtype
+    v_meta_dtype: Optional[torch.dtype] = None
     levels: str = "uniform"
     outliers: float = 0.0  # fraction of each block's values kept in fp16 beside the codes (torch_rkv.outliers)
     codebook: Optional[str] = None  # levels="calibrated": the codebook file (torch_rkv.codebook.Codebook)
@@ -75,8 +79,10 @@ class Scheme:
                              f"({self.v_block_tokens}) must divide each other")
         if self.sinks < 0 or self.recent < 0:
             raise ValueError("Scheme: sinks and recent must be >= 0")
-        if self.meta_dtype not in _DTYPE_NAMES:
-            raise TypeError(f"Scheme.meta_dtype must be float16, bfloat16 or float32 (got {self.meta_dtype})")
+        for arg in ("meta_dtype", "k_meta_dtype", "v_meta_dtype"):
+            dt = getattr(self, arg)
+            if dt not in _DTYPE_NAMES and not (arg != "meta_dtype" and dt is None):
+                raise TypeError(f"Scheme.{arg} must be float16, bfloat16, float32 or float8_e4m3fn (got {dt})")
         if self.levels not in ("uniform", "calibrated", "gaussian", "fp8"):
             raise ValueError(f"Scheme.levels must be 'uniform', 'calibrated', 'gaussian' or 'fp8' (got {self.levels!r})")
         if self.levels == "fp8":
@@ -150,6 +156,10 @@ class Scheme:
         from .codebook import load  # noqa: PLC0415  (the file is read once per process)
         return load(self.codebook).levels(layer, side, getattr(self, f"{side}_bits"))
 
+    def side_meta_dtype(self, side: str) -> torch.dtype:
+        """The dtype of the scales and zeros of keys ('k') or values ('v')."""
+        return getattr(self, f"{side}_meta_dtype") or self.meta_dtype
+
     def meta_bits(self, head_dim: int, side: str) -> float:
         """Metadata bits per element of keys ('k') or values ('v')."""
         if self.levels == "fp8":
@@ -157,7 +167,7 @@ class Scheme:
         group = (self.k_group_size if side == "k" else self.v_group_size) or head_dim
         tokens = self.k_block_tokens if side == "k" else self.v_block_tokens
         symmetric = self.k_symmetric if side == "k" else self.v_symmetric
-        per_group = (1 if symmetric else 2) * torch.finfo(self.meta_dtype).bits
+        per_group = (1 if symmetric else 2) * torch.finfo(self.side_meta_dtype(side)).bits
         return per_group / (group * tokens)
 
     def bits_parts(self, head_dim: int) -> dict[str, float]:
@@ -201,7 +211,8 @@ class Scheme:
         if self.recent:
             parts.append(f"recent {self.recent}")
         if self.levels != "fp8":
-            parts.append(f"meta {_DTYPE_NAMES[self.meta_dtype]}")
+            k_meta, v_meta = (_DTYPE_NAMES[self.side_meta_dtype(side)] for side in "kv")
+            parts.append(f"meta {k_meta}" if k_meta == v_meta else f"meta K {k_meta} V {v_meta}")
         return f"{self.name}: " + ", ".join(parts) + f" = {self.effective_bits(head_dim):.2f} bits/elem at d={head_dim}"
 
     def __str__(self) -> str:
@@ -287,8 +298,19 @@ def recommended_sparse(bits: int = 2, fraction: float = SPARSE_FRACTION) -> Sche
     return recommended(bits).replace(name=f"rkv-sparse-{bits}", outliers=fraction)
 
 
+LEAN_META = torch.float8_e4m3fn  # rkv-lean-<bits>: the values' scales and zeros
+
+
+def recommended_lean(bits: int = 2) -> Scheme:
+    """rkv with the values' scales and zeros in float8 e4m3 (NVFP4 keeps its scales so): a per-token value
+    group's metadata drops from 32 to 16 bits, 0.125 bits per element at head_dim 64. Keys keep float16:
+    a pre-RoPE key channel sits far from zero, where e4m3's 3 mantissa bits widen its range. Values must
+    stay within +-448, e4m3's range, to keep the half-step bound; beyond it they saturate."""
+    return recommended(bits).replace(name=f"rkv-lean-{bits}", v_meta_dtype=LEAN_META)
+
+
 SERVED_PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "quarot": quarot, "rkv": recommended,
-                  "rkv-mixed": recommended_mixed, "rkv-sparse": recommended_sparse}  # the caches and kernels store these
+                  "rkv-mixed": recommended_mixed, "rkv-sparse": recommended_sparse, "rkv-lean": recommended_lean}  # the caches and kernels store these
 # and the report also simulates these
 PRESETS = {**SERVED_PRESETS, "turboquant": turboquant}
 

@@ -93,7 +93,8 @@ CacheCall resolve_cache(const char* op, const at::Tensor& ref, const CacheTensor
     out.pt.slots = t->const_data_ptr<int32_t>();
   }
   out.fp = c.k_window.scalar_type();
-  out.meta = c.k_scale.scalar_type();
+  out.k_meta = c.k_scale.scalar_type();
+  out.v_meta = c.v_scale.scalar_type();
   out.k = side_view(c.k_codes, c.k_scale, c.k_zero, c.k_window, c.k_sink, g.k_block_tokens, g.k_group, g.k_bits,
                     writable);
   out.v = side_view(c.v_codes, c.v_scale, c.v_zero, c.v_window, c.v_sink, g.v_block_tokens, g.v_group, g.v_bits,

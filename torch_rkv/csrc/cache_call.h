@@ -19,7 +19,8 @@ struct CacheCall {
   SideView k, v;
   at::Tensor lengths;        // (B,) int64
   at::Tensor tables, slots;  // what pt points into (undefined: the contiguous layout)
-  at::ScalarType fp = at::kFloat, meta = at::kFloat;  // dtypes of the side rows and of the metadata
+  at::ScalarType fp = at::kFloat;                         // dtype of the side rows
+  at::ScalarType k_meta = at::kFloat, v_meta = at::kFloat;  // and of each side's metadata
   at::Tensor k_levels, v_levels;  // what k.levels / v.levels point into (undefined: uniform)
 };
 

@@ -14,6 +14,8 @@ bool is_float_type(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
+bool is_meta_type(at::ScalarType t) { return is_float_type(t) || t == at::kFloat8_e4m3fn; }
+
 // Checked once per op family: the shape of x without its last two dims.
 std::vector<int64_t> lead_shape(const at::Tensor& t) {
   return std::vector<int64_t>(t.sizes().begin(), t.sizes().end() - 2);
@@ -30,9 +32,14 @@ void check_float_input(const char* op, const char* arg, const at::Tensor& t) {
                    " must be float32, float16 or bfloat16 (got ", t.scalar_type(), ")");
 }
 
-void check_meta_dtype(const char* op, const char* arg, at::ScalarType dtype) {
+void check_float_dtype(const char* op, const char* arg, at::ScalarType dtype) {
   TORCH_CHECK_TYPE(is_float_type(dtype), "rkv.", op, ": ", arg,
                    " must be float32, float16 or bfloat16 (got ", dtype, ")");
+}
+
+void check_meta_dtype(const char* op, const char* arg, at::ScalarType dtype) {
+  TORCH_CHECK_TYPE(is_meta_type(dtype), "rkv.", op, ": ", arg,
+                   " must be float32, float16, bfloat16 or float8_e4m3fn (got ", dtype, ")");
 }
 
 void check_same_device(const char* op, const at::Tensor& ref, const char* arg, const at::Tensor& t) {
@@ -77,8 +84,8 @@ QuantGeometry check_dequantize(const at::Tensor& packed, const at::Tensor& scale
   check_bits("dequantize", "bits", bits);
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, "rkv.dequantize: packed must be uint8 (got ",
                    packed.scalar_type(), ")");
-  check_float_input("dequantize", "scale", scale);
-  check_meta_dtype("dequantize", "out_dtype", out_dtype);
+  check_meta_dtype("dequantize", "scale", scale.scalar_type());
+  check_float_dtype("dequantize", "out_dtype", out_dtype);
   check_same_device("dequantize", packed, "scale", scale);
   TORCH_CHECK_VALUE(packed.dim() >= 2, "rkv.dequantize: packed must have at least 2 dims, got shape ",
                     packed.sizes());
@@ -221,7 +228,7 @@ void check_cache_quantized(const char* op, const char* side, const at::Tensor& r
   check_bits(op, (std::string(side) + "_bits").c_str(), bits);
   TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "rkv.", op, ": ", p, " must be uint8 (got ", codes.scalar_type(),
                    ")");
-  check_float_input(op, sc.c_str(), scale);
+  check_meta_dtype(op, sc.c_str(), scale.scalar_type());
   check_same_device(op, ref, p.c_str(), codes);
   check_same_device(op, ref, sc.c_str(), scale);
   const bool tabled = ix.tables() != nullptr;
@@ -299,8 +306,6 @@ void check_cache(const char* op, const at::Tensor& ref, const CacheTensors& c, c
   const char* kc = ix.paged ? "k_codes" : "k_packed";
   TORCH_CHECK_VALUE(c.v_codes.size(0) == c.k_codes.size(0) && c.v_codes.size(2) == c.k_codes.size(2), "rkv.", op, ": ",
                     vc, " ", c.v_codes.sizes(), " must have ", kc, "'s pages and rows ", c.k_codes.sizes());
-  TORCH_CHECK_TYPE(c.v_scale.scalar_type() == c.k_scale.scalar_type(), "rkv.", op,
-                   ": v_scale must have k_scale's dtype (", c.k_scale.scalar_type(), "), got ", c.v_scale.scalar_type());
   g.pages = c.k_codes.size(0);
   g.page_size = c.k_codes.size(2);
   g.max_pages = ix.tables() ? ix.tables()->size(1) : 1;

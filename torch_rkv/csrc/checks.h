@@ -21,6 +21,7 @@ namespace rkv {
 
 void check_bits(const char* op, const char* arg, int64_t bits);
 void check_float_input(const char* op, const char* arg, const at::Tensor& t);
+void check_float_dtype(const char* op, const char* arg, at::ScalarType dtype);
 void check_meta_dtype(const char* op, const char* arg, at::ScalarType dtype);
 void check_same_device(const char* op, const at::Tensor& ref, const char* arg, const at::Tensor& t);
 void check_row_packable(const char* op, const char* arg, int64_t dim, int64_t bits);

@@ -93,7 +93,7 @@ def samples(x: torch.Tensor, side: str, s: Scheme, lv: Optional[torch.Tensor] = 
     tokens or more, when given); the sinks (encoded, but not in the range) left out."""
     bits, tokens = getattr(s, f"{side}_bits"), getattr(s, f"{side}_block_tokens")
     group = getattr(s, f"{side}_group_size") or x.shape[-1]
-    q = quantize(x, bits, group, tokens, False, s.meta_dtype, getattr(s, f"{side}_clip"), s.sinks, lv)
+    q = quantize(x, bits, group, tokens, False, s.side_meta_dtype(side), getattr(s, f"{side}_clip"), s.sinks, lv)
     sc = q.scale.float().repeat_interleave(tokens, -2).repeat_interleave(group, -1)
     zr = q.zero.float().repeat_interleave(tokens, -2).repeat_interleave(group, -1)
     keep = slice(s.sinks, None)

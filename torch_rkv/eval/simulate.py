@@ -174,7 +174,8 @@ class Simulation:
         lv = None if layer is None else s.side_levels(layer, side)
         if lv is None and s.levels == "calibrated":
             raise ValueError(f"Simulation: scheme {s.name} has per-layer levels; round_trip needs the layer")
-        args = (bits, group, tokens, getattr(s, f"{side}_symmetric"), s.meta_dtype, getattr(s, f"{side}_clip"))
+        args = (bits, group, tokens, getattr(s, f"{side}_symmetric"), s.side_meta_dtype(side),
+                getattr(s, f"{side}_clip"))
         if s.outliers:  # the reference quantizer: the kernels' op takes no excluded values (the append does)
             mask = outliers.select(x, s.outliers, s.block, group, tokens, sinks)
             packed, scale, zero = reference.quantize(x, *args, sink_rows=sinks, levels=lv, excluded=mask)

@@ -22,6 +22,7 @@ import triton.language as tl
 from ..ops import attention as attention_op
 from ..ops import paged as paged_op
 from . import checks
+from .codes import kernel_view
 from .spec import CompileSpec
 from .tokens import check_cache_kernel, load_side, quantized_count, rope_partner, rope_rows, token_pages
 
@@ -229,6 +230,7 @@ def _side(codes, scale, zero, levels, outliers, dim, bits):
     t = codes.shape[2] // max(scale.shape[2], 1)
     g = dim // scale.shape[3]
     o = outliers
+    scale, zero = kernel_view(scale), None if zero is None else kernel_view(zero)
     return ([codes, codes.stride(0), codes.stride(1), codes.stride(2), codes.shape[3], scale,
              scale if zero is None else zero, scale.stride(0), scale.stride(1), scale.stride(2), t, g,
              levels if levels is not None else scale,
@@ -382,21 +384,22 @@ KERNELS = {"decode_attention": decode_attention, "paged_decode_attention": paged
 
 
 def _meta_cache(dim, k_bits, v_bits, k_symmetric=False, levels=False, outliers=False, paged=True, page=128,
-                block=128, kv_heads=8, q_heads=32, batch=4, rope=True):
+                block=128, kv_heads=8, q_heads=32, batch=4, rope=True, v_meta=torch.float16):
     """Meta tensors shaped as the launch of one decode step over a paged cache: per-channel keys (a scale
-    row per block of tokens), per-token values, sinks and a window ring; only dtypes and strides matter."""
+    row per block of tokens), per-token values (their metadata in v_meta), sinks and a window ring; only
+    dtypes and strides matter."""
     m = dict(device="meta")
     pages = 64 if paged else batch
     f16 = torch.float16
-    def side(bits, tile, group, sym):  # noqa: E306
+    def side(bits, tile, group, sym, meta=f16):  # noqa: E306
         codes = torch.empty(pages, kv_heads, page, dim * bits // 8, dtype=torch.uint8, **m)
-        scale = torch.empty(pages, kv_heads, page // tile, dim // group, dtype=f16, **m)
+        scale = torch.empty(pages, kv_heads, page // tile, dim // group, dtype=meta, **m)
         zero = None if sym else torch.empty_like(scale)
         lv = torch.empty(1 << bits, dtype=torch.float32, **m) if levels and not sym and bits <= 4 else None
         out = torch.empty(pages, kv_heads, page // block, 8, dtype=torch.int32, **m) if outliers else None
         return codes, scale, zero, lv, out
     kc, ks, kz, kl, ko = side(k_bits, block, 1, k_symmetric)
-    vc, vs, vz, vl, vo = side(v_bits, 1, dim, False)
+    vc, vs, vz, vl, vo = side(v_bits, 1, dim, False, v_meta)
     window = torch.empty(batch, kv_heads, 160, dim, dtype=f16, **m)
     sink = torch.empty(batch, kv_heads, 4, dim, dtype=f16, **m)
     tables = torch.empty(batch, 16, dtype=torch.int32, **m) if paged else None
@@ -418,7 +421,8 @@ def compile_specs(full: bool) -> list[CompileSpec]:
 
     cases = [(d, b, {}) for d in ((64, 128, 256, 512) if full else (128,)) for b in ((2, 3, 4, 8) if full else (4,))]
     variants = [(128, 4, dict(k_symmetric=True, rope=False)), (128, 3, dict(levels=True)),
-                (128, 2, dict(outliers=True)), (128, 4, dict(paged=False))]
+                (128, 2, dict(outliers=True)), (128, 4, dict(paged=False)),
+                (128, 2, dict(v_meta=torch.float8_e4m3fn))]
     specs = []
     for dim, bits, variant in cases + (variants if full else []):
         grid, args, constexprs, options = _split_launch(*_meta_cache(dim, bits, bits, **variant))

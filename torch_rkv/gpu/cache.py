@@ -39,7 +39,7 @@ import triton.language as tl
 from ..ops import _validate
 from . import checks, quant
 from . import outliers as outlier_kernels
-from .codes import bf16_as_int16, load_float
+from .codes import kernel_view, load_float
 from .spec import CompileSpec, signature
 
 RING_PAGES = 2**31 - 1  # a ring's "table width": every block of a sequence is in its one page
@@ -362,7 +362,7 @@ def _append(cache, page_fill, tables, slots, lengths, qsl, fixed, k_new, v_new, 
     pool = (k_codes.shape[0], k_window.shape[0])
     sink_n, window_n = k_sink.shape[2], k_window.shape[2]
     strides = (*_strides(k_new, paged), *_strides(v_new, paged))
-    rows = [bf16_as_int16(t) for t in (k_new, v_new, k_window, v_window, k_sink, v_sink)]  # bits, exactly
+    rows = [kernel_view(t) for t in (k_new, v_new, k_window, v_window, k_sink, v_sink)]  # bits, exactly
     _plan_kernel[(triton.cdiv(nb, PLAN_SLOTS),)](table, sink_rows, *index, nb, batch, steps, *pool, heads, sink_n,
                                                  page_size, block, SB=PLAN_SLOTS, **OPTIONS)
     _stage_kernel[(nb, triton.cdiv(heads * block * dim, ELEMS))](
@@ -391,7 +391,7 @@ def _append(cache, page_fill, tables, slots, lengths, qsl, fixed, k_new, v_new, 
                                           MB=ok.ELEM_TILE, RB=ok.RESCAN_TILE, ZB=ok.COPY_TILE, **OPTIONS)
         packed, sc, zr = quant.quantize_slabs(slabs, bits, group, tile, zero is None, scale.dtype, clip, sink_rows, lv,
                                               excluded, active)
-        meta = [bf16_as_int16(t) for t in (sc, zr if zero is not None else sc, scale,
+        meta = [kernel_view(t) for t in (sc, zr if zero is not None else sc, scale,
                                            zero if zero is not None else scale)]
         n_codes, n_meta = block * codes.shape[3], block // tile * scale.shape[3]
         _scatter_kernel[(nb, triton.cdiv(heads * max(n_codes, n_meta), COPY_TILE))](
@@ -517,4 +517,4 @@ def compile_specs(full: bool) -> list[CompileSpec]:
     for fp in _FP.values():
         for index in ("*i32", "*i64"):
             specs += [_stage_spec(fp, index), _place_spec(fp, index)]
-    return specs + [_scatter_spec(meta) for meta in _FP.values()]
+    return specs + [_scatter_spec(meta) for meta in (*_FP.values(), "*u8")]  # u8: float8 e4m3 metadata

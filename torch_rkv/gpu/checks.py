@@ -82,7 +82,7 @@ def cache_layout(op: str, paged: bool, k_codes, k_scale, k_zero, v_codes, v_scal
     for side, codes, scale, zero in (("k", k_codes, k_scale, k_zero), ("v", v_codes, v_scale, v_zero)):
         sc, zr = f"{side}_scale", f"{side}_zero"
         p = f"{side}_{'codes' if paged else 'packed'}"
-        _validate.float_input(op, sc, scale)
+        _validate.meta_dtype(op, sc, scale.dtype)
         if not (scale.dim() == 4 and scale.shape[0] == codes.shape[0] and scale.shape[1] == kv_heads):
             fail(op, f"{sc} must have shape ({codes.shape[0]}, {kv_heads}, blocks, groups), got {list(scale.shape)}")
         rows, nb, ng = codes.shape[2], scale.shape[2], scale.shape[3]
@@ -102,8 +102,6 @@ def cache_layout(op: str, paged: bool, k_codes, k_scale, k_zero, v_codes, v_scal
     kc, vc = ("k_codes", "v_codes") if paged else ("k_packed", "v_packed")
     if v_codes.shape[0] != k_codes.shape[0] or v_codes.shape[2] != k_codes.shape[2]:
         fail(op, f"{vc} {list(v_codes.shape)} must have {kc}'s pages and rows {list(k_codes.shape)}")
-    if v_scale.dtype != k_scale.dtype:
-        fail(op, f"v_scale must have k_scale's dtype ({k_scale.dtype}), got {v_scale.dtype}", TypeError)
     page_size = k_codes.shape[2]
     what = "page size" if paged else "packed capacity"
     if page_size >= 2**31:

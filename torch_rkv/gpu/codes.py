@@ -53,23 +53,51 @@ def pack_bytes(codes_row_ptr, j, d, mask, BITS: tl.constexpr):
 
 
 
-def bf16_as_int16(t):
-    """The tensor a kernel gets for t: a bfloat16 tensor as its int16 view (load_float / store_rounded
-    convert its bits exactly), any other as it is."""
+def kernel_view(t):
+    """The tensor a kernel gets for t: a bfloat16 tensor as its int16 view and a float8 e4m3 one (metadata)
+    as its uint8 view, whose bits load_float and store_rounded convert exactly; any other as it is."""
     import torch
 
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)
+    return t
 
 
 @triton.jit
 def load_float(ptr, mask, other):
     """The float32 values at ptr (other where masked): a float32 or float16 pointer loads and converts; an
-    int16 pointer (bf16_as_int16 of a bfloat16 tensor) has its bits widened, exact for subnormals too,
-    which the interpreter's own bfloat16 conversion flushes to zero."""
+    int16 pointer (kernel_view of a bfloat16 tensor) has its bits widened, exact for subnormals too,
+    which the interpreter's own bfloat16 conversion flushes to zero; a uint8 pointer (kernel_view of a
+    float8 e4m3 tensor) is decoded from its bits, on every GPU arch and in the interpreter alike."""
     if ptr.dtype.element_ty == tl.int16:
         v = (tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         return tl.where(mask, v, other)
+    if ptr.dtype.element_ty == tl.uint8:
+        return tl.where(mask, e4m3_value(tl.load(ptr, mask=mask, other=0).to(tl.int32)), other)
     return tl.load(ptr, mask=mask, other=other).to(tl.float32)
+
+
+@triton.jit
+def e4m3_value(b):
+    """The float32 value of float8 e4m3fn bit patterns b (int32 in [0, 255]): 2^(e - 7) (1 + m / 8), or m
+    2^-9 where the exponent field e is 0. The NaN pattern is never stored (metadata is finite)."""
+    e = (b >> 3) & 0xF
+    normal = (((e + 120) << 23) | ((b & 7) << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, (b & 7).to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def e4m3_bits(v):
+    """The float8 e4m3fn bit pattern (int32) of float32 v, which must be one of its finite values (as
+    round_meta's results are): the inverse of e4m3_value."""
+    u = v.to(tl.int32, bitcast=True)
+    a = tl.abs(v)
+    normal = ((((u >> 23) & 0xFF) - 120) << 3) | ((u >> 20) & 7)
+    mag = tl.where(a < 0.015625, (a * 512.0).to(tl.int32), normal)
+    return tl.where(u < 0, mag | 0x80, mag)
 
 
 @triton.jit
@@ -86,9 +114,12 @@ def bf16_bits(v):
 @triton.jit
 def store_rounded(ptr, v, mask):
     """Store float32 v at ptr rounded to nearest even: cast for a float32 or float16 pointer; for an int16
-    pointer (bf16_as_int16 of a bfloat16 output) the bits of bf16_bits(v)."""
+    pointer (kernel_view of a bfloat16 output) the bits of bf16_bits(v); for a uint8 pointer (kernel_view
+    of float8 e4m3 metadata) the bits of e4m3_bits(v), v already one of its values."""
     if ptr.dtype.element_ty == tl.int16:
         tl.store(ptr, bf16_bits(v), mask=mask)
+    elif ptr.dtype.element_ty == tl.uint8:
+        tl.store(ptr, e4m3_bits(v).to(tl.uint8), mask=mask)
     else:
         tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
 

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ..ops import _validate
 from . import checks
-from .codes import bf16_as_int16, dequant, load_codes, load_float, store_rounded
+from .codes import dequant, kernel_view, load_codes, load_float, store_rounded
 from .quant import POINTER, _dummy, _pow2
 from .spec import CompileSpec
 
@@ -67,7 +67,7 @@ def dequantize_slabs(packed: torch.Tensor, scale: torch.Tensor, zero, bits: int,
     zt = scale if zero is None else zero
     lv = levels.contiguous() if levels is not None else _dummy(packed.device, torch.float32)
     _dequantize_kernel[(triton.cdiv(n * r, br),)](
-        packed, bf16_as_int16(scale), bf16_as_int16(zt), lv, bf16_as_int16(out), n * r, r, t,
+        packed, kernel_view(scale), kernel_view(zt), lv, kernel_view(out), n * r, r, t,
         packed.stride(0), packed.stride(1), *scale.stride(), *zt.stride(),
         BITS=bits, D=d, G=g, SYMMETRIC=zero is None, HAS_LEVELS=levels is not None, BR=br, BD=bd,
         **DEQUANTIZE_OPTIONS)
@@ -120,8 +120,8 @@ def compile_specs(full: bool) -> list[CompileSpec]:
         for d in (64, 128, 256, 512):
             for g, t in ((d, 1), (32, 1), (1, 128)):
                 specs.append(_dequantize_spec(bits, d, g, t, f16, f16, False, False))
-    for meta in (f16, bf16, f32):
-        for out in (f16, bf16, f32):
+    for meta in (f16, bf16, f32, torch.float8_e4m3fn):
+        for out in (f16, bf16, f32) if meta != torch.float8_e4m3fn else (f16,):
             for sym, lv in ((False, False), (True, False), (False, True)):
                 specs.append(_dequantize_spec(4, 128, 1, 128, meta, out, sym, lv))
     return specs

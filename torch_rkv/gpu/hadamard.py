@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..ops import _validate
 from ..reference import hadamard_block
-from .codes import bf16_as_int16, load_float, store_rounded
+from .codes import kernel_view, load_float, store_rounded
 from .spec import CompileSpec
 
 TILE = 2048  # elements of x per program: BLOCK_M blocks of N channels
@@ -73,7 +73,7 @@ def _hadamard_kernel(x_ptr, signs_ptr, out_ptr, nblocks, blocks_per_row, inverse
     """Blocks [BLOCK_M * pid, +BLOCK_M) of x seen as (nblocks, N): each row of x (D = blocks_per_row * N
     channels, contiguous) is blocks_per_row consecutive blocks, so block b holds channels
     (b % blocks_per_row) * N + [0, N) of its row. out: x's shape. bfloat16 tensors come as their int16
-    views (codes.bf16_as_int16)."""
+    views (codes.kernel_view)."""
     b = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.arange(0, N)
     mask = (b < nblocks)[:, None] & (c < N)[None, :]
@@ -109,7 +109,7 @@ def launch(x: torch.Tensor, signs, out: torch.Tensor, inverse: bool) -> None:
         return
     bm = block_m(n)
     _hadamard_kernel[(triton.cdiv(nblocks, bm),)](
-        bf16_as_int16(x), None if signs is None else bf16_as_int16(signs), bf16_as_int16(out), nblocks, d // n,
+        kernel_view(x), None if signs is None else kernel_view(signs), kernel_view(out), nblocks, d // n,
         inverse, N=n, BLOCK_M=bm, HAS_SIGNS=signs is not None,
         num_warps=num_warps(n), enable_fp_fusion=False)
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..ops import _validate
 from . import checks
-from .codes import bf16_as_int16, bf16_bits, dequant, load_float, store_codes, store_rounded
+from .codes import bf16_bits, dequant, kernel_view, load_float, store_codes, store_rounded
 from .spec import CompileSpec
 
 ELEMS = 4096  # values of x a quantize program holds at a time (BT x BD) when it walks one long block row
@@ -38,9 +38,10 @@ CLIP_STEPS = tl.constexpr(11)  # reference.CLIP_STEPS: candidates of the clipped
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite float32
 
 # metadata dtypes as the kernels' META constexpr
-META_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# the pointer type a kernel gets for a tensor of each float dtype (codes.bf16_as_int16: bfloat16 as int16)
-POINTER = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*i16"}
+META_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
+# the pointer type a kernel gets for a tensor of each float dtype (codes.kernel_view: bfloat16 as int16,
+# float8 e4m3 as uint8)
+POINTER = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*i16", torch.float8_e4m3fn: "*u8"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,16 +84,42 @@ def _f16_value(b):
 
 
 @triton.jit
+def _e4m3_outward(f, UP: tl.constexpr):
+    """float32 f, within [-448, 448], rounded toward +inf (UP) or -inf to a float8 e4m3fn value, on its
+    bits: below 2^-6 the grid is the multiples of 2^-9; above, the 3 leading mantissa bits, the rest
+    dropped (toward zero) or carried up (away from zero; a carry steps the exponent)."""
+    a = tl.abs(f)
+    q = a * 512.0
+    q_lo = q.to(tl.int32)  # floor: q >= 0
+    q_hi = q_lo + (q_lo.to(tl.float32) < q).to(tl.int32)
+    u = a.to(tl.int32, bitcast=True)
+    kept = u & -1048576  # 0xFFF00000: sign, exponent and 3 mantissa bits
+    dropped = u != kept
+    small = a < 0.015625
+    down = tl.where(small, q_lo.to(tl.float32) * 0.001953125, kept.to(tl.float32, bitcast=True))
+    up = tl.where(small, q_hi.to(tl.float32) * 0.001953125,
+                  (kept + dropped.to(tl.int32) * 1048576).to(tl.float32, bitcast=True))
+    neg = f.to(tl.int32, bitcast=True) < 0  # the sign bit: -0 stays -0, as the cast to float8 keeps it
+    if UP:
+        return tl.where(neg, -down, up)
+    return tl.where(neg, -up, down)
+
+
+@triton.jit
 def round_meta(v, META: tl.constexpr, UP: tl.constexpr):
     """reference.round_meta: finite float64 v rounded toward +inf (UP) or -inf to the metadata dtype
-    (META: 0 float32, 1 float16, 2 bfloat16), as the float32 value, saturated to the dtype's finite range."""
+    (META: 0 float32, 1 float16, 2 bfloat16, 3 float8 e4m3fn), as the float32 value, saturated to the
+    dtype's finite range."""
     f = v.to(tl.float32)
     if UP:
         adj = f.to(tl.float64) < v
     else:
         adj = f.to(tl.float64) > v
     f = tl.where(adj, _next_f32(f, UP), f)
-    if META == 1:
+    if META == 3:
+        f = _e4m3_outward(tl.minimum(tl.maximum(f, -448.0), 448.0), UP)
+        mx: tl.constexpr = 448.0
+    elif META == 1:
         h = f.to(tl.float16)  # round to nearest even
         hf = h.to(tl.float32)
         if UP:
@@ -441,8 +468,8 @@ def quantize_slabs(x: torch.Tensor, bits: int, group_size: int, block_tokens: in
     act = active.contiguous() if active is not None else _dummy(dev, torch.int32)
     bb, bt, bd, ngp = quantize_tiles(d, g, t, n_blocks)
     _quantize_kernel[(triton.cdiv(n_blocks, bb),)](
-        bf16_as_int16(x), ex, sinks, lv, act, packed, bf16_as_int16(scale),
-        bf16_as_int16(scale if zero is None else zero), n_blocks, nb, t, *x.stride(), *ex_strides,
+        kernel_view(x), ex, sinks, lv, act, packed, kernel_view(scale),
+        kernel_view(scale if zero is None else zero), n_blocks, nb, t, *x.stride(), *ex_strides,
         sink_const, per_slab, int(symmetric), int(levels is not None), int(excluded is not None),
         int(active is not None),
         BITS=bits, D=d, G=g, NGP=ngp, META=META_CODE[meta_dtype], CLIP=bool(clip), BB=bb, BT=bt, BD=bd,
@@ -506,6 +533,6 @@ def compile_specs(full: bool) -> list[CompileSpec]:
                     for clip in (False, True):
                         specs.append(_quantize_spec(bits, d, g, t, xd, f16, clip))
     specs.append(_quantize_spec(4, 128, 1, 128, f32, f16))
-    for meta in (f32, bf16):
+    for meta in (f32, bf16, torch.float8_e4m3fn):
         specs.append(_quantize_spec(4, 128, 1, 128, f16, meta))
     return specs

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..ops import _validate
-from .codes import bf16_as_int16, load_float, store_rounded
+from .codes import kernel_view, load_float, store_rounded
 from .spec import CompileSpec
 
 TILE = 1024  # elements of x per program: BLOCK_R rows of BLOCK_D channels
@@ -42,7 +42,7 @@ def rope_tile(x, pos, row_mask, cos_ptr, sin_ptr, half, interleaved, inverse):
     tile row. row_mask: [N] bool, the rows whose table rows are read; a masked row reads cos = 1 and
     sin = 0, the identity, so it stays finite where it was (no division by zero when undoing).
     cos_ptr / sin_ptr: the tables, (positions, half) with rows `half` elements apart (contiguous), float32
-    or float16 (a bfloat16 table as bf16_as_int16's int16 view), read as float32 (codes.load_float).
+    or float16 (a bfloat16 table as kernel_view's int16 view), read as float32 (codes.load_float).
     half: pairs per position (rot_dim / 2, 2 * half <= head dim).
     interleaved: pairs (2j, 2j + 1) (GPT-J) instead of (j, j + half) (rotate-half, Llama / NeoX).
     inverse: undo the rotation (exact inverse for scaled tables). half, interleaved and inverse are runtime
@@ -73,7 +73,7 @@ def rope_tile(x, pos, row_mask, cos_ptr, sin_ptr, half, interleaved, inverse):
 def _rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, rows, dim, half, table_rows, interleaved, inverse,
                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows [BLOCK_R * pid, +BLOCK_R) of x (rows, dim), contiguous, into out (same shape); bfloat16
-    tensors come as their int16 views (codes.bf16_as_int16). A position outside the table trips a
+    tensors come as their int16 views (codes.kernel_view). A position outside the table trips a
     device-side assert on a GPU (the kernel is compiled with debug=True for it; the launcher checks CPU
     tensors on the host), and its row comes out NaN where asserts are off."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -104,7 +104,7 @@ def launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Ten
     block_d = triton.next_power_of_2(dim)
     br = block_rows(block_d)
     _rope_kernel[(triton.cdiv(rows, br),)](
-        bf16_as_int16(x), bf16_as_int16(out), bf16_as_int16(cos), bf16_as_int16(sin), pos, rows, dim, cos.shape[1],
+        kernel_view(x), kernel_view(out), kernel_view(cos), kernel_view(sin), pos, rows, dim, cos.shape[1],
         cos.shape[0], interleaved, inverse,
         BLOCK_R=br, BLOCK_D=block_d, num_warps=NUM_WARPS, enable_fp_fusion=False)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codes import dequant, load_codes
+from .codes import dequant, load_codes, load_float
 
 
 @triton.jit
@@ -47,11 +47,11 @@ def load_side(t, d, in_sink, in_quant, in_win, page, row, h, slot,
     qm = in_quant[:, None] & dm[None, :]
     c = load_codes(codes_ptr + page[:, None] * c_s0 + h * c_s1 + row[:, None] * c_s2, d[None, :], row_bytes, qm, BITS)
     meta = page[:, None] * m_s0 + h * m_s1 + (row // tile_t)[:, None] * m_s2 + (d // group)[None, :]
-    sc = tl.load(scale_ptr + meta, mask=qm, other=0).to(tl.float32)
+    sc = load_float(scale_ptr + meta, qm, 0.0)
     if SYMMETRIC:
         zr = sc
     else:
-        zr = tl.load(zero_ptr + meta, mask=qm, other=0).to(tl.float32)
+        zr = load_float(zero_ptr + meta, qm, 0.0)
     x = dequant(c, sc, zr, levels_ptr, BITS, SYMMETRIC, HAS_LEVELS)
     if HAS_OUTLIERS:
         # each entry is position << 16 | the float16 bits of its residual, position = row_in_block * dim + d

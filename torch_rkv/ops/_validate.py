@@ -12,6 +12,7 @@ import torch
 from ..reference import ring_rows
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+META_TYPES = (*FLOAT_TYPES, torch.float8_e4m3fn)  # the scales and zeros
 BITS = (2, 3, 4, 8)
 
 
@@ -32,8 +33,12 @@ def float_input(op: str, arg: str, t: torch.Tensor) -> None:
     dtype(t.dtype in FLOAT_TYPES, op, f"{arg} must be float32, float16 or bfloat16 (got {t.dtype})")
 
 
-def meta_dtype(op: str, arg: str, dt: torch.dtype) -> None:
+def float_dtype(op: str, arg: str, dt: torch.dtype) -> None:
     dtype(dt in FLOAT_TYPES, op, f"{arg} must be float32, float16 or bfloat16 (got {dt})")
+
+
+def meta_dtype(op: str, arg: str, dt: torch.dtype) -> None:
+    dtype(dt in META_TYPES, op, f"{arg} must be float32, float16, bfloat16 or float8_e4m3fn (got {dt})")
 
 
 def same_device(op: str, ref: torch.Tensor, arg: str, t: torch.Tensor) -> None:
@@ -132,8 +137,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero, b: int, out_dtyp
     op = "dequantize"
     bits(op, "bits", b)
     dtype(packed.dtype == torch.uint8, op, f"packed must be uint8 (got {packed.dtype})")
-    float_input(op, "scale", scale)
-    meta_dtype(op, "out_dtype", out_dtype)
+    meta_dtype(op, "scale", scale.dtype)
+    float_dtype(op, "out_dtype", out_dtype)
     same_device(op, packed, "scale", scale)
     value(packed.dim() >= 2, op, f"packed must have at least 2 dims, got shape {list(packed.shape)}")
     value(scale.dim() == packed.dim(), op,

@@ -29,7 +29,8 @@ FloatKind float_kind(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return FloatKind::F32;
     case at::kHalf: return FloatKind::F16;
-    default: return FloatKind::BF16;  // the checks admit these three only
+    case at::kFloat8_e4m3fn: return FloatKind::F8E4M3;  // metadata only
+    default: return FloatKind::BF16;  // the checks admit these four only
   }
 }
 
@@ -120,7 +121,8 @@ at::Tensor run_attention(AttentionCall& call) {
   a.g = g;
   a.pt = call.cache.pt;
   a.fp = float_kind(call.cache.fp);
-  a.meta = float_kind(call.cache.meta);
+  a.k_meta = float_kind(call.cache.k_meta);
+  a.v_meta = float_kind(call.cache.v_meta);
   a.k = call.cache.k;
   a.v = call.cache.v;
   a.q = call.q.const_data_ptr<float>();

@@ -30,6 +30,7 @@ RKV_INLINE void read_floats(const void* src, FloatKind k, int64_t offset, float*
     case FloatKind::F32: return to_float(static_cast<const float*>(src) + offset, dst, n);
     case FloatKind::F16: return to_float(static_cast<const c10::Half*>(src) + offset, dst, n);
     case FloatKind::BF16: return to_float(static_cast<const c10::BFloat16*>(src) + offset, dst, n);
+    case FloatKind::F8E4M3: return to_float(static_cast<const c10::Float8_e4m3fn*>(src) + offset, dst, n);
   }
 }
 
@@ -274,7 +275,8 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
     const SideView& side = keys ? a.k : a.v;
     float* meta = scratch + (keys ? lay.k_meta : lay.v_meta);
     const int64_t fresh0 = a.q_start != nullptr ? (a.q_start[b] * H + h) * D : 0;
-    return RowReader<DC>{&g, &a.pt, &side, keys ? a.k_fresh : a.v_fresh, b, h, a.pt.slot(b), fresh0, a.fp, a.meta,
+    return RowReader<DC>{&g, &a.pt, &side, keys ? a.k_fresh : a.v_fresh, b, h, a.pt.slot(b), fresh0, a.fp,
+                         keys ? a.k_meta : a.v_meta,
                          D, side.block_tokens, side.group, g.sinks, q_count, n, side.row_bytes(g), side.bits,
                          meta, meta + D / side.group, codes};
   };

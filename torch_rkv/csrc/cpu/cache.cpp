@@ -91,23 +91,25 @@ void run_append(const char* op, const AppendCall& a) {
   const int64_t* qs = a.q_start.defined() ? a.q_start.const_data_ptr<int64_t>() : nullptr;
   const auto count = [&](int64_t b) { return qs != nullptr ? qs[b + 1] - qs[b] : a.tokens; };
   if (g.batch == 0) return;
-  RKV_DISPATCH_FLOAT(a.cache.fp, "rkv.append", fp_t, [&] {
-    RKV_DISPATCH_FLOAT(a.cache.meta, "rkv.append", meta_t, [&] {
-      const fp_t* kn = a.k_new.const_data_ptr<fp_t>();
-      const fp_t* vn = a.v_new.const_data_ptr<fp_t>();
-      at::parallel_for(0, g.batch * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
-        BlockScratch k_scratch(g.k_block_tokens, g.dim / g.k_group, g.dim);
-        BlockScratch v_scratch(g.v_block_tokens, g.dim / g.v_group, g.dim);
-        OutlierScratch o_scratch(g.block, g.dim, a.cache.k.outliers != nullptr || a.cache.v.outliers != nullptr);
-        for (int64_t bh = begin; bh < end; ++bh) {
-          const int64_t b = bh / g.kv_heads, h = bh % g.kv_heads, m = count(b);
-          if (m == 0) continue;
-          append_one<fp_t, meta_t>(g, pt, a.cache.k, kn, a.rows, a.k_clip, b, h, n[b], m, k_scratch, o_scratch);
-          append_one<fp_t, meta_t>(g, pt, a.cache.v, vn, a.rows, a.v_clip, b, h, n[b], m, v_scratch, o_scratch);
-        }
+  // keys, then values: each side's metadata has its own dtype
+  const auto append_side = [&](const SideView& side, at::ScalarType meta, const at::Tensor& fresh, bool clip,
+                               int64_t block_tokens, int64_t group) {
+    RKV_DISPATCH_FLOAT(a.cache.fp, "rkv.append", fp_t, [&] {
+      RKV_DISPATCH_META(meta, "rkv.append", meta_t, [&] {
+        const fp_t* x = fresh.const_data_ptr<fp_t>();
+        at::parallel_for(0, g.batch * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
+          BlockScratch scratch(block_tokens, g.dim / group, g.dim);
+          OutlierScratch o_scratch(g.block, g.dim, side.outliers != nullptr);
+          for (int64_t bh = begin; bh < end; ++bh) {
+            const int64_t b = bh / g.kv_heads, h = bh % g.kv_heads, m = count(b);
+            if (m > 0) append_one<fp_t, meta_t>(g, pt, side, x, a.rows, clip, b, h, n[b], m, scratch, o_scratch);
+          }
+        });
       });
     });
-  });
+  };
+  append_side(a.cache.k, a.cache.k_meta, a.k_new, a.k_clip, g.k_block_tokens, g.k_group);
+  append_side(a.cache.v, a.cache.v_meta, a.v_new, a.v_clip, g.v_block_tokens, g.v_group);
   if (a.page_fill != nullptr) {  // the quantized rows of every page a completed block landed in
     for (int64_t b = 0; b < g.batch; ++b)
       for (int64_t first = n[b] / g.block * g.block; first + g.block <= n[b] + count(b); first += g.block)

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <cstring>
@@ -41,6 +42,11 @@ RKV_INLINE void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
     std::memcpy(&f, &u, sizeof(f));
     dst[i] = f;
   }
+}
+
+// float8 e4m3 (metadata only): c10's exact conversion; a block's metadata row is a few values.
+RKV_INLINE void to_float(const c10::Float8_e4m3fn* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }

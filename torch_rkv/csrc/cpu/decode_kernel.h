@@ -31,14 +31,14 @@ inline int64_t prefill_rows(int64_t dim) { return kPrefillRowFloats / dim; }
 // metadata (another). A run-time switch per row or metadata block, not a template parameter: the
 // conversion is a few instructions per row, and every dtype pair would otherwise be one more copy of
 // the kernel.
-enum class FloatKind : uint8_t { F32, F16, BF16 };
+enum class FloatKind : uint8_t { F32, F16, BF16, F8E4M3 };
 
-RKV_HD int64_t float_kind_size(FloatKind k) { return k == FloatKind::F32 ? 4 : 2; }
+RKV_HD int64_t float_kind_size(FloatKind k) { return k == FloatKind::F32 ? 4 : k == FloatKind::F8E4M3 ? 1 : 2; }
 
 struct AttentionArgs {
   CacheGeometry g;       // split_tokens already chosen (> 0)
   PageTable pt;
-  FloatKind fp, meta;
+  FloatKind fp, k_meta, v_meta;  // the side rows', and each side's metadata
   SideView k, v;
   const float* q;        // scaled (and rotated) queries: (B, Hq, D) for decode, (T, Hq, D) for prefill
   const int64_t* lengths;  // cached tokens per sequence

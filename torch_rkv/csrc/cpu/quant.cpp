@@ -25,7 +25,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x_
   if (block_rows == 0 || g.dim == 0) return {packed, scale, zero};
 
   RKV_DISPATCH_FLOAT(x.scalar_type(), "rkv.quantize", scalar_t, [&] {
-    RKV_DISPATCH_FLOAT(meta_dtype, "rkv.quantize", meta_t, [&] {
+    RKV_DISPATCH_META(meta_dtype, "rkv.quantize", meta_t, [&] {
       const scalar_t* xp = x.const_data_ptr<scalar_t>();
       uint8_t* pp = packed.mutable_data_ptr<uint8_t>();
       meta_t* sp = scale.mutable_data_ptr<meta_t>();
@@ -72,7 +72,7 @@ at::Tensor dequantize_cpu(const at::Tensor& packed_in, const at::Tensor& scale_i
   at::Tensor out = empty_dequantize_output(packed, g, out_dtype);
   if (g.lead * g.tokens == 0 || g.dim == 0) return out;
   RKV_DISPATCH_FLOAT(out_dtype, "rkv.dequantize", out_t, [&] {
-    RKV_DISPATCH_FLOAT(scale.scalar_type(), "rkv.dequantize", meta_t, [&] {
+    RKV_DISPATCH_META(scale.scalar_type(), "rkv.dequantize", meta_t, [&] {
       dequantize_kernel<out_t, meta_t>(packed.const_data_ptr<uint8_t>(), scale.const_data_ptr<meta_t>(),
                                        zero.defined() ? zero.const_data_ptr<meta_t>() : nullptr,
                                        out.mutable_data_ptr<out_t>(), g, levels_data(levels));

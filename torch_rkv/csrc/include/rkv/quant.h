@@ -26,10 +26,12 @@
 //
 // Non-finite inputs never poison their group: min/max are taken over finite values only, +-Inf
 // saturate to the ends of the grid and NaN is stored as 0 (or the grid value nearest 0). Values
-// beyond the metadata dtype's range (|x| > 65504 for fp16) saturate the same way.
+// beyond the metadata dtype's range (|x| > 65504 for fp16, 448 for float8 e4m3) saturate the same way:
+// the bound above holds for values inside that range.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <cmath>
@@ -53,20 +55,25 @@ template <typename M> struct MetaMax;
 template <> struct MetaMax<float> { static constexpr float value = 3.402823466e38f; };
 template <> struct MetaMax<c10::Half> { static constexpr float value = 65504.0f; };
 template <> struct MetaMax<c10::BFloat16> { static constexpr float value = 3.38953139e38f; };
+template <> struct MetaMax<c10::Float8_e4m3fn> { static constexpr float value = 448.0f; };
 
-// Next representable 16-bit float (Half or BFloat16) toward +Inf (up) or -Inf (down).
+// Next representable 16-bit (Half, BFloat16) or 8-bit (Float8_e4m3fn) float toward +Inf (up) or -Inf
+// (down), one step of the sign-magnitude bit pattern. h must not be the largest finite value stepping
+// away from zero (the caller clamps first).
 template <typename M>
 RKV_HD M next_toward(M h, bool up) {
-  uint16_t b = h.x;
-  const bool neg = (b & 0x8000u) != 0;
-  if ((b & 0x7fffu) == 0) {
-    b = up ? 0x0001u : 0x8001u;  // smallest subnormal of the right sign
+  using Bits = decltype(h.x);
+  constexpr unsigned sign = 1u << (8 * sizeof(Bits) - 1);
+  unsigned b = h.x;
+  const bool neg = (b & sign) != 0;
+  if ((b & (sign - 1)) == 0) {
+    b = up ? 0x1u : (sign | 0x1u);  // smallest subnormal of the right sign
   } else if (neg == up) {
-    b = static_cast<uint16_t>(b - 1);  // toward zero
+    b = b - 1;  // toward zero
   } else {
-    b = static_cast<uint16_t>(b + 1);  // away from zero
+    b = b + 1;  // away from zero
   }
-  return M(b, M::from_bits());
+  return M(static_cast<Bits>(b), M::from_bits());
 }
 
 // v rounded to metadata dtype M toward +Inf (up) or -Inf (down), returned as the exact float value,
@@ -77,15 +84,15 @@ RKV_HD float round_meta(double v, bool up) {
   if (up ? static_cast<double>(f) < v : static_cast<double>(f) > v) {
     f = nextafterf(f, up ? INFINITY : -INFINITY);
   }
-  float r = f;
+  const float mx = MetaMax<M>::value;
+  f = fminf(fmaxf(f, -mx), mx);
   if constexpr (!std::is_same<M, float>::value) {
     M h(f);
     const float hf = static_cast<float>(h);
     if (up ? hf < f : hf > f) h = next_toward(h, up);
-    r = static_cast<float>(h);
+    f = static_cast<float>(h);
   }
-  const float mx = MetaMax<M>::value;
-  return fminf(fmaxf(r, -mx), mx);
+  return f;
 }
 
 struct QParams {
