@@ -7,6 +7,8 @@ minutes, to find where a quality goal is reached.
     python scripts/long_context.py rkv-2 rkv-alloc-2.2 rkv-sparse-alloc-2.2 rkv-alloc-2.3 rkv-alloc-2.5
     # about a minute a row on 2 cores, the sensitivity profile cached (rkv-alloc-<bits>: the report's
     # per-layer allocation at that average code bits; rkv-sparse-alloc-<bits>: with 0.5% outliers)
+    python scripts/long_context.py --goals --json OUT
+    # the rows put forward for issue 50's three goals (GOALS), each checked against its goal
 """
 
 import argparse
@@ -18,16 +20,40 @@ import torch
 from torch_rkv.eval import data
 from torch_rkv.eval.report import Options, Report, RowName, format_long_context
 
+# issue 50's goals at 8192 tokens of alice29: (most bits at the window, most delta, least top-8 recall) and
+# the row put forward for each
+GOALS = [((2.6, 0.40, 0.92), "rkv-lean-alloc-2.1"), ((3.2, 0.10, 0.0), "rkv-lean-alloc-2.7"),
+         ((4.2, 0.03, 0.0), "rkv-lean-alloc-3.7")]
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """Whether each goal's row met it."""
+    by_name = {str(x["scheme"]): x for x in rows}
+    out = []
+    for (bits, delta, recall), name in GOALS:
+        r = by_name[name]
+        met = r["bits_at_window"] <= bits and r["delta"] <= delta and r["top8_recall"] >= recall
+        out.append(f"goal <= {bits} bits, <= +{delta:.2f}" + (f", recall >= {recall}" if recall else "")
+                   + f": {name} {r['bits_at_window']:.2f} bits {r['delta']:+.3f} recall {r['top8_recall']:.3f} "
+                   + ("met" if met else "NOT met"))
+    return out
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("schemes", nargs="+", help="names the report takes: presets (rkv-2), rkv-alloc-<bits>, "
+    p.add_argument("--goals", action="store_true", help="also run the rows put forward for issue 50's goals, and "
+                   "say whether each met its goal")
+    p.add_argument("schemes", nargs="*", help="names the report takes: presets (rkv-2), rkv-alloc-<bits>, "
                    "rkv-sparse-alloc-<bits>, rkv-split-<bits>")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--text", default=None, help="a local text file (default: alice29.txt)")
     p.add_argument("--json", help="also write the rows here: a list with one entry per row (name, bits at the "
                    "window, delta, top-8 recall, mean KL from full precision, and the rest the report keeps)")
     args = p.parse_args()
+    if args.goals:
+        args.schemes += [name for _, name in GOALS if name not in args.schemes]
+    if not args.schemes:
+        p.error("name at least one scheme, or --goals")
     model, tok = data.load_model()
     if args.tokens > model.config.max_position_embeddings:
         p.error(f"--tokens {args.tokens} exceeds the model's {model.config.max_position_embeddings}")
@@ -43,6 +69,8 @@ def main() -> None:
             print(f"{name}: K/V bits by layer {widths}", flush=True)
     rows = report.long_context()
     print(format_long_context(rows))
+    if args.goals and args.tokens == 8192 and args.text is None:
+        print("\n".join(goal_lines(rows)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"name": x["scheme"], **{k: v for k, v in x.items() if k != "scheme"}} for x in rows], f,

@@ -89,6 +89,21 @@ def test_refine_takes_the_measured_moves_that_pay_within_the_budget():
         A.refine(alloc, 0.9, {(2, "k", 4): -1.0})
 
 
+def test_edges_take_8_bits_inside_the_budget():
+    """allocate_edges: the first and last layers at 8 bits, counted in the average; the middle layers
+    allocated from the profile under what is left (the costliest sides keep the bits); a budget that
+    cannot hold the edges is refused."""
+    costs = [(0.5, 0.5), (0.02, 0.9), (0.8, 0.03), (0.04, 0.6), (0.1, 0.1)]
+    alloc = A.allocate_edges(profile(5, costs), 4.6)  # 46 code bits: 32 on the edges, 14 on 3 middle layers
+    assert alloc.bits[0] == alloc.bits[-1] == (8, 8) and 8 in alloc.levels
+    assert alloc.bits[1:-1] == ((2, 3), (3, 2), (2, 2)) and math.isclose(alloc.predicted, 0.02 + 0.03 + 0.04 + 0.6)
+    assert alloc.average_bits() == 4.6 and [s.k_bits for s in alloc.schemes()] == [8, 2, 3, 2, 8]
+    with pytest.raises(ValueError, match="cannot hold two layers at 8 bits"):
+        A.allocate_edges(profile(5, costs), 4.0)  # 8 bits left for 3 layers' 12 at 2 bits
+    with pytest.raises(ValueError, match="no layers between"):
+        A.allocate_edges(profile(2, costs[:2]), 6.0)
+
+
 def test_layers_of_one_allocation_differ_only_in_bits():
     a, b = A.layer_scheme(2, 4, (2, 3, 4)), A.layer_scheme(4, 3, (2, 3, 4))
     assert (a.k_bits, a.v_bits, a.k_clip, b.k_clip) == (2, 4, True, False)

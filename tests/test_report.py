@@ -339,6 +339,20 @@ def test_wilson_interval():
     assert localization.wilson(24, 24)[1] == 1.0 and localization.wilson(24, 24)[0] > 0.85
 
 
+def test_paired_gap_interval():
+    """The localization gap: the mean paired difference with a 95% interval of 1.96 standard errors (known
+    values), exact for a constant shift, and refused for needles that do not pair."""
+    fp = [{"article": a, "logprob": -1.0} for a in range(4)]
+    rows = [{"article": a, "logprob": -1.0 + d} for a, d in zip(range(4), (-1.0, -2.0, -3.0, -4.0))]
+    mean, lo, hi = localization.paired_gap(rows, fp)
+    half = 1.96 * (5 / 3) ** 0.5 / 2  # sd of (-1, -2, -3, -4) is sqrt(5/3), over sqrt(4)
+    assert mean == -2.5 and abs(lo - (-2.5 - half)) < 1e-12 and abs(hi - (-2.5 + half)) < 1e-12
+    shifted = [{**x, "logprob": x["logprob"] - 0.5} for x in fp]
+    assert localization.paired_gap(shifted, fp) == (-0.5, -0.5, -0.5)
+    with pytest.raises(ValueError, match="same needles"):
+        localization.paired_gap(rows[::-1], fp)
+
+
 def test_relative_loss_samples_resample_runs_of_tokens():
     """The bootstrap of a relative perplexity loss: exact for a constant loss; with losses shared within
     runs of 128 tokens (neighbours correlate), the draws spread like the runs' means do (1 / sqrt(runs)
@@ -595,6 +609,10 @@ def test_row_names_render_back_to_the_names_the_options_write():
     assert split == RowName.split(3.0) and str(split) == "rkv-split-3" and split.profiled
     assert nu.per_layer and not nu.profiled and nu.bits == 3
     assert RowName.parse("rkv-alloc-2.5") == RowName.allocation(2.5) != RowName.parse("rkv-sparse-alloc-2.5")
+    for name, kind in (("rkv-lean-alloc-2.7", "lean allocation"), ("rkv-edge-alloc-2.5", "edge allocation")):
+        row = RowName.parse(name)
+        assert (row.kind, str(row), row.profiled) == (kind, name, True)
+    assert RowName.parse("rkv-lean-2").kind == "preset"
     kivi = RowName.parse("kivi-2")
     assert (kivi.kind, kivi.preset, kivi.per_layer) == ("preset", "kivi-2", False)
     assert str(RowName.parse(FULL)) == FULL and RowName.parse(FULL).kind == "full precision"
@@ -663,3 +681,25 @@ def test_calibration_caches_tell_models_and_texts_of_one_name_apart(tmp_path, mo
     assert levels.codebook_path(base, str(text), 64, False) != levels.codebook_path(tuned, str(text), 64, False)
     text.write_text("another text")
     assert sensitivity.stored_profile(base, (2, 3), str(text), 64) is None
+
+
+def test_the_goal_rows_are_checked_against_their_goals():
+    """scripts/long_context.py --goals: each goal's row is one the report resolves, and each line says met
+    only when the row is within the goal's bits and delta (and recall, for the 2.6-bit goal)."""
+    import importlib.util
+    from pathlib import Path
+
+    from torch_rkv.eval.report import RowName
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "long_context.py"
+    spec = importlib.util.spec_from_file_location("long_context", path)
+    lc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lc)
+    assert all(RowName.parse(name).profiled for _, name in lc.GOALS)
+    (bits, delta, recall), name = lc.GOALS[0]
+    row = {"scheme": RowName.parse(name), "bits_at_window": bits, "delta": delta, "top8_recall": recall}
+    others = [{"scheme": RowName.parse(n), "bits_at_window": 9.0, "delta": 1.0, "top8_recall": 0.5}
+              for _, n in lc.GOALS[1:]]
+    lines = lc.goal_lines([row, *others])
+    assert lines[0].endswith(" met") and all(x.endswith("NOT met") for x in lines[1:])
+    assert lc.goal_lines([{**row, "top8_recall": recall - 0.01}, *others])[0].endswith("NOT met")

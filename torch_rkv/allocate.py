@@ -265,6 +265,29 @@ def allocate_average(profile: Sensitivity, target_bits: float) -> Allocation:
     return allocate(profile, math.floor(target_bits * 2 * profile.layers + 1e-9))
 
 
+EDGE_BITS = 8  # allocate_edges: the width of the first and last layers
+
+
+def allocate_edges(profile: Sensitivity, target_bits: float, edge_bits: int = EDGE_BITS) -> Allocation:
+    """vLLM's habit of leaving the first and last layers unquantized, as a choice inside the budget: those
+    two layers' keys and values at edge_bits, counted in the average code bits (every layer holding the
+    same tokens, as allocate_average), and the other layers allocated from the profile under what is
+    left. predicted counts the other layers only (the profile has no drop at edge_bits)."""
+    profile.check()
+    layers = profile.layers
+    if layers < 3:
+        raise ValueError(f"allocate_edges: a model of {layers} layers has no layers between its edges")
+    units = math.floor(target_bits * 2 * layers + 1e-9) - 2 * 2 * edge_bits
+    middle = range(1, layers - 1)
+    if units < 2 * min(profile.levels) * len(middle):
+        raise ValueError(f"allocate_edges: {target_bits} bits cannot hold two layers at {edge_bits} bits and "
+                         f"{len(middle)} at {min(profile.levels)}")
+    choices = [[(b, profile.cost(layer, side, b)) for b in profile.levels] for layer in middle for side in SIDES]
+    bits, predicted = solve_widths(choices, units, None, "allocate_edges", "a profile")
+    edge = ((edge_bits, edge_bits),)
+    return Allocation(edge + bits + edge, tuple(sorted({*profile.levels, edge_bits})), predicted)
+
+
 def split_total(target_bits: float, levels: tuple[int, ...]) -> int:
     """The key + value bits every layer of allocate_split keeps at target_bits average code bits: a
     multiple of 0.5 between the lowest and highest of `levels` (checked before any calibration runs)."""

@@ -81,6 +81,21 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def paired_gap(rows: list[dict], reference: list[dict], z: float = 1.96) -> tuple[float, float, float]:
+    """The mean change of log p(right rate) from `reference` over the same needles (rows in the same order,
+    as evaluate returns them for the same documents), with its 95% normal interval (z standard errors of
+    the paired differences): (mean, low, high), nats."""
+    if len(rows) != len(reference) or any(a["article"] != b["article"] for a, b in zip(rows, reference)):
+        raise ValueError("paired_gap: the rows and the reference must hold the same needles in the same order")
+    d = [a["logprob"] - b["logprob"] for a, b in zip(rows, reference)]
+    if not d:
+        return 0.0, 0.0, 0.0
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1)) if len(d) > 1 else math.inf
+    half = z * sd / math.sqrt(len(d))
+    return mean, mean - half, mean + half
+
+
 @torch.no_grad()
 def evaluate(model, tok, doc: Document, simulation: Simulation | None) -> list[dict]:
     """Per needle: log p(right rate), exact greedy match, and the greedy answer."""

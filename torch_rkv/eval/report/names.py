@@ -14,6 +14,8 @@ ALLOCATED = "rkv-alloc-"  # a per-layer allocation: rkv-alloc-<average code bits
 SPLIT = "rkv-split-"  # every layer the same key + value bits, split by the profile (pages of one size)
 SPARSE_ALLOCATED = "rkv-sparse-alloc-"  # rkv-alloc-<bits> with rkv-sparse's outliers in every layer
 NON_UNIFORM = "rkv-nu-"  # rkv-<bits> with the model's calibrated levels (torch_rkv.eval.levels)
+LEAN_ALLOCATED = "rkv-lean-alloc-"  # rkv-alloc-<bits> with rkv-lean's float8 value metadata in every layer
+EDGE_ALLOCATED = "rkv-edge-alloc-"  # the first and last layers at 8 bits, counted in the average (allocate_edges)
 
 # The kinds of row.
 PRESET = "preset"
@@ -22,9 +24,11 @@ ALLOCATION = "allocation"
 SPLIT_ALLOCATION = "split allocation"
 SPARSE_ALLOCATION = "sparse allocation"
 CALIBRATED = "calibrated levels"
+LEAN_ALLOCATION = "lean allocation"
+EDGE_ALLOCATION = "edge allocation"
 
 PREFIXES = {ALLOCATION: ALLOCATED, SPLIT_ALLOCATION: SPLIT, SPARSE_ALLOCATION: SPARSE_ALLOCATED,
-            CALIBRATED: NON_UNIFORM}
+            CALIBRATED: NON_UNIFORM, LEAN_ALLOCATION: LEAN_ALLOCATED, EDGE_ALLOCATION: EDGE_ALLOCATED}
 
 # The texts a row's token losses are scored on.
 FIRST = "first text"
@@ -78,7 +82,7 @@ class RowName:
     @property
     def profiled(self) -> bool:
         """Whether the row is resolved through the model's sensitivity profile (an allocation or a split)."""
-        return self.kind in (ALLOCATION, SPLIT_ALLOCATION, SPARSE_ALLOCATION)
+        return self.kind in (ALLOCATION, SPLIT_ALLOCATION, SPARSE_ALLOCATION, LEAN_ALLOCATION, EDGE_ALLOCATION)
 
     @property
     def per_layer(self) -> bool:

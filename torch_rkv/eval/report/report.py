@@ -8,7 +8,7 @@ import time
 import torch
 
 from ... import scheme as S
-from ...allocate import Allocation, Sensitivity, allocate_average, allocate_split
+from ...allocate import Allocation, Sensitivity, allocate_average, allocate_edges, allocate_split
 from ...scheme import Scheme
 from .. import data, levels, perplexity, sensitivity
 from ..progress import Progress, decode_units, forward_units
@@ -19,7 +19,18 @@ from .families import CALIBRATED_LEVELS, FAMILIES
 from .localization import Localization
 from .long_context import LongContext
 from .losses import TokenLosses
-from .names import ALLOCATION, CALIBRATED, FIRST, SECOND, SPARSE_ALLOCATION, SPLIT_ALLOCATION, RowName, TextRow
+from .names import (
+    ALLOCATION,
+    CALIBRATED,
+    EDGE_ALLOCATION,
+    FIRST,
+    LEAN_ALLOCATION,
+    SECOND,
+    SPARSE_ALLOCATION,
+    SPLIT_ALLOCATION,
+    RowName,
+    TextRow,
+)
 from .options import Options
 from .plan import SECTIONS, Plan
 from .schemes import Schemes
@@ -169,12 +180,17 @@ class Report:
         """A row's scheme for each layer; name: a RowName or the string it renders to. A preset ("rkv-3",
         "rkv-mixed-2") in every layer; rkv-alloc-<bits>, the per-layer allocation at that average code
         bits, and rkv-split-<bits> the split one; rkv-sparse-alloc-<bits>, that allocation with sparse
-        outliers (rkv-sparse's share) in every layer; rkv-nu-<bits>, rkv with the model's calibrated levels."""
+        outliers (rkv-sparse's share) in every layer, and rkv-lean-alloc-<bits> with rkv-lean's value
+        metadata; rkv-edge-alloc-<bits>, the first and last layers at 8 bits and the rest allocated;
+        rkv-nu-<bits>, rkv with the model's calibrated levels."""
         row = name if isinstance(name, RowName) else RowName.parse(name)
-        if row.kind in (ALLOCATION, SPLIT_ALLOCATION):
+        if row.kind in (ALLOCATION, SPLIT_ALLOCATION, EDGE_ALLOCATION):
             return self.allocation_of(row).schemes()
         if row.kind == SPARSE_ALLOCATION:
             return [s.replace(name=f"{s.name}+sparse", outliers=S.SPARSE_FRACTION)
+                    for s in self.allocation_of(RowName.allocation(row.bits)).schemes()]
+        if row.kind == LEAN_ALLOCATION:
+            return [s.replace(name=f"{s.name}+lean", v_meta_dtype=S.LEAN_META)
                     for s in self.allocation_of(RowName.allocation(row.bits)).schemes()]
         if row.kind == CALIBRATED:
             return [self.calibrated_levels(int(row.bits))] * self.attention.layers
@@ -200,7 +216,10 @@ class Report:
         return [RowName.allocation(t) for t in o.alloc_targets] + [RowName.split(t) for t in o.split_targets]
 
     def allocation_of(self, row: RowName) -> Allocation:
-        """rkv-alloc-<bits>: allocate_average; rkv-split-<bits>: allocate_split (on the profile)."""
+        """rkv-alloc-<bits>: allocate_average; rkv-split-<bits>: allocate_split; rkv-edge-alloc-<bits>:
+        allocate_edges (on the profile)."""
         if row.kind == SPLIT_ALLOCATION:
             return allocate_split(self.profile(), float(row.bits))
+        if row.kind == EDGE_ALLOCATION:
+            return allocate_edges(self.profile(), float(row.bits))
         return allocate_average(self.profile(), float(row.bits))

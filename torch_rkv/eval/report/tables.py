@@ -84,11 +84,12 @@ def format_long_context(rows: list[dict]) -> str:
 
 def format_localization(results: list[dict]) -> str:
     """The localization table: per scheme and length, exact answers with their 95% Wilson interval, mean
-    log p(right rate) and its change from full precision."""
+    log p(right rate), and its change from full precision over the same needles with a 95% interval."""
     lines = [("Localization (penalty rate of Article k): exact answers with their 95% Wilson interval, "
-              "mean log p(right rate) and its change from full precision (nats)")]
+              "mean log p(right rate), and its mean change from full precision over the same needles with its "
+              "95% interval (nats)")]
     lengths = sorted({x["length"] for x in results})
-    lines.append(f"{'scheme':16s} " + " ".join(f"{n:>30d}" for n in lengths))
+    lines.append(f"{'scheme':16s} " + " ".join(f"{n:>44d}" for n in lengths))
     mean = lambda xs: sum(x["logprob"] for x in xs) / len(xs)  # noqa: E731
     rows = lambda name, n: [x for x in results if x["scheme"] == name and x["length"] == n]  # noqa: E731
     for name in dict.fromkeys(x["scheme"] for x in results):
@@ -97,8 +98,9 @@ def format_localization(results: list[dict]) -> str:
             xs, fp = rows(name, n), rows(FULL, n)
             k = sum(x["exact"] for x in xs)
             lo, hi = localization.wilson(k, len(xs))
-            cells.append(f"{k:2d}/{len(xs)} [{lo:.2f},{hi:.2f}] {mean(xs):6.2f} {mean(xs) - mean(fp):+5.2f}")
-        lines.append(f"{name:16s} " + " ".join(f"{c:>30s}" for c in cells))
+            gap, g_lo, g_hi = localization.paired_gap(xs, fp)
+            cells.append(f"{k:2d}/{len(xs)} [{lo:.2f},{hi:.2f}] {mean(xs):6.2f} {gap:+5.2f} [{g_lo:+.2f},{g_hi:+.2f}]")
+        lines.append(f"{name:16s} " + " ".join(f"{c:>44s}" for c in cells))
     return "\n".join(lines)
 
 
