@@ -7,8 +7,10 @@ minutes, to find where a quality goal is reached.
     python scripts/long_context.py rkv-2 rkv-alloc-2.2 rkv-sparse-alloc-2.2 rkv-alloc-2.3 rkv-alloc-2.5
     # about a minute a row on 2 cores, the sensitivity profile cached (rkv-alloc-<bits>: the report's
     # per-layer allocation at that average code bits; rkv-sparse-alloc-<bits>: with 0.5% outliers)
-    python scripts/long_context.py --goals --json OUT
-    # the rows put forward for issue 50's three goals (GOALS), each checked against its goal
+    python scripts/long_context.py --goals --decode --json OUT
+    # the rows put forward for issue 50's three goals (GOALS), each checked against its goal; --decode
+    # also feeds each row's scheme 384 tokens one at a time through RKVCache and the fused kernels, and
+    # prints how far that perplexity is from the simulation's on the same window (the decode protocol)
 """
 
 import argparse
@@ -18,12 +20,7 @@ import time
 import torch
 
 from torch_rkv.eval import data
-from torch_rkv.eval.report import Options, Report, RowName, format_long_context
-
-# issue 50's goals at 8192 tokens of alice29: (most bits at the window, most delta, least top-8 recall) and
-# the row put forward for each
-GOALS = [((2.6, 0.40, 0.92), "rkv-lean-alloc-2.1"), ((3.2, 0.10, 0.0), "rkv-lean-alloc-2.7"),
-         ((4.2, 0.03, 0.0), "rkv-lean-alloc-3.7")]
+from torch_rkv.eval.report import GOALS, Options, Report, RowName, format_long_context
 
 
 def goal_lines(rows: list[dict]) -> list[str]:
@@ -43,6 +40,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--goals", action="store_true", help="also run the rows put forward for issue 50's goals, and "
                    "say whether each met its goal")
+    p.add_argument("--decode", action="store_true", help="also the decode protocol of each row")
     p.add_argument("schemes", nargs="*", help="names the report takes: presets (rkv-2), rkv-alloc-<bits>, "
                    "rkv-sparse-alloc-<bits>, rkv-split-<bits>")
     p.add_argument("--tokens", type=int, default=8192)
@@ -58,7 +56,8 @@ def main() -> None:
     if args.tokens > model.config.max_position_embeddings:
         p.error(f"--tokens {args.tokens} exceeds the model's {model.config.max_position_embeddings}")
     opts = Options(tokens=min(2048, args.tokens), long_tokens=args.tokens, long_schemes=tuple(args.schemes),
-                   families=(), loc_lengths=(), decode_schemes=(), chunk_sizes=(), chunk_schemes=(),
+                   families=(), loc_lengths=(), decode_schemes=tuple(args.schemes) if args.decode else (),
+                   chunk_sizes=(), chunk_schemes=(),
                    second_schemes=(), eight_bits=(), alloc_targets=(), split_targets=())
     torch.manual_seed(0)
     start = time.time()
@@ -71,6 +70,11 @@ def main() -> None:
     print(format_long_context(rows))
     if args.goals and args.tokens == 8192 and args.text is None:
         print("\n".join(goal_lines(rows)))
+    if args.decode:
+        print("\nDecode protocol: token by token through RKVCache and the kernels against the simulation")
+        for x in report.decode_protocol():
+            print(f"{x['scheme']:22s} {x['tokens']} tokens: decoded {x['decoded_ppl']:.4f}, simulated "
+                  f"{x['simulated_ppl']:.4f}, relative difference {x['relative_difference']:+.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"name": x["scheme"], **{k: v for k, v in x.items() if k != "scheme"}} for x in rows], f,

@@ -169,6 +169,27 @@ def test_an_allocation_file_round_trips_and_is_checked(tmp_path):
         A.Allocation.load(path)
 
 
+def test_an_allocations_layout_travels_in_its_file(tmp_path):
+    """sparse / lean: every layer rkv-sparse's outliers and / or rkv-lean's float8 value metadata, beside its
+    bits; saved only when set (a plain allocation's file is as before), read back, and checked."""
+    plain = A.Allocation(((4, 2), (3, 3)), (2, 3, 4), 0.25)
+    path = tmp_path / "a.json"
+    plain.save(path)
+    assert "sparse" not in json.loads(path.read_text()) and A.Allocation.load(path) == plain
+    for layout in (dict(sparse=True), dict(lean=True), dict(sparse=True, lean=True)):
+        alloc = plain.with_layout(**layout)
+        alloc.save(path)
+        assert A.Allocation.load(path) == alloc
+        for s, (k, v) in zip(alloc.schemes(), alloc.bits):
+            assert (s.k_bits, s.v_bits) == (k, v)
+            assert s.outliers == (S.SPARSE_FRACTION if layout.get("sparse") else 0.0)
+            assert s.side_meta_dtype("v") == (S.LEAN_META if layout.get("lean") else torch.float16)
+            assert s.side_meta_dtype("k") == torch.float16
+    path.write_text(json.dumps({**json.loads(path.read_text()), "lean": "yes"}))
+    with pytest.raises(ValueError, match="'lean' must be true or false"):
+        A.Allocation.load(path)
+
+
 def test_the_vllm_plugin_takes_an_allocation_file(tmp_path, monkeypatch):
     """TORCH_RKV_ALLOCATION (torch_rkv.integrations.vllm; vLLM itself is not imported here): each
     layer's scheme from the file, whether or not the layers' key + value totals are equal (each layer's
@@ -186,6 +207,10 @@ def test_the_vllm_plugin_takes_an_allocation_file(tmp_path, monkeypatch):
         assert [(s.k_bits, s.v_bits) for s in layers] == list(bits)
         assert plugin.configured_scheme() == layers[0]
         assert {(s.sinks, s.recent, s.block) for s in layers} == {(layers[0].sinks, layers[0].recent, layers[0].block)}
+    lean = tmp_path / "lean.json"
+    A.Allocation(((4, 2), (3, 3)), (2, 3, 4), 0.0, sparse=True, lean=True).save(lean)
+    monkeypatch.setenv(plugin.ALLOCATION_ENV, str(lean))
+    assert all(s.outliers and s.v_meta_dtype == S.LEAN_META for s in plugin.configured_layers())
     monkeypatch.setenv(plugin.ENV, "rkv-3")
     with pytest.raises(ValueError, match="unset TORCH_RKV_SCHEME"):
         plugin.configured_scheme()
@@ -209,6 +234,9 @@ def test_calibrate_writes_the_allocation_or_the_split_it_is_asked_for(tmp_path, 
         assert A.Allocation.load(out) == solve(given, 2.5)
         assert f"TORCH_RKV_ALLOCATION={out}" in capsys.readouterr().out
     assert len(set(A.allocate_average(given, 2.5).layer_totals())) > 1  # (the two differ here)
+    out = tmp_path / "lean.json"
+    assert main(["calibrate", "--bits", "2.5", "--lean", "--sparse", "--out", str(out)]) == 0
+    assert A.Allocation.load(out) == A.allocate_average(given, 2.5).with_layout(sparse=True, lean=True)
     assert main(["calibrate", "--bits", "4.5"]) == 2
     assert "4.5 bits is outside the levels" in capsys.readouterr().err
     with pytest.raises(SystemExit):

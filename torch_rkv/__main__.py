@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     written.add_argument("--split", type=float, help="also write the per-layer split at this average code bits (every "
                          "layer the same key + value bits: pages of one size)")
     cal.add_argument("--out", help="where --bits or --split writes its file (default: beside the cached profile)")
+    cal.add_argument("--sparse", action="store_true", help="the file's layers keep rkv-sparse's outliers")
+    cal.add_argument("--lean", action="store_true", help="the file's layers keep rkv-lean's float8 value metadata")
     lev = calibration_arguments(sub.add_parser(
         "calibrate-levels", help="fit a model's per-layer non-uniform levels (a codebook file, cached) on a "
         "calibration text: Scheme(levels='calibrated', codebook=PATH)"))

@@ -28,6 +28,7 @@ allocation is saved as a small JSON file (`save` / `load`; docs/format.md) that 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from .files import write_text_atomic
-from .scheme import Scheme, recommended
+from .scheme import LEAN_META, SPARSE_FRACTION, Scheme, recommended
 
 SIDES = ("k", "v")
 
@@ -115,14 +116,30 @@ class Sensitivity:
 
 @dataclass(frozen=True)
 class Allocation:
-    """bits[layer] = (key bits, value bits) over `levels`; predicted: the profile's summed cost (nats)."""
+    """bits[layer] = (key bits, value bits) over `levels`; predicted: the profile's summed cost (nats).
+    Every layer the same layout beside its bits: rkv's (layer_scheme), with rkv-sparse's outliers
+    (sparse) and rkv-lean's float8 value metadata (lean) when set."""
 
     bits: tuple[tuple[int, int], ...]
     levels: tuple[int, ...]
     predicted: float
+    sparse: bool = False
+    lean: bool = False
 
     def schemes(self) -> list[Scheme]:
-        return [layer_scheme(k, v, self.levels) for k, v in self.bits]
+        out = []
+        for k, v in self.bits:
+            s = layer_scheme(k, v, self.levels)
+            if self.sparse:
+                s = s.replace(name=f"{s.name}+sparse", outliers=SPARSE_FRACTION)
+            if self.lean:
+                s = s.replace(name=f"{s.name}+lean", v_meta_dtype=LEAN_META)
+            out.append(s)
+        return out
+
+    def with_layout(self, sparse: bool = False, lean: bool = False) -> Allocation:
+        """The same widths with rkv-sparse's outliers and / or rkv-lean's value metadata in every layer."""
+        return dataclasses.replace(self, sparse=sparse, lean=lean)
 
     def average_bits(self, weights=None) -> float:
         """Code bits per element, averaged over layers (weighted by the tokens each holds) and sides."""
@@ -142,7 +159,8 @@ class Allocation:
 
     def save(self, path, model: str = "", calibration: str = "") -> None:
         d = {"format": FILE_FORMAT, "version": FILE_VERSION, "model": model, "calibration": calibration,
-             "levels": list(self.levels), "bits": [list(b) for b in self.bits], "predicted": self.predicted}
+             "levels": list(self.levels), "bits": [list(b) for b in self.bits], "predicted": self.predicted,
+             **{name: True for name in ("sparse", "lean") if getattr(self, name)}}
         write_text_atomic(path, json.dumps(d, indent=1))
 
     @classmethod
@@ -166,7 +184,11 @@ class Allocation:
                                  f"pair of its levels {list(levels)}")
         if not bits:
             raise ValueError(f"allocation file {path}: no layers")
-        return cls(bits, levels, float(d.get("predicted", 0.0)))
+        layout = {name: d.get(name, False) for name in ("sparse", "lean")}
+        for name, value in layout.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"allocation file {path}: '{name}' must be true or false (got {value!r})")
+        return cls(bits, levels, float(d.get("predicted", 0.0)), **layout)
 
 
 FILE_FORMAT = "torch_rkv.allocation"

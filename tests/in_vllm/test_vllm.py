@@ -436,7 +436,18 @@ def layer_allocation(model_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def transformers_ppl(model_dir, layer_codebook, layer_allocation):
+def lean_sparse_allocation(layer_allocation, tmp_path_factory) -> str:
+    """layer_allocation with rkv-sparse's outliers and rkv-lean's float8 value metadata in every layer
+    (`calibrate --bits B --sparse --lean`; the layout of the goal row rkv-lean-sparse-alloc-2.5)."""
+    from torch_rkv.allocate import Allocation
+
+    path = tmp_path_factory.mktemp("allocation") / "lean-sparse.json"
+    Allocation.load(layer_allocation).with_layout(sparse=True, lean=True).save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def transformers_ppl(model_dir, layer_codebook, layer_allocation, lean_sparse_allocation):
     """The same chunked protocol through torch_rkv's transformers integration, in the main venv
     (TORCH_RKV_HF_PYTHON: it needs transformers >= 5.24; vLLM pins an older one); "rkv-3+codebook":
     rkv-3 with layer_codebook's levels; "allocation": layer_allocation's per-layer schemes."""
@@ -450,6 +461,7 @@ def transformers_ppl(model_dir, layer_codebook, layer_allocation):
             f"codebook={layer_codebook!r})\n"
             "from torch_rkv.allocate import Allocation\n"
             f"schemes['allocation'] = Allocation.load({layer_allocation!r}).schemes()\n"
+            f"schemes['allocation+sparse+lean'] = Allocation.load({lean_sparse_allocation!r}).schemes()\n"
             "for name, scheme in schemes.items():\n"
             "    out[name] = perplexity.chunked(model, ids, lambda n, s=scheme: RKVCache(model, s, capacity=n), 256)\n"
             "print('RESULT ' + json.dumps(out))\n")
@@ -518,6 +530,18 @@ def test_per_layer_bits_give_the_same_perplexity_in_both_engines(model_dir, alic
     tokens, concurrency = capacity(schemes)
     assert (got["kv_tokens"], got["concurrency"]) == (tokens, round(concurrency, 2))
     assert tokens > capacity((schemes[0],) * 30)[0]
+
+
+def test_a_lean_sparse_allocation_gives_the_same_perplexity_in_both_engines(model_dir, alice, lean_sparse_allocation,
+                                                                           transformers_ppl):
+    """TORCH_RKV_ALLOCATION with sparse and lean set: every layer's pages hold float8 value metadata and
+    sparse outliers beside its own bits, in vLLM as in the transformers integration (1e-3 relative; the
+    same chunked protocol), and the layout changes the result."""
+    got = engine("lean-sparse-allocation-chunked", None, lambda: chunked_job(model_dir, alice),
+                 allocation=lean_sparse_allocation)
+    want = transformers_ppl["allocation+sparse+lean"]
+    assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
+    assert abs(want / transformers_ppl["allocation"] - 1) > 3e-3, (want, transformers_ppl["allocation"])
 
 
 def test_per_layer_bits_on_a_sliding_and_a_global_layer(tmp_path_factory, tmp_path):

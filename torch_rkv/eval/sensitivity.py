@@ -209,7 +209,7 @@ def main(args) -> int:
     for kind, bits, solve in (("split", args.split, allocate_split), ("allocation", args.bits, allocate_average)):
         if bits is None:
             continue
-        alloc = solve(profile, bits)
+        alloc = solve(profile, bits).with_layout(sparse=args.sparse, lean=args.lean)
         path = Path(args.out) if args.out else profile_path(model, args.text, args.tokens, levels).with_name(
             f"{kind}-{bits:g}-{model_key(model)}-{Path(args.text).name}-{args.tokens}.json")
         alloc.save(path, model=profile.model, calibration=f"{profile.tokens} tokens of {profile.text}")

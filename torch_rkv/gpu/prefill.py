@@ -193,17 +193,19 @@ KERNELS = {"paged_prefill_attention": paged_prefill_attention}
 
 
 def compile_specs(full: bool) -> list[CompileSpec]:
-    """The prefill at the rkv layout for every head_dim and bit width (full) or at dim 128, 4 bits."""
+    """The prefill at the rkv layout for every head_dim and bit width (full) or at dim 128, 4 bits; full: also
+    rkv-lean's float8 value metadata at dim 128, 2 bits."""
     from .spec import from_args
 
     specs = []
-    for dim in (64, 128, 256, 512) if full else (128,):
-        for bits in (2, 3, 4, 8) if full else (4,):
-            cache = _meta_cache(dim, bits, bits)
-            qf = torch.empty(64, 32, dim, dtype=torch.float32, device="meta")
-            new = torch.empty(64, 8, dim, dtype=torch.float16, device="meta")
-            qsl = torch.empty(5, dtype=torch.int32, device="meta")
-            grid, args, constexprs, options = _prefill_launch(qf, new, new, qsl, 16, qf, None, *cache[3:23],
-                                                              *cache[24:30])
-            specs.append(from_args(f"prefill d={dim} bits={bits}", _prefill_kernel, args, constexprs, options))
+    cases = [(d, b, {}) for d in ((64, 128, 256, 512) if full else (128,)) for b in ((2, 3, 4, 8) if full else (4,))]
+    for dim, bits, variant in cases + ([(128, 2, dict(v_meta=torch.float8_e4m3fn))] if full else []):
+        cache = _meta_cache(dim, bits, bits, **variant)
+        qf = torch.empty(64, 32, dim, dtype=torch.float32, device="meta")
+        new = torch.empty(64, 8, dim, dtype=torch.float16, device="meta")
+        qsl = torch.empty(5, dtype=torch.int32, device="meta")
+        grid, args, constexprs, options = _prefill_launch(qf, new, new, qsl, 16, qf, None, *cache[3:23],
+                                                          *cache[24:30])
+        label = f"prefill d={dim} bits={bits}" + "".join(f" {k}={v}" for k, v in variant.items())
+        specs.append(from_args(label, _prefill_kernel, args, constexprs, options))
     return specs

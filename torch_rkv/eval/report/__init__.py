@@ -23,14 +23,14 @@ from .bits import bits_parts_at, effective_bits_at
 from .cli import main
 from .families import CALIBRATED_LEVELS, DEFAULT_FAMILIES, FAMILIES, FULL_FAMILIES
 from .names import ALLOCATED, FULL, NON_UNIFORM, SPARSE_ALLOCATED, SPLIT, RowName, TextRow
-from .options import Options
+from .options import GOALS, Options
 from .plan import SECTIONS, Plan
 from .report import Report
 from .reproduction import REFERENCE, TOLERANCE, reference_scheme
 from .section import Section
 from .tables import format_localization, format_long_context, format_second_text, format_tables
 
-__all__ = ["ALLOCATED", "CALIBRATED_LEVELS", "DEFAULT_FAMILIES", "FAMILIES", "FULL", "FULL_FAMILIES", "NON_UNIFORM",
+__all__ = ["ALLOCATED", "GOALS", "CALIBRATED_LEVELS", "DEFAULT_FAMILIES", "FAMILIES", "FULL", "FULL_FAMILIES", "NON_UNIFORM",
            "REFERENCE", "SECTIONS", "SPARSE_ALLOCATED", "SPLIT", "TOLERANCE", "Options", "Plan",
            "Report", "RowName", "Section", "TextRow", "bits_parts_at", "effective_bits_at", "format_localization",
            "format_long_context", "format_second_text", "format_tables", "main", "reference_scheme"]

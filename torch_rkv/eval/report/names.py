@@ -15,6 +15,7 @@ SPLIT = "rkv-split-"  # every layer the same key + value bits, split by the prof
 SPARSE_ALLOCATED = "rkv-sparse-alloc-"  # rkv-alloc-<bits> with rkv-sparse's outliers in every layer
 NON_UNIFORM = "rkv-nu-"  # rkv-<bits> with the model's calibrated levels (torch_rkv.eval.levels)
 LEAN_ALLOCATED = "rkv-lean-alloc-"  # rkv-alloc-<bits> with rkv-lean's float8 value metadata in every layer
+LEAN_SPARSE_ALLOCATED = "rkv-lean-sparse-alloc-"  # and rkv-sparse's outliers
 EDGE_ALLOCATED = "rkv-edge-alloc-"  # the first and last layers at 8 bits, counted in the average (allocate_edges)
 
 # The kinds of row.
@@ -25,10 +26,16 @@ SPLIT_ALLOCATION = "split allocation"
 SPARSE_ALLOCATION = "sparse allocation"
 CALIBRATED = "calibrated levels"
 LEAN_ALLOCATION = "lean allocation"
+LEAN_SPARSE_ALLOCATION = "lean sparse allocation"
 EDGE_ALLOCATION = "edge allocation"
 
 PREFIXES = {ALLOCATION: ALLOCATED, SPLIT_ALLOCATION: SPLIT, SPARSE_ALLOCATION: SPARSE_ALLOCATED,
-            CALIBRATED: NON_UNIFORM, LEAN_ALLOCATION: LEAN_ALLOCATED, EDGE_ALLOCATION: EDGE_ALLOCATED}
+            CALIBRATED: NON_UNIFORM, LEAN_ALLOCATION: LEAN_ALLOCATED, LEAN_SPARSE_ALLOCATION: LEAN_SPARSE_ALLOCATED,
+            EDGE_ALLOCATION: EDGE_ALLOCATED}
+
+# The allocation rows whose layers all take a layout beside rkv's (Allocation.with_layout's arguments)
+LAYOUTS = {SPARSE_ALLOCATION: dict(sparse=True), LEAN_ALLOCATION: dict(lean=True),
+           LEAN_SPARSE_ALLOCATION: dict(sparse=True, lean=True)}
 
 # The texts a row's token losses are scored on.
 FIRST = "first text"
@@ -82,7 +89,7 @@ class RowName:
     @property
     def profiled(self) -> bool:
         """Whether the row is resolved through the model's sensitivity profile (an allocation or a split)."""
-        return self.kind in (ALLOCATION, SPLIT_ALLOCATION, SPARSE_ALLOCATION, LEAN_ALLOCATION, EDGE_ALLOCATION)
+        return self.kind in (ALLOCATION, SPLIT_ALLOCATION, EDGE_ALLOCATION, *LAYOUTS)
 
     @property
     def per_layer(self) -> bool:

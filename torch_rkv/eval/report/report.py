@@ -19,18 +19,7 @@ from .families import CALIBRATED_LEVELS, FAMILIES
 from .localization import Localization
 from .long_context import LongContext
 from .losses import TokenLosses
-from .names import (
-    ALLOCATION,
-    CALIBRATED,
-    EDGE_ALLOCATION,
-    FIRST,
-    LEAN_ALLOCATION,
-    SECOND,
-    SPARSE_ALLOCATION,
-    SPLIT_ALLOCATION,
-    RowName,
-    TextRow,
-)
+from .names import ALLOCATION, CALIBRATED, EDGE_ALLOCATION, FIRST, LAYOUTS, SECOND, SPLIT_ALLOCATION, RowName, TextRow
 from .options import Options
 from .plan import SECTIONS, Plan
 from .schemes import Schemes
@@ -180,18 +169,14 @@ class Report:
         """A row's scheme for each layer; name: a RowName or the string it renders to. A preset ("rkv-3",
         "rkv-mixed-2") in every layer; rkv-alloc-<bits>, the per-layer allocation at that average code
         bits, and rkv-split-<bits> the split one; rkv-sparse-alloc-<bits>, that allocation with sparse
-        outliers (rkv-sparse's share) in every layer, and rkv-lean-alloc-<bits> with rkv-lean's value
-        metadata; rkv-edge-alloc-<bits>, the first and last layers at 8 bits and the rest allocated;
+        outliers (rkv-sparse's share) in every layer, rkv-lean-alloc-<bits> with rkv-lean's value
+        metadata, rkv-lean-sparse-alloc-<bits> with both; rkv-edge-alloc-<bits>, the first and last layers at 8 bits and the rest allocated;
         rkv-nu-<bits>, rkv with the model's calibrated levels."""
         row = name if isinstance(name, RowName) else RowName.parse(name)
         if row.kind in (ALLOCATION, SPLIT_ALLOCATION, EDGE_ALLOCATION):
             return self.allocation_of(row).schemes()
-        if row.kind == SPARSE_ALLOCATION:
-            return [s.replace(name=f"{s.name}+sparse", outliers=S.SPARSE_FRACTION)
-                    for s in self.allocation_of(RowName.allocation(row.bits)).schemes()]
-        if row.kind == LEAN_ALLOCATION:
-            return [s.replace(name=f"{s.name}+lean", v_meta_dtype=S.LEAN_META)
-                    for s in self.allocation_of(RowName.allocation(row.bits)).schemes()]
+        if row.kind in LAYOUTS:
+            return self.allocation_of(RowName.allocation(row.bits)).with_layout(**LAYOUTS[row.kind]).schemes()
         if row.kind == CALIBRATED:
             return [self.calibrated_levels(int(row.bits))] * self.attention.layers
         return [S.by_name(str(row))] * self.attention.layers
