@@ -20,19 +20,21 @@ import time
 import torch
 
 from torch_rkv.eval import data
-from torch_rkv.eval.report import GOALS, Options, Report, RowName, format_long_context
+from torch_rkv.eval.report import GOALS, Options, Report, RowName, format_long_context, kl_bound
 
 
 def goal_lines(rows: list[dict]) -> list[str]:
-    """Whether each goal's row met it."""
+    """Whether each goal's row met it: its bits, delta and recall, and its KL against the baseline's."""
     by_name = {str(x["scheme"]): x for x in rows}
     out = []
     for (bits, delta, recall), name in GOALS:
         r = by_name[name]
+        kl_most = kl_bound(r["bits_at_window"])
         met = r["bits_at_window"] <= bits and r["delta"] <= delta and r["top8_recall"] >= recall
         out.append(f"goal <= {bits} bits, <= +{delta:.2f}" + (f", recall >= {recall}" if recall else "")
                    + f": {name} {r['bits_at_window']:.2f} bits {r['delta']:+.3f} recall {r['top8_recall']:.3f} "
-                   + ("met" if met else "NOT met"))
+                   + ("met" if met else "NOT met") + f"; KL {r['kl']:.4f} (half the baseline's: {kl_most:.4f}) "
+                   + ("met" if r["kl"] <= kl_most else "NOT met"))
     return out
 
 

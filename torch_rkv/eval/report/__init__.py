@@ -23,7 +23,7 @@ from .bits import bits_parts_at, effective_bits_at
 from .cli import main
 from .families import CALIBRATED_LEVELS, DEFAULT_FAMILIES, FAMILIES, FULL_FAMILIES
 from .names import ALLOCATED, FULL, NON_UNIFORM, SPARSE_ALLOCATED, SPLIT, RowName, TextRow
-from .options import GOALS, Options
+from .options import GOALS, Options, kl_bound
 from .plan import SECTIONS, Plan
 from .report import Report
 from .reproduction import REFERENCE, TOLERANCE, reference_scheme
@@ -33,4 +33,4 @@ from .tables import format_localization, format_long_context, format_second_text
 __all__ = ["ALLOCATED", "GOALS", "CALIBRATED_LEVELS", "DEFAULT_FAMILIES", "FAMILIES", "FULL", "FULL_FAMILIES", "NON_UNIFORM",
            "REFERENCE", "SECTIONS", "SPARSE_ALLOCATED", "SPLIT", "TOLERANCE", "Options", "Plan",
            "Report", "RowName", "Section", "TextRow", "bits_parts_at", "effective_bits_at", "format_localization",
-           "format_long_context", "format_second_text", "format_tables", "main", "reference_scheme"]
+           "format_long_context", "format_second_text", "format_tables", "kl_bound", "main", "reference_scheme"]

@@ -13,6 +13,16 @@ from .names import RowName
 GOALS = (((2.6, 0.40, 0.92), "rkv-lean-alloc-2.1"), ((3.2, 0.10, 0.0), "rkv-lean-sparse-alloc-2.5"),
          ((4.2, 0.03, 0.0), "rkv-lean-alloc-3.7"))
 GOAL_ROWS = tuple(name for _, name in GOALS)
+# the KL baseline the goals' KL is judged against (docs/guide.md, measured at 48f48ea): (bits at the window, mean
+# KL) of rkv-2, rkv-sparse-alloc-2.2, rkv-alloc-2.5, rkv-3 and rkv-4; a goal row's KL must be at most half of
+# that of the row with the fewest bits at no fewer than its own
+KL_BASELINE = ((2.59, 0.0762), (2.95, 0.0202), (3.09, 0.0116), (3.58, 0.0220), (4.56, 0.0036))
+
+
+def kl_bound(bits: float) -> float:
+    """Half the KL of the baseline row nearest above `bits` (inf above every row)."""
+    above = [kl for b, kl in KL_BASELINE if b >= bits]
+    return above[0] / 2 if above else float("inf")
 
 
 @dataclass
