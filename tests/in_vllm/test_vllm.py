@@ -456,7 +456,7 @@ def transformers_ppl(model_dir, layer_codebook, layer_allocation, lean_sparse_al
             f"model, tok = data.load_model({model_dir!r})\n"
             "ids = tok('<|endoftext|>' + data.read_text(str(data.text_path()))).input_ids[:2048]\n"
             "import torch\nids = torch.tensor([ids])\nout = {}\n"
-            "schemes = {name: S.by_name(name) for name in ('rkv-4', 'rkv-3', 'rkv-2', 'rkv-sparse-2', 'rkv-lean-2')}\n"
+            "schemes = {name: S.by_name(name) for name in ('rkv-4', 'rkv-3', 'rkv-2', 'rkv-sparse-2')}\n"
             "schemes['rkv-3+codebook'] = schemes['rkv-3'].replace(levels='calibrated', "
             f"codebook={layer_codebook!r})\n"
             "from torch_rkv.allocate import Allocation\n"
@@ -480,12 +480,11 @@ def in_main_venv(code: str) -> str:
     return line[-1][len("RESULT "):]
 
 
-@pytest.mark.parametrize("scheme", ["rkv-4", "rkv-3", "rkv-2", "rkv-sparse-2", "rkv-lean-2"])
+@pytest.mark.parametrize("scheme", ["rkv-4", "rkv-3", "rkv-2", "rkv-sparse-2"])
 def test_same_perplexity_in_both_engines(model_dir, alice, transformers_ppl, scheme):
     """alice29, 2048 tokens, chunks of 256 (later chunks read quantized pages): vLLM with the plugin and
     torch_rkv's transformers integration agree to 1e-3 relative (rkv-sparse-2: the sparse outliers in
-    vLLM's pages, chosen by the same appends, and they change the result; rkv-lean-2: float8 value
-    metadata in vLLM's pages)."""
+    vLLM's pages, chosen by the same appends, and they change the result)."""
     got = engine(f"{scheme}-chunked", scheme, lambda: chunked_job(model_dir, alice))
     want = transformers_ppl[scheme]
     assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
@@ -536,12 +535,22 @@ def test_a_lean_sparse_allocation_gives_the_same_perplexity_in_both_engines(mode
                                                                            transformers_ppl):
     """TORCH_RKV_ALLOCATION with sparse and lean set: every layer's pages hold float8 value metadata and
     sparse outliers beside its own bits, in vLLM as in the transformers integration (1e-3 relative; the
-    same chunked protocol), and the layout changes the result."""
+    same chunked protocol), and the layout changes the result. The capacity vLLM logs is the one
+    `plan --vllm` predicts for these pages (rkv-lean's float8 metadata; docs/serving.md's figures for
+    the rkv-lean presets come from the same count)."""
+    import torch
+
+    from torch_rkv.allocate import Allocation
+    from torch_rkv.integrations.vllm_pool import VllmPool
+
     got = engine("lean-sparse-allocation-chunked", None, lambda: chunked_job(model_dir, alice),
                  allocation=lean_sparse_allocation)
     want = transformers_ppl["allocation+sparse+lean"]
     assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
     assert abs(want / transformers_ppl["allocation"] - 1) > 3e-3, (want, transformers_ppl["allocation"])
+    schemes = tuple(Allocation.load(lean_sparse_allocation).schemes())
+    tokens, concurrency = VllmPool(30, 3, 64, torch.float32, schemes).capacity(float(KV_GB) * 2**30, 4096)
+    assert (got["kv_tokens"], got["concurrency"]) == (tokens, round(concurrency, 2))
 
 
 def test_per_layer_bits_on_a_sliding_and_a_global_layer(tmp_path_factory, tmp_path):
@@ -579,7 +588,7 @@ def test_per_layer_bits_on_a_sliding_and_a_global_layer(tmp_path_factory, tmp_pa
 
 def test_capacity_follows_the_packed_bytes(model_dir, alice):
     """At the same KV memory (VLLM_CPU_KVCACHE_SPACE=2), the tokens vLLM reports against its bfloat16
-    cache: at least 3.5x for rkv-4, 4.5x for rkv-3, 6x for rkv-2, 7x for rkv-lean-2, 5x for rkv-sparse-2 (its pages hold the
+    cache: at least 3.5x for rkv-4, 4.5x for rkv-3, 6x for rkv-2, 5x for rkv-sparse-2 (its pages hold the
     outliers' entries too; the rkv engines run in float32, where a page takes as many bytes or more), and
     the maximum concurrency follows. Every count is the one
     `plan --vllm` predicts (integrations/vllm_pool.py)."""
@@ -595,7 +604,7 @@ def test_capacity_follows_the_packed_bytes(model_dir, alice):
     bf16 = engine("auto-bf16", None, lambda: {"model": model_dir, "engine": {"dtype": "bfloat16", "max_model_len": 4096},
                                               "tasks": []})
     assert bf16["kv_tokens"] == planned(torch.bfloat16, None)[0]
-    for scheme, factor in (("rkv-4", 3.5), ("rkv-3", 4.5), ("rkv-2", 6.0), ("rkv-sparse-2", 5.0), ("rkv-lean-2", 7.0)):
+    for scheme, factor in (("rkv-4", 3.5), ("rkv-3", 4.5), ("rkv-2", 6.0), ("rkv-sparse-2", 5.0)):
         run = engine(f"{scheme}-chunked", scheme, lambda: chunked_job(model_dir, alice))
         tokens, concurrency = planned(torch.float32, scheme)
         assert (run["kv_tokens"], run["concurrency"]) == (tokens, round(concurrency, 2)), scheme
