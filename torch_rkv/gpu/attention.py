@@ -413,21 +413,32 @@ def _meta_cache(dim, k_bits, v_bits, k_symmetric=False, levels=False, outliers=F
             block, 32, cos, cos, False, 0, 0, 0.0, kl, vl, ko, vo)
 
 
+def meta_cache_cases(full: bool, variants: list) -> list[tuple]:
+    """(dim, bits, _meta_cache keywords) of a kernel's compile specs: the rkv layout at every head_dim and
+    bit width (full) or at dim 128, 4 bits, then, when full, `variants` ((dim, bits, keywords) each)."""
+    cases = [(d, b, {}) for d in ((64, 128, 256, 512) if full else (128,)) for b in ((2, 3, 4, 8) if full else (4,))]
+    return cases + (variants if full else [])
+
+
+def case_label(kernel: str, dim: int, bits: int, variant: dict) -> str:
+    """A compile spec's label: the kernel, its head_dim and bits, and its variant's keywords."""
+    return f"{kernel} d={dim} bits={bits}" + "".join(f" {k}={v}" for k, v in variant.items())
+
+
 def compile_specs(full: bool) -> list[CompileSpec]:
     """The decode's split stage at the rkv layout for every head_dim and bit width (full) or at dim 128,
     4 bits; the feature variants (symmetric keys, codebooks, outliers, the contiguous
     layout) at dim 128; the merge stage with and without sink logits."""
     from .spec import from_args
 
-    cases = [(d, b, {}) for d in ((64, 128, 256, 512) if full else (128,)) for b in ((2, 3, 4, 8) if full else (4,))]
     variants = [(128, 4, dict(k_symmetric=True, rope=False)), (128, 3, dict(levels=True)),
                 (128, 2, dict(outliers=True)), (128, 4, dict(paged=False)),
                 (128, 2, dict(v_meta=torch.float8_e4m3fn))]
     specs = []
-    for dim, bits, variant in cases + (variants if full else []):
+    for dim, bits, variant in meta_cache_cases(full, variants):
         grid, args, constexprs, options = _split_launch(*_meta_cache(dim, bits, bits, **variant))
-        label = f"decode split d={dim} bits={bits}" + "".join(f" {k}={v}" for k, v in variant.items())
-        specs.append(from_args(label, _decode_split_kernel, args, constexprs, options))
+        specs.append(from_args(case_label("decode split", dim, bits, variant), _decode_split_kernel, args,
+                               constexprs, options))
     i32 = torch.empty(4, dtype=torch.int32, device="meta")
     tables = torch.empty(4, 16, dtype=torch.int32, device="meta")
     specs.append(from_args("cache check", check_cache_kernel, [i32, i32, tables, 16, i32, 2048, 128, 64, 4, 4096],

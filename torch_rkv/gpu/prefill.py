@@ -14,8 +14,8 @@ import triton.language as tl
 
 from ..ops import paged as paged_op
 from . import checks
-from .attention import (_cache_checks, _hadamard, _meta_cache, _rows, _side, attend_tile, block_n, score_tile,
-                        softmax_step)
+from .attention import (_cache_checks, _hadamard, _meta_cache, _rows, _side, attend_tile, block_n, case_label,
+                        meta_cache_cases, score_tile, softmax_step)
 from .spec import CompileSpec
 from .tokens import quantized_count, rope_partner, rope_rows
 
@@ -198,14 +198,12 @@ def compile_specs(full: bool) -> list[CompileSpec]:
     from .spec import from_args
 
     specs = []
-    cases = [(d, b, {}) for d in ((64, 128, 256, 512) if full else (128,)) for b in ((2, 3, 4, 8) if full else (4,))]
-    for dim, bits, variant in cases + ([(128, 2, dict(v_meta=torch.float8_e4m3fn))] if full else []):
+    for dim, bits, variant in meta_cache_cases(full, [(128, 2, dict(v_meta=torch.float8_e4m3fn))]):
         cache = _meta_cache(dim, bits, bits, **variant)
         qf = torch.empty(64, 32, dim, dtype=torch.float32, device="meta")
         new = torch.empty(64, 8, dim, dtype=torch.float16, device="meta")
         qsl = torch.empty(5, dtype=torch.int32, device="meta")
         grid, args, constexprs, options = _prefill_launch(qf, new, new, qsl, 16, qf, None, *cache[3:23],
                                                           *cache[24:30])
-        label = f"prefill d={dim} bits={bits}" + "".join(f" {k}={v}" for k, v in variant.items())
-        specs.append(from_args(label, _prefill_kernel, args, constexprs, options))
+        specs.append(from_args(case_label("prefill", dim, bits, variant), _prefill_kernel, args, constexprs, options))
     return specs
