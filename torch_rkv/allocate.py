@@ -246,12 +246,17 @@ def solve_widths(choices: list[list[tuple[int, float]]], budget_units: int, weig
     return bits, sum(c for _, c in chosen)
 
 
+def profile_choices(profile: Sensitivity, layers) -> list[list[tuple[int, float]]]:
+    """solve_widths' choices for `layers` (an iterable of layer indices): per (layer, side), each of the
+    profile's levels with its predicted cost."""
+    return [[(b, profile.cost(layer, side, b)) for b in profile.levels] for layer in layers for side in SIDES]
+
+
 def allocate(profile: Sensitivity, budget_units: int, weights=None) -> Allocation:
     """The allocation of least predicted cost whose code size sum over (layer, side) of weight[layer] x
     bits fits in budget_units (solve_widths)."""
     profile.check()
-    choices = [[(b, profile.cost(layer, side, b)) for b in profile.levels]
-               for layer in range(profile.layers) for side in SIDES]
+    choices = profile_choices(profile, range(profile.layers))
     bits, predicted = solve_widths(choices, budget_units, weights, "allocate", "a profile")
     return Allocation(bits, profile.levels, predicted)
 
@@ -304,8 +309,7 @@ def allocate_edges(profile: Sensitivity, target_bits: float, edge_bits: int = ED
     if units < 2 * min(profile.levels) * len(middle):
         raise ValueError(f"allocate_edges: {target_bits} bits cannot hold two layers at {edge_bits} bits and "
                          f"{len(middle)} at {min(profile.levels)}")
-    choices = [[(b, profile.cost(layer, side, b)) for b in profile.levels] for layer in middle for side in SIDES]
-    bits, predicted = solve_widths(choices, units, None, "allocate_edges", "a profile")
+    bits, predicted = solve_widths(profile_choices(profile, middle), units, None, "allocate_edges", "a profile")
     edge = ((edge_bits, edge_bits),)
     return Allocation(edge + bits + edge, tuple(sorted({*profile.levels, edge_bits})), predicted)
 
