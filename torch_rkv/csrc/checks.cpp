@@ -27,14 +27,13 @@ void check_bits(const char* op, const char* arg, int64_t bits) {
   TORCH_CHECK_VALUE(valid_bits(bits), "rkv.", op, ": ", arg, " must be 2, 3, 4 or 8 (got ", bits, ")");
 }
 
-void check_float_input(const char* op, const char* arg, const at::Tensor& t) {
-  TORCH_CHECK_TYPE(is_float_type(t.scalar_type()), "rkv.", op, ": ", arg,
-                   " must be float32, float16 or bfloat16 (got ", t.scalar_type(), ")");
-}
-
 void check_float_dtype(const char* op, const char* arg, at::ScalarType dtype) {
   TORCH_CHECK_TYPE(is_float_type(dtype), "rkv.", op, ": ", arg,
                    " must be float32, float16 or bfloat16 (got ", dtype, ")");
+}
+
+void check_float_input(const char* op, const char* arg, const at::Tensor& t) {
+  check_float_dtype(op, arg, t.scalar_type());
 }
 
 void check_meta_dtype(const char* op, const char* arg, at::ScalarType dtype) {

@@ -29,12 +29,12 @@ def bits(op: str, arg: str, b: int) -> None:
     value(b in BITS, op, f"{arg} must be 2, 3, 4 or 8 (got {b})")
 
 
-def float_input(op: str, arg: str, t: torch.Tensor) -> None:
-    dtype(t.dtype in FLOAT_TYPES, op, f"{arg} must be float32, float16 or bfloat16 (got {t.dtype})")
-
-
 def float_dtype(op: str, arg: str, dt: torch.dtype) -> None:
     dtype(dt in FLOAT_TYPES, op, f"{arg} must be float32, float16 or bfloat16 (got {dt})")
+
+
+def float_input(op: str, arg: str, t: torch.Tensor) -> None:
+    float_dtype(op, arg, t.dtype)
 
 
 def meta_dtype(op: str, arg: str, dt: torch.dtype) -> None:
