@@ -30,7 +30,7 @@ from .reproduction import REFERENCE, TOLERANCE, reference_scheme
 from .section import Section
 from .tables import format_localization, format_long_context, format_second_text, format_tables
 
-__all__ = ["ALLOCATED", "GOALS", "CALIBRATED_LEVELS", "DEFAULT_FAMILIES", "FAMILIES", "FULL", "FULL_FAMILIES", "NON_UNIFORM",
-           "REFERENCE", "SECTIONS", "SPARSE_ALLOCATED", "SPLIT", "TOLERANCE", "Options", "Plan",
+__all__ = ["ALLOCATED", "CALIBRATED_LEVELS", "DEFAULT_FAMILIES", "FAMILIES", "FULL", "FULL_FAMILIES", "GOALS",
+           "NON_UNIFORM", "REFERENCE", "SECTIONS", "SPARSE_ALLOCATED", "SPLIT", "TOLERANCE", "Options", "Plan",
            "Report", "RowName", "Section", "TextRow", "bits_parts_at", "effective_bits_at", "format_localization",
            "format_long_context", "format_second_text", "format_tables", "kl_bound", "main", "reference_scheme"]

@@ -170,8 +170,8 @@ class Report:
         "rkv-mixed-2") in every layer; rkv-alloc-<bits>, the per-layer allocation at that average code
         bits, and rkv-split-<bits> the split one; rkv-sparse-alloc-<bits>, that allocation with sparse
         outliers (rkv-sparse's share) in every layer, rkv-lean-alloc-<bits> with rkv-lean's value
-        metadata, rkv-lean-sparse-alloc-<bits> with both; rkv-edge-alloc-<bits>, the first and last layers at 8 bits and the rest allocated;
-        rkv-nu-<bits>, rkv with the model's calibrated levels."""
+        metadata, rkv-lean-sparse-alloc-<bits> with both; rkv-edge-alloc-<bits>, the first and last
+        layers at 8 bits and the rest allocated; rkv-nu-<bits>, rkv with the model's calibrated levels."""
         row = name if isinstance(name, RowName) else RowName.parse(name)
         if row.kind in (ALLOCATION, SPLIT_ALLOCATION, EDGE_ALLOCATION):
             return self.allocation_of(row).schemes()
