@@ -34,7 +34,9 @@ class Scheme:
     (e4m3) with one scale of 1 for the whole tensor, the queries too, as vLLM's own --kv-cache-dtype fp8
     runs without calibrated scales (the report's measure of it; simulation only). outliers: dense-and-sparse, this
     fraction of each block's values of both sides kept as fp16 residuals in a fixed-size side buffer
-    (torch_rkv.outliers; the caches, the kernels and the vLLM plugin store them).
+    (torch_rkv.outliers; the caches, the kernels and the vLLM plugin store them). k_refine: per KV
+    head, this many per-channel key channels (the first of the ranking file `channels`) keep their codes
+    and add k_refine_bits within each code's cell (torch_rkv.channels; simulation only).
     """
 
     name: str = "custom"
@@ -60,6 +62,9 @@ class Scheme:
     levels: str = "uniform"
     outliers: float = 0.0  # fraction of each block's values kept in fp16 beside the codes (torch_rkv.outliers)
     codebook: Optional[str] = None  # levels="calibrated": the codebook file (torch_rkv.codebook.Codebook)
+    k_refine: int = 0  # key channels per KV head refined by k_refine_bits more bits (torch_rkv.channels)
+    k_refine_bits: int = 2
+    channels: Optional[str] = None  # k_refine > 0: the ranking of each head's key channels (channels.KeyChannels)
 
     def __post_init__(self):
         for arg in ("k_bits", "v_bits"):
@@ -105,11 +110,27 @@ class Scheme:
             raise ValueError(f"Scheme.outliers must be a fraction in [0, 0.1] (got {self.outliers})")
         if self.outliers and self.levels != "uniform":
             raise ValueError("Scheme: outliers are kept beside uniform codes (levels='uniform')")
+        self._check_refine()
         if self.levels == "gaussian" and not (
                 self.k_hadamard and self.v_hadamard and self.k_symmetric and self.v_symmetric
                 and self.k_group_size is None and self.v_group_size is None and self.block == 1):
             raise ValueError("Scheme: levels='gaussian' codes Hadamard-rotated rows with one norm each: it needs "
                              "k_hadamard, v_hadamard, symmetric per-token groups on both sides")
+
+    def _check_refine(self) -> None:
+        if self.k_refine < 0:
+            raise ValueError(f"Scheme.k_refine must be >= 0 (got {self.k_refine})")
+        if (self.k_refine > 0) != (self.channels is not None):
+            raise ValueError("Scheme: k_refine > 0 reads which channels to refine from a ranking file: give both, or "
+                             f"neither (k_refine={self.k_refine}, channels={self.channels!r})")
+        if not self.k_refine:
+            return
+        if not 1 <= self.k_refine_bits <= 4:
+            raise ValueError(f"Scheme.k_refine_bits must be 1 to 4 (got {self.k_refine_bits})")
+        if (self.k_group_size != 1 or self.k_block_tokens == 1 or self.k_symmetric or self.k_bits == 8
+                or self.levels != "uniform" or self.outliers):
+            raise ValueError("Scheme: k_refine refines per-channel key codes: it needs k_group_size=1, "
+                             "k_block_tokens > 1, asymmetric uniform codes below 8 bits and no outliers")
 
     @property
     def block(self) -> int:
@@ -135,6 +156,8 @@ class Scheme:
                 raise ValueError(f"Scheme {self.name}: head_dim {head_dim} at {bits} bits does not fill whole bytes")
             if had and (head_dim % 2 or head_dim > 8192):
                 raise ValueError(f"Scheme {self.name}: Hadamard needs an even head_dim <= 8192 (got {head_dim})")
+        if self.k_refine > head_dim:
+            raise ValueError(f"Scheme {self.name}: k_refine {self.k_refine} exceeds head_dim {head_dim}")
         if self.outliers and self.block * head_dim > 0xFFFF:  # (include/rkv/outliers.h: kOutlierPositions)
             raise ValueError(f"Scheme {self.name}: outlier positions are 16 bits, so block x head_dim must be <= "
                              f"65535 (got {self.block} x {head_dim}; a smaller block)")
@@ -147,6 +170,9 @@ class Scheme:
         if self.levels == "gaussian":
             raise NotImplementedError(f"Scheme {self.name}: gaussian levels are simulated only (the report's "
                                       "peer); the cache kernels store codes in each group's range")
+        if self.k_refine:
+            raise NotImplementedError(f"Scheme {self.name}: refined key channels (k_refine) are simulated only; no "
+                                      "cache kernel stores their refinement codes yet")
 
     def side_levels(self, layer: int, side: str) -> Optional[torch.Tensor]:
         """The code values side ('k' or 'v') of layer `layer` decodes through, float32 (2^bits,), or None
@@ -173,7 +199,8 @@ class Scheme:
     def bits_parts(self, head_dim: int) -> dict[str, float]:
         """effective_bits' parts, bits per cached element (keys and values): the codes, their metadata and
         the sparse outliers' side buffer."""
-        return {"codes": (self.k_bits + self.v_bits) / 2,
+        refined = self.k_refine * self.k_refine_bits / head_dim  # (per key element)
+        return {"codes": (self.k_bits + refined + self.v_bits) / 2,
                 "metadata": (self.meta_bits(head_dim, "k") + self.meta_bits(head_dim, "v")) / 2,
                 "outliers": outlier_bits(self.outliers, self.block, head_dim)}
 
@@ -204,6 +231,8 @@ class Scheme:
             parts = ["Q, K and V fp8 e4m3, one scale of 1 per tensor (vLLM's --kv-cache-dtype fp8)"]
         elif self.levels == "calibrated":
             parts.append("calibrated levels")
+        if self.k_refine:
+            parts.append(f"{self.k_refine} key channels {self.k_refine_bits} bits finer")
         if self.outliers:
             parts.append(f"{self.outliers:.1%} outliers in fp16")
         if self.sinks:

@@ -31,7 +31,7 @@ from .simulate import Simulation
 WIDTHS = (2, 3, 4)
 
 
-class _Recorder(Simulation):
+class Recorder(Simulation):
     """A full-precision Simulation that keeps what each layer's cache would quantize, in the storage space,
     and (attention weighting) how much attention reads each of its values."""
 
@@ -106,6 +106,18 @@ def samples(x: torch.Tensor, side: str, s: Scheme, lv: Optional[torch.Tensor] = 
 
 
 @torch.no_grad()
+def record(model, ids: torch.Tensor, scheme: Scheme, weighted: bool) -> Recorder:
+    """One full-precision pass of `model` over ids (1, N): what each layer's cache would quantize under
+    `scheme`'s region (Recorder.seen) and, if weighted, how much attention reads each value
+    (Recorder.weights)."""
+    probe = simulations_for(model, ids.shape[1])(scheme)
+    recorder = Recorder(probe.scheme, probe.rope_cos, probe.rope_sin, probe.rope_interleaved, probe.layer_rope)
+    recorder.weighted = weighted
+    perplexity.simulated_logprobs(model, ids, recorder)
+    return recorder
+
+
+@torch.no_grad()
 def calibrate(model, ids: torch.Tensor, widths: tuple[int, ...] = WIDTHS, pin_ends: bool = False,
               rounds: int = 2, weighting: str = "attention") -> Codebook:
     """The codebook of `model` from one full-precision pass over ids (1, N), for the rkv layout at each
@@ -117,11 +129,7 @@ def calibrate(model, ids: torch.Tensor, widths: tuple[int, ...] = WIDTHS, pin_en
     att = models.inspect(model)
     models.refuse_cacheless_layers(att, "per-layer levels")  # (a shared layer's are its source's, fitted to its reads)
     layers = att.layers
-    make = simulations_for(model, ids.shape[1])
-    probe = make(recommended(min(widths)))
-    recorder = _Recorder(probe.scheme, probe.rope_cos, probe.rope_sin, probe.rope_interleaved, probe.layer_rope)
-    recorder.weighted = weighting == "attention"
-    perplexity.simulated_logprobs(model, ids, recorder)
+    recorder = record(model, ids, recommended(min(widths)), weighting == "attention")
     table = [{side: {} for side in SIDES} for _ in range(layers)]
     for bits in widths:
         s = recommended(bits)

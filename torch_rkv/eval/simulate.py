@@ -24,7 +24,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .. import outliers, reference
+from .. import channels, outliers, reference
 from ..codebook import fp8_round_trip, gaussian_round_trip
 from ..integrations.models import UnsupportedModelFeature, attention_modules, inspect, learned_sinks
 from ..ops.hadamard import hadamard, hadamard_signs
@@ -182,7 +182,13 @@ class Simulation:
             back = reference.dequantize(packed, scale, None if getattr(s, f"{side}_symmetric") else zero, bits,
                                         levels=lv)
             return outliers.merge(back, x, mask)
-        return dequantize(quantize(x, *args, sinks, lv), torch.float32)
+        back = dequantize(quantize(x, *args, sinks, lv), torch.float32)
+        if side == "k" and s.k_refine:
+            if layer is None:
+                raise ValueError(f"Simulation: scheme {s.name} refines each layer's own key channels; round_trip "
+                                 "needs the layer")
+            back = channels.round_trip(x, back, s, layer, sinks)
+        return back
 
     def quantized_pairs(self, q_pos: torch.Tensor, n: int, s: Scheme) -> torch.Tensor:
         """(Nq, n) bool: whether query at position q_pos[i] sees key t in its quantized form."""

@@ -1,0 +1,77 @@
+"""Where the quantization loss comes from, and what refined key channels buy (torch_rkv.channels; a
+format simulated only, to decide whether to build its kernels).
+
+Each at --tokens of alice29 (the report's window and rows): a row's bits at the window, perplexity change,
+KL divergence from full precision and top-8 recall; with --split also keys only and values only. A row
+is a report row name (rkv-2, rkv-lean-alloc-2.1), optionally with +<m>: every layer's scheme refining
+its m most important key channels per KV head by --extra bits (the ranking calibrated on lcet10.txt by
+torch_rkv.eval.channels on first use, then cached).
+
+    python scripts/key_channels.py rkv-2 rkv-3 rkv-2+8 rkv-3+8 --split
+    # 2048 tokens: about 15 s a row on 2 cores, after a calibration pass of 15 s
+    python scripts/key_channels.py rkv-lean-2+8 rkv-lean-3+8 --tokens 8192
+    # about 3 minutes a row
+"""
+
+import argparse
+import time
+
+import torch
+
+from torch_rkv.eval import channels, data, perplexity
+from torch_rkv.eval.report import Options, Report
+
+
+def row_schemes(report: Report, spec: str, path, extra: int, recent: int | None):
+    """The row's scheme of each layer, with its refined key channels if it names a count (and `recent`
+    full-precision tokens if given)."""
+    name, _, count = spec.partition("+")
+    schemes = report.layer_schemes(name)
+    if recent is not None:
+        schemes = [s.replace(recent=recent) for s in schemes]
+    if not count:
+        return schemes
+    return [s.replace(k_refine=int(count), k_refine_bits=extra, channels=str(path)) for s in schemes]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("rows", nargs="+", help="report row names (rkv-2, rkv-lean-alloc-2.1), each optionally with "
+                   "+<m>: m key channels per KV head refined")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--extra", type=int, default=2, help="bits the refinement adds to each refined channel")
+    p.add_argument("--recent", type=int, help="every row's recent window instead of its own")
+    p.add_argument("--split", action="store_true", help="also keys only and values only")
+    args = p.parse_args()
+    for spec in args.rows:
+        if not spec.partition("+")[2].isdigit() and "+" in spec:
+            p.error(f"{spec}: the suffix is +<channels>")
+    torch.manual_seed(0)
+    start = time.time()
+    model, tok = data.load_model()
+    opts = Options(tokens=args.tokens, families=(), loc_lengths=(), decode_schemes=(), chunk_sizes=(),
+                   chunk_schemes=(), second_schemes=(), eight_bits=(), alloc_targets=(), split_targets=(),
+                   long_schemes=())
+    report = Report(model, tok, data.read_text(None), opts, log=lambda s: None)
+    path = channels.load_or_calibrate(model, tok) if any("+" in r for r in args.rows) else None
+    ids = report.ids
+    reference = report._logprobs(ids, None)
+    fp = perplexity.perplexity_of(reference, ids)
+    print(f"full precision {fp:.3f} on {ids.shape[1]} tokens" + (f"; key channels ranked in {path}" if path else ""))
+    print(f"{'row':26s} side  bits    delta      KL   top8")
+    for spec in args.rows:
+        schemes = row_schemes(report, spec, path, args.extra, args.recent)
+        bits = report.bits_at(schemes, ids.shape[1])
+        for keys, values in ((True, True), (True, False), (False, True)) if args.split else ((True, True),):
+            sim = report.simulation_of(schemes, fidelity_queries=64)
+            sim.quantize_keys, sim.quantize_values = keys, values
+            lp = report._logprobs(ids, sim)
+            delta = perplexity.perplexity_of(lp, ids) - fp
+            kl = perplexity.token_kl(reference, lp).mean().item()
+            print(f"{spec:26s} {'K' if keys else '-'}{'V' if values else '-'}   {bits:5.2f}  {delta:+7.3f}  {kl:.4f}  "
+                  f"{sim.fidelity.recall:.3f}", flush=True)
+    print(f"{time.time() - start:.0f} s, {torch.get_num_threads()} threads")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Refined key channels (torch_rkv.channels): the refinement's error bound, the ranking file, the scheme's
+fields, bits and refusals, the simulation's round trip and the calibration's ranking."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from torch_rkv import channels
+from torch_rkv import scheme as S
+from torch_rkv.cache import QuantizedKVCache
+from torch_rkv.channels import KeyChannels, block_params, refine
+from torch_rkv.eval.simulate import Simulation
+from torch_rkv.paged import PagedQuantizedKVCache
+
+
+def keys(seed: int, heads: int = 2, n: int = 48, d: int = 16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.rand(heads, 1, d, generator=g) * 8 + 0.01  # channels of very different ranges
+    return (torch.randn(1, heads, n, d, generator=g) * spread + torch.randn(heads, 1, d, generator=g) * 4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), bits=st.sampled_from([2, 3, 4]), extra=st.integers(1, 4),
+       sinks=st.integers(0, 3))
+def test_a_refined_value_is_within_its_sub_cell(seed, bits, extra, sinks):
+    """With its block's unclipped range, a refined value is within scale / 2^(extra + 1) of the key (the
+    code alone: scale / 2), and the bound is tight: some value comes close to it."""
+    x = keys(seed)
+    s = S.recommended(bits).replace(k_block_tokens=16)
+    scale, zero = block_params(x, s, sinks)
+    back = refine(x, scale, zero, bits, extra)
+    err = (back - x).abs()[..., sinks:, :]
+    bound = scale[..., sinks:, :] / (1 << (extra + 1))
+    assert (err <= bound * (1 + 1e-5) + 1e-6).all()
+    assert (err > bound * 0.8).any()
+
+
+def test_a_constant_channel_decodes_to_its_zero():
+    x = torch.full((1, 1, 16, 4), 2.5)
+    s = S.recommended(2).replace(k_block_tokens=16)
+    scale, zero = block_params(x, s)
+    assert (scale == 0).all()
+    assert torch.equal(refine(x, scale, zero, 2, 2), zero)
+
+
+def ranking(heads: int = 2, d: int = 16, layers: int = 1, seed: int = 0) -> KeyChannels:
+    g = torch.Generator().manual_seed(seed)
+    return KeyChannels([[torch.randperm(d, generator=g).tolist() for _ in range(heads)] for _ in range(layers)], "m")
+
+
+def test_the_ranking_file_round_trips_and_names_what_is_wrong(tmp_path):
+    r = ranking()
+    path = tmp_path / "ranks.json"
+    r.save(path)
+    back = channels.load(str(path))
+    assert back.ranks == r.ranks
+    assert back.top(0, 3).tolist() == [h[:3] for h in r.ranks[0]]
+    assert back.mask(0, 3, 16).sum(dim=1).tolist() == [3, 3]
+    with pytest.raises(ValueError, match="layer 1 is out of range"):
+        back.top(1, 3)
+    with pytest.raises(ValueError, match="k_refine 17 is not within"):
+        back.top(0, 17)
+    with pytest.raises(ValueError, match="the keys have 32"):
+        back.mask(0, 3, 32)
+    with pytest.raises(ValueError, match="does not rank each of its 16 channels once"):
+        KeyChannels([[[0] * 16]])
+    with pytest.raises(ValueError, match="not a torch_rkv key-channel file"):
+        KeyChannels.from_json('{"format": "torch_rkv.codebook/1", "ranks": []}')
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        channels.load(str(tmp_path / "missing.json"))
+
+
+def test_the_scheme_counts_refinement_bits_checks_its_fields_and_is_simulated_only(tmp_path):
+    path = tmp_path / "ranks.json"
+    ranking(d=64).save(path)
+    s = S.recommended(2).replace(k_refine=8, k_refine_bits=2, channels=str(path))
+    plain = S.recommended(2)
+    assert s.bits_parts(64)["codes"] == plain.bits_parts(64)["codes"] + 8 * 2 / 64 / 2
+    assert "8 key channels 2 bits finer" in s.describe(64)
+    with pytest.raises(ValueError, match="give both, or neither"):
+        plain.replace(k_refine=8)
+    with pytest.raises(ValueError, match="give both, or neither"):
+        plain.replace(channels=str(path))
+    with pytest.raises(ValueError, match="k_refine_bits must be 1 to 4"):
+        s.replace(k_refine_bits=5)
+    with pytest.raises(ValueError, match="k_refine must be >= 0"):
+        plain.replace(k_refine=-1)
+    with pytest.raises(ValueError, match="refines per-channel key codes"):
+        S.per_token(2).replace(k_refine=8, channels=str(path))
+    with pytest.raises(ValueError, match="refines per-channel key codes"):
+        s.replace(outliers=0.005)
+    with pytest.raises(ValueError, match="k_refine 65 exceeds head_dim 64"):
+        s.replace(k_refine=65).check_head_dim(64)
+    for make in (lambda: QuantizedKVCache(s, 1, 1, 2, 64, 32), lambda: PagedQuantizedKVCache(s, 1, 2, 64, 4, 1)):
+        with pytest.raises(NotImplementedError, match="simulated only"):
+            make()
+
+
+@pytest.mark.parametrize("count", [0, 3, 16])
+def test_the_simulation_refines_the_ranked_channels_and_codes_the_rest(tmp_path, count):
+    """Simulation.round_trip: the ranked channels within the refinement's bound, every other channel
+    exactly the plain codes' round trip (clipped, as rkv-2 clips)."""
+    path = tmp_path / "ranks.json"
+    r = ranking()
+    r.save(path)
+    plain = S.recommended(2).replace(k_block_tokens=16)
+    s = plain.replace(k_refine=count, channels=str(path)) if count else plain
+    x = keys(7)
+    tables = torch.ones(64, 8), torch.zeros(64, 8)  # (round_trip works in the storage space: no RoPE here)
+    got = Simulation(s, *tables).round_trip(x, "k", s, layer=0)
+    want = Simulation(plain, *tables).round_trip(x, "k", plain, layer=0)
+    mask = r.mask(0, count, 16)[None, :, None, :].expand_as(x)
+    assert torch.equal(got[~mask], want[~mask])
+    scale, _ = block_params(x, plain)
+    assert ((got - x).abs()[mask] <= (scale / 8)[mask] * (1 + 1e-5) + 1e-6).all()
+    if count:
+        assert ((got - x).abs()[mask].pow(2).sum() < (want - x).abs()[mask].pow(2).sum() / 4)
+        with pytest.raises(ValueError, match="needs the layer"):
+            Simulation(s, *tables).round_trip(x, "k", s)
+    assert torch.equal(Simulation(s, *tables).round_trip(x, "v", s, layer=0),
+                       Simulation(plain, *tables).round_trip(x, "v", plain, 0))
+
+
+def test_calibration_ranks_a_channel_no_query_reads_last():
+    """torch_rkv.eval.channels.calibrate on a tiny model: each head's channels ranked once; a rotated pair
+    the queries never use (its query weights zeroed) moves no score, so it ranks last in every head."""
+    from torch_rkv.eval import channels as calibration
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=160, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            w = layer.self_attn.q_proj.weight.view(6, 32, 192)
+            w[:, 5] = 0  # rotate-half pairs channel 5 with 21
+            w[:, 21] = 0
+    ids = torch.randint(0, 160, (1, 320), generator=torch.Generator().manual_seed(3))
+    ranks = calibration.calibrate(model, ids)
+    assert len(ranks.ranks) == 2
+    for layer in ranks.ranks:
+        for order in layer:
+            assert sorted(order) == list(range(32))
+            assert set(order[-2:]) == {5, 21}

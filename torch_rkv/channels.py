@@ -1,0 +1,124 @@
+"""Refined key channels: a few pre-RoPE key channels per KV head stored with more bits than the rest.
+
+Keys carry most of the loss at every width (docs/measurements.md, "Where the loss comes from"), and
+within a head a few channels carry most of the keys' share: an error e in channel c moves a score by
+q_c e, and both the queries' energy and the keys' block ranges sit in a few channels. A refined channel
+keeps its code c and its block's scale and zero, with its range unclipped, and adds an `extra`-bit code r
+for where in c's cell the value lies:
+
+    x_hat = zero + scale * (c - 1/2 + (r + 1/2) / 2^extra)
+
+so its error is at most scale / 2^(extra + 1), against scale / 2 for the channel's code alone. Which
+channels are refined is decided per (layer, KV head) on a calibration text (torch_rkv.eval.channels)
+and stored as a ranking in a small JSON file; a scheme names the file and how many channels it refines
+(Scheme.k_refine, k_refine_bits, channels).
+
+Simulated only: no cache kernel stores the refinement codes yet, and the caches refuse such a scheme
+(Scheme.check_served).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .files import write_text_atomic
+from .ops.quant import quantize
+
+FORMAT = "torch_rkv.key_channels/1"
+
+
+@dataclass
+class KeyChannels:
+    """ranks[layer][kv_head]: that head's key channels, every one of them, most important first. Stored as
+
+        {"format": "torch_rkv.key_channels/1", "model": ..., "calibration": ..., "ranks": [[[...]]]}"""
+
+    ranks: list = field(default_factory=list)
+    model: str = ""
+    calibration: str = ""
+
+    def __post_init__(self):
+        for i, layer in enumerate(self.ranks):
+            for h, order in enumerate(layer):
+                if sorted(order) != list(range(len(order))):
+                    raise ValueError(f"KeyChannels ({self.model or 'unnamed'}): layer {i} head {h} does not rank "
+                                     f"each of its {len(order)} channels once")
+
+    def top(self, layer: int, count: int) -> torch.Tensor:
+        """The `count` most important channels of each KV head of `layer`, int64 (heads, count)."""
+        if not 0 <= layer < len(self.ranks):
+            raise ValueError(f"KeyChannels ({self.model or 'unnamed'}): layer {layer} is out of range for "
+                             f"{len(self.ranks)} layers")
+        ranks = torch.tensor(self.ranks[layer], dtype=torch.int64)
+        if not 0 <= count <= ranks.shape[1]:
+            raise ValueError(f"KeyChannels ({self.model or 'unnamed'}): k_refine {count} is not within the "
+                             f"head's {ranks.shape[1]} channels")
+        return ranks[:, :count]
+
+    def mask(self, layer: int, count: int, head_dim: int) -> torch.Tensor:
+        """bool (heads, head_dim): True at the refined channels of each KV head of `layer`."""
+        top = self.top(layer, count)
+        if self.ranks and len(self.ranks[layer][0]) != head_dim:
+            raise ValueError(f"KeyChannels ({self.model or 'unnamed'}): ranks {len(self.ranks[layer][0])} channels, "
+                             f"the keys have {head_dim}")
+        return torch.zeros(top.shape[0], head_dim, dtype=torch.bool).scatter_(1, top, True)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "model": self.model, "calibration": self.calibration,
+                           "ranks": self.ranks})
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "key channels") -> "KeyChannels":
+        d = json.loads(text)
+        if d.get("format") != FORMAT:
+            raise ValueError(f"{where}: not a torch_rkv key-channel file (format {d.get('format')!r}, expected "
+                             f"{FORMAT!r})")
+        return cls(d["ranks"], d.get("model", ""), d.get("calibration", ""))
+
+    def save(self, path) -> None:
+        write_text_atomic(path, self.to_json())
+
+
+@lru_cache(maxsize=16)
+def load(path: str) -> KeyChannels:
+    """The key-channel file at `path` (read once per process)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"key-channel file {path} does not exist (torch_rkv.eval.channels calibrates one)")
+    return KeyChannels.from_json(p.read_text(), str(path))
+
+
+def refine(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, extra: int) -> torch.Tensor:
+    """x (float32) decoded through its code at `bits` and an `extra`-bit refinement within the code's cell,
+    with scale and zero per element (the block's unclipped range, expanded), float32. Where scale is 0
+    (a constant channel) the value is zero, as the plain code decodes it."""
+    u = (x - zero) / torch.where(scale > 0, scale, torch.ones_like(scale))
+    code = u.round().clamp(0, (1 << bits) - 1)
+    cells = 1 << extra
+    r = ((u - code + 0.5) * cells).floor().clamp(0, cells - 1)
+    return torch.where(scale > 0, zero + scale * (code - 0.5 + (r + 0.5) / cells), zero)
+
+
+def block_params(x: torch.Tensor, scheme, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unclipped scale and zero of each of keys x's (*, n, D) per-channel blocks under `scheme`, as
+    the cache rounds them, expanded to x's shape (float32). sinks: x's first rows, encoded but not in
+    the range."""
+    s = scheme
+    q = quantize(x, s.k_bits, s.k_group_size, s.k_block_tokens, False, s.side_meta_dtype("k"), False, sinks)
+    n = x.shape[-2]
+    return (q.scale.float().repeat_interleave(s.k_block_tokens, -2)[..., :n, :],
+            q.zero.float().repeat_interleave(s.k_block_tokens, -2)[..., :n, :])
+
+
+def round_trip(x: torch.Tensor, coded: torch.Tensor, scheme, layer: int, sinks: int = 0) -> torch.Tensor:
+    """Keys x (B, Hkv, n, D) of `layer` in the storage space after the cache's round trip: `coded`, the
+    scheme's plain codes, with its refined channels (scheme.k_refine of the ranking file) decoded
+    through their refinement instead."""
+    mask = load(scheme.channels).mask(layer, scheme.k_refine, x.shape[-1]).to(x.device)[None, :, None, :]
+    scale, zero = block_params(x, scheme, sinks)
+    return torch.where(mask, refine(x.float(), scale, zero, scheme.k_bits, scheme.k_refine_bits), coded)
