@@ -9,10 +9,9 @@ from typing import Optional
 
 import torch
 
+from .ops._validate import META_NAMES
 from .ops.structs import CacheFormat
 from .outliers import outlier_bits
-
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "e4m3"}
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ class Scheme:
             raise ValueError("Scheme: sinks and recent must be >= 0")
         for arg in ("meta_dtype", "k_meta_dtype", "v_meta_dtype"):
             dt = getattr(self, arg)
-            if dt not in _DTYPE_NAMES and not (arg != "meta_dtype" and dt is None):
+            if dt not in META_NAMES and not (arg != "meta_dtype" and dt is None):
                 raise TypeError(f"Scheme.{arg} must be float16, bfloat16, float32 or float8_e4m3fn (got {dt})")
         if self.levels not in ("uniform", "calibrated", "gaussian", "fp8"):
             raise ValueError(f"Scheme.levels must be 'uniform', 'calibrated', 'gaussian' or 'fp8' (got {self.levels!r})")
@@ -240,7 +239,7 @@ class Scheme:
         if self.recent:
             parts.append(f"recent {self.recent}")
         if self.levels != "fp8":
-            k_meta, v_meta = (_DTYPE_NAMES[self.side_meta_dtype(side)] for side in "kv")
+            k_meta, v_meta = (META_NAMES[self.side_meta_dtype(side)] for side in "kv")
             parts.append(f"meta {k_meta}" if k_meta == v_meta else f"meta K {k_meta} V {v_meta}")
         return f"{self.name}: " + ", ".join(parts) + f" = {self.effective_bits(head_dim):.2f} bits/elem at d={head_dim}"
 

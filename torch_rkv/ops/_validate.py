@@ -12,7 +12,9 @@ import torch
 from ..reference import ring_rows
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
-META_TYPES = (*FLOAT_TYPES, torch.float8_e4m3fn)  # the scales and zeros
+# the scales' and zeros' dtypes, with the short names schemes describe them by
+META_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "e4m3"}
+META_TYPES = tuple(META_NAMES)
 BITS = (2, 3, 4, 8)
 
 
