@@ -354,6 +354,17 @@ def test_paired_gap_interval():
         localization.paired_gap(rows[::-1], fp)
 
 
+def test_the_localization_table_keeps_its_columns_for_long_row_names():
+    from torch_rkv.eval.report import format_localization
+    from torch_rkv.eval.report.names import FULL
+
+    results = [{"scheme": name, "length": n, "article": a, "exact": a % 2 == 0, "logprob": -1.0 - a / 10}
+               for name in (FULL, "rkv-4", "rkv-lean-sparse-alloc-2.5") for n in (1024, 8192) for a in range(6)]
+    lines = format_localization(results).split("\n")[1:]
+    assert len(lines) == 4 and lines[-1].startswith("rkv-lean-sparse-alloc-2.5 ")
+    assert len({len(line) for line in lines}) == 1  # every row's cells start where the header's lengths do
+
+
 def test_relative_loss_samples_resample_runs_of_tokens():
     """The bootstrap of a relative perplexity loss: exact for a constant loss; with losses shared within
     runs of 128 tokens (neighbours correlate), the draws spread like the runs' means do (1 / sqrt(runs)

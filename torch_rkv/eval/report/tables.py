@@ -89,7 +89,8 @@ def format_localization(results: list[dict]) -> str:
               "mean log p(right rate), and its mean change from full precision over the same needles with its "
               "95% interval (nats)")]
     lengths = sorted({x["length"] for x in results})
-    lines.append(f"{'scheme':16s} " + " ".join(f"{n:>44d}" for n in lengths))
+    width = max([16] + [len(x["scheme"]) for x in results])  # (allocation rows are long names)
+    lines.append(f"{'scheme':{width}s} " + " ".join(f"{n:>44d}" for n in lengths))
     mean = lambda xs: sum(x["logprob"] for x in xs) / len(xs)  # noqa: E731
     rows = lambda name, n: [x for x in results if x["scheme"] == name and x["length"] == n]  # noqa: E731
     for name in dict.fromkeys(x["scheme"] for x in results):
@@ -100,7 +101,7 @@ def format_localization(results: list[dict]) -> str:
             lo, hi = localization.wilson(k, len(xs))
             gap, g_lo, g_hi = localization.paired_gap(xs, fp)
             cells.append(f"{k:2d}/{len(xs)} [{lo:.2f},{hi:.2f}] {mean(xs):6.2f} {gap:+5.2f} [{g_lo:+.2f},{g_hi:+.2f}]")
-        lines.append(f"{name:16s} " + " ".join(f"{c:>44s}" for c in cells))
+        lines.append(f"{name:{width}s} " + " ".join(f"{c:>44s}" for c in cells))
     return "\n".join(lines)
 
 
