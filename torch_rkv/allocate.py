@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from .files import write_text_atomic
-from .scheme import LEAN_META, SPARSE_FRACTION, Scheme, recommended
+from .scheme import Scheme, lean, recommended, sparse
 
 SIDES = ("k", "v")
 
@@ -131,9 +131,9 @@ class Allocation:
         for k, v in self.bits:
             s = layer_scheme(k, v, self.levels)
             if self.sparse:
-                s = s.replace(name=f"{s.name}+sparse", outliers=SPARSE_FRACTION)
+                s = sparse(s)
             if self.lean:
-                s = s.replace(name=f"{s.name}+lean", v_meta_dtype=LEAN_META)
+                s = lean(s)
             out.append(s)
         return out
 

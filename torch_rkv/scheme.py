@@ -323,7 +323,12 @@ def recommended_sparse(bits: int = 2, fraction: float = SPARSE_FRACTION) -> Sche
     whose removal shrinks their groups' ranges most, as fp16 residuals beside the codes
     (torch_rkv.outliers, docs/format.md "Sparse outliers"). The caches, kernels and vLLM plugin serve
     it."""
-    return recommended(bits).replace(name=f"rkv-sparse-{bits}", outliers=fraction)
+    return sparse(recommended(bits), fraction).replace(name=f"rkv-sparse-{bits}")
+
+
+def sparse(s: Scheme, fraction: float = SPARSE_FRACTION) -> Scheme:
+    """s with rkv-sparse's outliers (named s.name+sparse)."""
+    return s.replace(name=f"{s.name}+sparse", outliers=fraction)
 
 
 LEAN_META = torch.float8_e4m3fn  # rkv-lean-<bits>: the values' scales and zeros
@@ -334,7 +339,12 @@ def recommended_lean(bits: int = 2) -> Scheme:
     group's metadata drops from 32 to 16 bits, 0.125 bits per element at head_dim 64. Keys keep float16:
     a pre-RoPE key channel sits far from zero, where e4m3's 3 mantissa bits widen its range. Values must
     stay within +-448, e4m3's range, to keep the half-step bound; beyond it they saturate."""
-    return recommended(bits).replace(name=f"rkv-lean-{bits}", v_meta_dtype=LEAN_META)
+    return lean(recommended(bits)).replace(name=f"rkv-lean-{bits}")
+
+
+def lean(s: Scheme) -> Scheme:
+    """s with rkv-lean's value metadata (named s.name+lean)."""
+    return s.replace(name=f"{s.name}+lean", v_meta_dtype=LEAN_META)
 
 
 SERVED_PRESETS = {"per-token": per_token, "kivi": kivi, "kvquant": kvquant, "quarot": quarot, "rkv": recommended,
