@@ -11,6 +11,8 @@ torch_rkv.eval.channels on first use, then cached).
     # 2048 tokens: about 15 s a row on 2 cores, after a calibration pass of 15 s
     python scripts/key_channels.py rkv-lean-2+8 rkv-lean-3+8 --tokens 8192
     # about 3 minutes a row
+    python scripts/key_channels.py rkv-lean-2+8 --spread 0.5 --tokens 8192
+    # 8 channels a head on average, more where the keys are sensitive (the allocation's profile)
 """
 
 import argparse
@@ -22,7 +24,17 @@ from torch_rkv.eval import channels, data, perplexity
 from torch_rkv.eval.report import Options, Report
 
 
-def row_schemes(report: Report, spec: str, path, extra: int, recent: int | None):
+def counts(report: Report, m: int, spread: float | None) -> list[int]:
+    """Refined channels per layer: m in each, or (spread p) m on average, each layer's share following its
+    keys' sensitivity, the profile's 3-to-2-bit key drop to the power p (the allocation's profile)."""
+    layers = report.attention.layers
+    if spread is None:
+        return [m] * layers
+    w = torch.tensor([k for k, _ in report.profile().drops[3]]).clamp_min(1e-6).pow(spread)
+    return (w / w.mean() * m).round().clamp(0, report.head_dim).long().tolist()
+
+
+def row_schemes(report: Report, spec: str, path, extra: int, recent: int | None, spread: float | None):
     """The row's scheme of each layer, with its refined key channels if it names a count (and `recent`
     full-precision tokens if given)."""
     name, _, count = spec.partition("+")
@@ -31,7 +43,8 @@ def row_schemes(report: Report, spec: str, path, extra: int, recent: int | None)
         schemes = [s.replace(recent=recent) for s in schemes]
     if not count:
         return schemes
-    return [s.replace(k_refine=int(count), k_refine_bits=extra, channels=str(path)) for s in schemes]
+    return [s.replace(k_refine=c, k_refine_bits=extra, channels=str(path)) if c else s
+            for s, c in zip(schemes, counts(report, int(count), spread))]
 
 
 def main() -> None:
@@ -40,6 +53,8 @@ def main() -> None:
                    "+<m>: m key channels per KV head refined")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--extra", type=int, default=2, help="bits the refinement adds to each refined channel")
+    p.add_argument("--spread", type=float, help="refine m channels a head on average, each layer's count "
+                   "following its keys' sensitivity to this power (0.5 measured best)")
     p.add_argument("--recent", type=int, help="every row's recent window instead of its own")
     p.add_argument("--split", action="store_true", help="also keys only and values only")
     args = p.parse_args()
@@ -60,7 +75,7 @@ def main() -> None:
     print(f"full precision {fp:.3f} on {ids.shape[1]} tokens" + (f"; key channels ranked in {path}" if path else ""))
     print(f"{'row':26s} side  bits    delta      KL   top8")
     for spec in args.rows:
-        schemes = row_schemes(report, spec, path, args.extra, args.recent)
+        schemes = row_schemes(report, spec, path, args.extra, args.recent, args.spread)
         bits = report.bits_at(schemes, ids.shape[1])
         for keys, values in ((True, True), (True, False), (False, True)) if args.split else ((True, True),):
             sim = report.simulation_of(schemes, fidelity_queries=64)
