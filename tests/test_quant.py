@@ -98,8 +98,8 @@ def in_meta_range(x, meta):
 def half_step_bound(x, q):
     """|x - x_hat| <= scale/2 for the stored scale, plus the fp32 rounding of the few operations that
     compute the code and the value (each at most one ulp of the magnitudes involved)."""
-    s = ref._expand_meta(q.scale, q.block_tokens, q.group_size)
-    z = ref._expand_meta(q.zero, q.block_tokens, q.group_size) if q.zero is not None else torch.zeros_like(s)
+    s = ref.expand_meta(q.scale, q.block_tokens, q.group_size)
+    z = ref.expand_meta(q.zero, q.block_tokens, q.group_size) if q.zero is not None else torch.zeros_like(s)
     xf = x.float()
     return s / 2 + 4 * EPS32 * (xf.abs() + z.abs() + s * (2 ** q.bits))
 
@@ -347,8 +347,8 @@ def test_levels_error_is_bounded_by_the_widest_cell(device, case):
     x = make_input(case, device)
     lv = case_levels(case)
     q = torch_rkv.quantize(x, *quant_args(case), levels=lv.to(device))
-    s = ref._expand_meta(q.scale.cpu(), q.block_tokens, q.group_size)
-    z = ref._expand_meta(q.zero.cpu(), q.block_tokens, q.group_size)
+    s = ref.expand_meta(q.scale.cpu(), q.block_tokens, q.group_size)
+    z = ref.expand_meta(q.zero.cpu(), q.block_tokens, q.group_size)
     cell = max(float(lv[0]), float((1 << case["bits"]) - 1 - lv[-1]), float((lv[1:] - lv[:-1]).max()) / 2)
     xf = x.float().cpu()
     err = (q.dequantize().cpu() - xf).abs()
@@ -366,8 +366,8 @@ def test_lloyd_levels_fit_gaussian_channels_better_than_the_grid(bits, most):
 
     x = torch.randn(8, 1024, 64, generator=torch.Generator().manual_seed(0))
     grid = torch_rkv.quantize(x, bits, 1, 128)
-    s = ref._expand_meta(grid.scale, 128, 1)
-    u = (x - ref._expand_meta(grid.zero, 128, 1)) / s
+    s = ref.expand_meta(grid.scale, 128, 1)
+    u = (x - ref.expand_meta(grid.zero, 128, 1)) / s
     lv = lloyd(u, s * s, bits, pin_ends=False)
     fitted = torch_rkv.quantize(x, bits, 1, 128, levels=lv)
     plain = (grid.dequantize() - x).pow(2).mean()

@@ -28,6 +28,7 @@ import torch
 
 from .files import write_text_atomic
 from .ops.quant import quantize
+from .reference import expand_meta
 
 FORMAT = "torch_rkv.key_channels/1"
 
@@ -63,7 +64,7 @@ class KeyChannels:
     def mask(self, layer: int, count: int, head_dim: int) -> torch.Tensor:
         """bool (heads, head_dim): True at the refined channels of each KV head of `layer`."""
         top = self.top(layer, count)
-        if self.ranks and len(self.ranks[layer][0]) != head_dim:
+        if len(self.ranks[layer][0]) != head_dim:
             raise ValueError(f"KeyChannels ({self.model or 'unnamed'}): ranks {len(self.ranks[layer][0])} channels, "
                              f"the keys have {head_dim}")
         return torch.zeros(top.shape[0], head_dim, dtype=torch.bool).scatter_(1, top, True)
@@ -108,11 +109,9 @@ def block_params(x: torch.Tensor, scheme, sinks: int = 0) -> tuple[torch.Tensor,
     """The unclipped scale and zero of each of keys x's (*, n, D) per-channel blocks under `scheme`, as
     the cache rounds them, expanded to x's shape (float32). sinks: x's first rows, encoded but not in
     the range."""
-    s = scheme
+    s, n = scheme, x.shape[-2]
     q = quantize(x, s.k_bits, s.k_group_size, s.k_block_tokens, False, s.side_meta_dtype("k"), False, sinks)
-    n = x.shape[-2]
-    return (q.scale.float().repeat_interleave(s.k_block_tokens, -2)[..., :n, :],
-            q.zero.float().repeat_interleave(s.k_block_tokens, -2)[..., :n, :])
+    return tuple(expand_meta(m, s.k_block_tokens, s.k_group_size)[..., :n, :] for m in (q.scale, q.zero))
 
 
 def round_trip(x: torch.Tensor, coded: torch.Tensor, scheme, layer: int, sinks: int = 0) -> torch.Tensor:

@@ -124,7 +124,7 @@ def clip_params(tiles: torch.Tensor, counted: torch.Tensor, lo: torch.Tensor, hi
     return best_scale, best_zero
 
 
-def _expand_meta(m: torch.Tensor, block_tokens: int, group_size: int) -> torch.Tensor:
+def expand_meta(m: torch.Tensor, block_tokens: int, group_size: int) -> torch.Tensor:
     """(*, N/T, D/G) -> (*, N, D): each group's value at each of its elements."""
     return m.float().repeat_interleave(block_tokens, dim=-2).repeat_interleave(group_size, dim=-1)
 
@@ -208,7 +208,7 @@ def quantize(
         scale, zero = clip_params(tiles, counted, lo, hi, bits, meta_dtype, levels)
     else:
         scale, zero = quant_params(lo, hi, bits, symmetric, meta_dtype)
-    codes = encode(xf, _expand_meta(scale, t, g), _expand_meta(zero, t, g), bits, symmetric, levels)
+    codes = encode(xf, expand_meta(scale, t, g), expand_meta(zero, t, g), bits, symmetric, levels)
     zero_out = torch.empty(0, dtype=meta_dtype, device=x.device) if symmetric else zero.to(meta_dtype)
     return pack(codes, bits), scale.to(meta_dtype), zero_out
 
@@ -227,8 +227,8 @@ def dequantize(
     n, d = codes.shape[-2], codes.shape[-1]
     t = n // scale.shape[-2] if scale.shape[-2] else 1
     g = d // scale.shape[-1]
-    z = None if zero is None else _expand_meta(zero, t, g)
-    return decode(codes, _expand_meta(scale, t, g), z, bits, levels).to(out_dtype)
+    z = None if zero is None else expand_meta(zero, t, g)
+    return decode(codes, expand_meta(scale, t, g), z, bits, levels).to(out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 from ..codebook import SIDES, Codebook, lloyd, load
 from ..integrations import models
 from ..ops.quant import quantize
-from ..reference import rope_pairs
+from ..reference import expand_meta, rope_pairs
 from ..scheme import Scheme, recommended
 from . import data, perplexity
 from .sensitivity import CALIBRATION_TEXT, CALIBRATION_TOKENS, calibration_ids, model_key, simulations_for, text_key
@@ -94,8 +94,7 @@ def samples(x: torch.Tensor, side: str, s: Scheme, lv: Optional[torch.Tensor] = 
     bits, tokens = getattr(s, f"{side}_bits"), getattr(s, f"{side}_block_tokens")
     group = getattr(s, f"{side}_group_size") or x.shape[-1]
     q = quantize(x, bits, group, tokens, False, s.side_meta_dtype(side), getattr(s, f"{side}_clip"), s.sinks, lv)
-    sc = q.scale.float().repeat_interleave(tokens, -2).repeat_interleave(group, -1)
-    zr = q.zero.float().repeat_interleave(tokens, -2).repeat_interleave(group, -1)
+    sc, zr = expand_meta(q.scale, tokens, group), expand_meta(q.zero, tokens, group)
     keep = slice(s.sinks, None)
     sc, zr, xs = sc[..., keep, :], zr[..., keep, :], x[..., keep, :]
     w = sc * sc
