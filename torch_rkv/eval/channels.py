@@ -4,8 +4,8 @@ One full-precision pass over the calibration text records each layer's pre-RoPE 
 cache quantizes, and how much attention reads each of them (levels.attention_weights: the token's
 received attention times its channel's query energy). A channel's importance is the sum over tokens of
 that weight times the squared step of the channel's block at `bits` (the sinks left out): the expected
-squared score error its code leaves. Each KV head ranks its channels by it. The calibration text is lcet10.txt by default,
-never an evaluation text; rankings are cached like codebooks.
+squared score error its code leaves. Each KV head ranks its channels by it. The calibration text is
+lcet10.txt by default, never an evaluation text; rankings are cached like codebooks.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from .sensitivity import CALIBRATION_TEXT, CALIBRATION_TOKENS, calibration_ids, 
 def calibrate(model, ids: torch.Tensor, bits: int = 2) -> KeyChannels:
     """The key-channel ranking of `model` from one full-precision pass over ids (1, N), its steps those of
     rkv-<bits>'s blocks."""
-    models.refuse_cacheless_layers(models.inspect(model), "refined key channels")
+    att = models.inspect(model)
+    models.refuse_cacheless_layers(att, "refined key channels")
     s = recommended(bits)
     rec = levels.record(model, ids, s, weighted=True)
     ranks = []
-    for layer in range(models.inspect(model).layers):
+    for layer in range(att.layers):
         if (layer, "k") not in rec.seen:
             raise ValueError(f"calibrate: layer {layer} quantized nothing on {ids.shape[1]} tokens; use a longer "
                              "text")
