@@ -39,5 +39,8 @@ def test_the_op_table_lists_every_schema_argument(op):
 
 
 def test_every_op_is_in_the_table():
-    assert set(OPS) == {name for name in dir(torch.ops.rkv) if not name.startswith("_")
-                        and hasattr(getattr(torch.ops.rkv, name), "default")}
+    # the dispatcher's list, not dir(torch.ops.rkv): the namespace lists only the ops already looked up
+    # in this process, so what it holds depends on which tests ran before on the same worker
+    registered = {name.removeprefix("rkv::") for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("rkv::")}
+    assert set(OPS) == registered
