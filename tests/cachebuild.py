@@ -154,3 +154,22 @@ def quantization_bound(q, bufs, values, v_rotated=False, cell: float = 0.5) -> f
     half_v = bufs["v_scale"].float().max().item() * cell * (math.sqrt(d) if v_rotated else 1.0)
     score = q.float().norm(dim=-1).max().item() / math.sqrt(d) * math.sqrt(d) * half_k
     return half_v + 2 * score * values.abs().max().item() + 1e-5
+
+
+def refined_buffers(batch, heads, cap, dim, k_bits, v_bits, block, recent, sinks, m, extra, meta, gen):
+    """Contiguous buffers (cache_append's names) with refined key channels (k_refine; per-channel asymmetric
+    keys), per-token values in groups of 8, random initial contents (an append must write exactly what
+    the reference writes, over anything), and random distinct refined channels per kv head (int32)."""
+    window = recent + block - 1
+    u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, generator=gen)  # noqa: E731
+    f = lambda *s, dtype=torch.float32: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    bufs = dict(
+        k_packed=u8(batch, heads, cap, dim * k_bits // 8), k_scale=f(batch, heads, cap // block, dim, dtype=meta),
+        k_zero=f(batch, heads, cap // block, dim, dtype=meta),
+        v_packed=u8(batch, heads, cap, dim * v_bits // 8), v_scale=f(batch, heads, cap, dim // 8, dtype=meta),
+        v_zero=f(batch, heads, cap, dim // 8, dtype=meta),
+        k_window=f(batch, heads, window, dim), v_window=f(batch, heads, window, dim),
+        k_sink=f(batch, heads, sinks, dim), v_sink=f(batch, heads, sinks, dim),
+        k_refine=u8(batch, heads, cap, m * extra // 8))
+    channels = torch.stack([torch.randperm(dim, generator=gen)[:m] for _ in range(heads)]).int()
+    return bufs, channels

@@ -3,11 +3,14 @@ fields, bits and refusals, the simulation's round trip and the calibration's ran
 
 import pytest
 import torch
+from conftest import device_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import torch_rkv
 from torch_rkv import channels
+from torch_rkv import reference as ref
 from torch_rkv import scheme as S
 from torch_rkv.cache import QuantizedKVCache
 from torch_rkv.channels import KeyChannels, block_params, refine
@@ -72,7 +75,7 @@ def test_the_ranking_file_round_trips_and_names_what_is_wrong(tmp_path):
         channels.load(str(tmp_path / "missing.json"))
 
 
-def test_the_scheme_counts_refinement_bits_checks_its_fields_and_is_simulated_only(tmp_path):
+def test_the_scheme_counts_refinement_bits_checks_its_fields_and_serves_whole_bytes(tmp_path):
     path = tmp_path / "ranks.json"
     ranking(d=64).save(path)
     s = S.recommended(2).replace(k_refine=8, k_refine_bits=2, channels=str(path))
@@ -93,9 +96,11 @@ def test_the_scheme_counts_refinement_bits_checks_its_fields_and_is_simulated_on
         s.replace(outliers=0.005)
     with pytest.raises(ValueError, match="k_refine 65 exceeds head_dim 64"):
         s.replace(k_refine=65).check_head_dim(64)
-    for make in (lambda: QuantizedKVCache(s, 1, 1, 2, 64, 32), lambda: PagedQuantizedKVCache(s, 1, 2, 64, 4, 1)):
-        with pytest.raises(NotImplementedError, match="simulated only"):
-            make()
+    for odd in (s.replace(k_refine_bits=1), s.replace(k_refine=3)):  # 1 bit; 6 bits a row
+        for make in (lambda: QuantizedKVCache(odd, 1, 1, 2, 64, 32), lambda: PagedQuantizedKVCache(odd, 1, 2, 64, 4, 1)):
+            with pytest.raises(NotImplementedError, match="simulated only"):
+                make()
+    QuantizedKVCache(s, 1, 1, 2, 64, 32, rope=torch_rkv.rope_tables(64, 128))  # served
 
 
 @pytest.mark.parametrize("count", [0, 3, 16])
@@ -144,3 +149,61 @@ def test_calibration_ranks_a_channel_no_query_reads_last():
         for order in layer:
             assert sorted(order) == list(range(32))
             assert set(order[-2:]) == {5, 21}
+
+
+def refined_caches(tmp_path, device, n=200):
+    """A rkv-2 scheme with 8 refined channels of 2 bits (blocks of 32) and the post-RoPE keys, values and
+    rope tables of one sequence of n tokens."""
+    path = tmp_path / "ranks.json"
+    ranking(d=64, seed=3).save(path)
+    s = S.recommended(2).replace(k_block_tokens=32, recent=16, k_refine=8, k_refine_bits=2, channels=str(path))
+    g = torch.Generator().manual_seed(4)
+    cos, sin = torch_rkv.rope_tables(64, n + 64, theta=1e4)
+    k = torch_rkv.rope(keys(5, n=n, d=64), cos, sin, torch.arange(n))
+    v = torch.randn(1, 2, n, 64, generator=g)
+    return s, k, v, (cos, sin)
+
+
+@pytest.mark.parametrize("device", device_params("cache_append"))
+def test_the_cache_stores_what_the_simulation_computes(tmp_path, device):
+    """QuantizedKVCache with refined key channels holds exactly the simulation's round trip (the decode
+    protocol's condition), and its refined channels come back finer than a plain cache's."""
+    s, k, v, rope = refined_caches(tmp_path, device)
+    n = k.shape[2]
+    cache = QuantizedKVCache(s, 1, 1, 2, 64, n, torch.float32, device=device, rope=rope)
+    cache.append(0, k.to(device), v.to(device))
+    kd, vd = (t.cpu() for t in cache.dequantized(0))
+    q = ref.quantized_count(n, s.recent, s.block)
+    sim = Simulation(s, *rope)
+    want = sim.fake_quantize(k, "k", 0)
+    assert (kd[:, :, s.sinks:q] - want[:, :, s.sinks:q]).abs().max() <= 1e-4
+    plain = QuantizedKVCache(s.replace(k_refine=0, channels=None), 1, 1, 2, 64, n, torch.float32, rope=rope)
+    plain.append(0, k, v)
+    pk, _ = plain.dequantized(0)
+    err = lambda a: (a - k)[:, :, s.sinks:q].pow(2).sum().item()  # noqa: E731
+    assert err(kd) < err(pk)
+
+
+@pytest.mark.parametrize("device", device_params("paged_decode_attention"))
+def test_the_paged_cache_reads_refined_channels_and_a_fork_copies_them(tmp_path, device):
+    """The paged cache attends as the contiguous one over the same tokens, and a fork (whose open page is
+    copied with its refinement codes) as its parent."""
+    s, k, v, rope = refined_caches(tmp_path, device, n=100)  # the open page 1 holds a written block, 64..95
+    n = k.shape[2]
+    flat = lambda t: t[0].transpose(0, 1).contiguous().to(device)  # noqa: E731  (1, H, n, D) -> (n, H, D)
+    paged = PagedQuantizedKVCache(s, 1, 2, 64, 8, 2, page_size=64, dtype=torch.float32, rope=rope, device=device,
+                                  max_pages_per_seq=2)
+    seq = paged.add()
+    batch = paged.schedule([seq], [n])
+    paged.append(0, batch, flat(k), flat(v))
+    paged.commit(batch)
+    child = paged.fork(seq)
+    contiguous = QuantizedKVCache(s, 1, 1, 2, 64, n + 8, torch.float32, device=device, rope=rope)
+    contiguous.append(0, k.to(device), v.to(device))
+    q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(9)).to(device)
+    want = contiguous.attend(0, q).cpu()
+    for s_id in (seq, child):
+        got = paged.attend(0, paged.schedule([s_id], [0]), q).cpu()
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    parent_page, child_page = paged.k_refine[0][paged.pages_of(seq)[-1]], paged.k_refine[0][paged.pages_of(child)[-1]]
+    assert parent_page[:, :32].any() and torch.equal(child_page, parent_page)

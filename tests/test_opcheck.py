@@ -94,7 +94,7 @@ def cache_samples(device):
     out.append((torch.ops.rkv.cache_append.default,
                 (*buffers_args(bufs), lengths, k[:, :, :9], k[:, :, :9].clone(), 4, 4, s.block, s.recent, False, False,
                  12)))
-    return out + outlier_samples(device) + paged_samples(device)
+    return out + outlier_samples(device) + paged_samples(device) + refine_samples(device)
 
 
 def outlier_samples(device):
@@ -142,6 +142,42 @@ def outlier_samples(device):
     out.append((torch.ops.rkv.paged_copy.default,
                 (*t, None, torch.tensor([1], device=device), torch.tensor([5], device=device), empty, empty, *po)))
     return out
+
+
+def refine_samples(device):
+    """Every cache op with refined key channels, over contiguous buffers (the paged ops' page b / slot b)."""
+    from cachebuild import refined_buffers
+
+    gen = torch.Generator().manual_seed(3)
+    bufs, channels = refined_buffers(2, 2, 24, 32, 2, 4, 8, 4, 2, 8, 2, torch.float16, gen)
+    b = [bufs[n].to(device) for n in ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window",
+                                       "v_window", "k_sink", "v_sink")]
+    refine, channels = bufs["k_refine"].to(device), channels.to(device)
+    k = torch.randn(2, 2, 9, 32, generator=gen).to(device)
+    lengths = torch.tensor([0, 7], device=device)
+    cos, sin = (t.to(device) for t in torch_rkv.rope_tables(32, 64))
+    q = torch.randn(2, 4, 32, generator=gen).to(device)
+    qsl = torch.tensor([0, 2, 5], device=device)
+    kn = torch.randn(5, 2, 32, generator=gen).to(device)
+    return [
+        (torch.ops.rkv.cache_append.default,
+         (*b, lengths, k, k.clone(), 2, 4, 8, 4, True, False, 0, None, None, None, None, refine, channels)),
+        (torch.ops.rkv.decode_attention.default,
+         (q, *b, lengths + 9, 2, 4, 8, 4, cos, sin, False, None, None, 0.2, 8, 0, 0.0, None, None, None, None, None,
+          refine, channels)),
+        (torch.ops.rkv.paged_append.default,
+         (*b, None, None, None, lengths, qsl, kn, kn.clone(), 2, 4, 8, 4, True, False, None, None, None, None, None,
+          refine, channels)),
+        (torch.ops.rkv.paged_decode_attention.default,
+         (q, *b, None, None, lengths + 9, 2, 4, 8, 4, cos, sin, False, None, None, 0.2, 0, 0, 0.0, None, None, None,
+          None, None, refine, channels)),
+        (torch.ops.rkv.paged_prefill_attention.default,
+         (q[:1].expand(5, -1, -1).contiguous(), kn, kn.clone(), qsl, 3, *b, None, None, lengths + 9, 2, 4, 8, 4, cos, sin,
+          False, None, None, 0.2, 0, 0, 0.0, None, None, None, None, None, refine, channels)),
+        (torch.ops.rkv.paged_copy.default,
+         (*b, None, torch.tensor([0], device=device), torch.tensor([1], device=device),
+          torch.tensor([1], device=device), torch.tensor([0], device=device), None, None, refine)),
+    ]
 
 
 def paged_samples(device):

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .channels import channel_buffers
 from .codebook import layer_levels, level_buffers
 from .layout import CacheLayout
 from .ops.attention import decode_attention
@@ -22,11 +23,19 @@ from .ops.paged import paged_prefill_attention
 from .ops.quant import Quantized, dequantize
 from .ops.rope import rope
 from .ops.structs import CacheSide, split_sides
-from .reference import outlier_residuals, quantized_count
+from .reference import outlier_residuals, quantized_count, refine_bits, refined_rows
 from .rotations import RotatedCache, scheme_rotations
 from .scheme import Scheme
 
 BUFFERS = ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero", "k_window", "v_window", "k_sink", "v_sink")
+
+
+def layer_refine(cache, layer: int, k_refine: Optional[torch.Tensor]) -> tuple:
+    """(k_refine, k_channels) of a cache's layer given its refinement region, or (None, None) without refined
+    key channels (the caches keep each layer's channels as a k_channels_<layer> buffer,
+    channels.channel_buffers)."""
+    channels = getattr(cache, f"k_channels_{layer}")
+    return (None, None) if channels is None else (k_refine, channels)
 
 
 def layer_outliers(cache, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -83,6 +92,9 @@ class QuantizedKVCache(RotatedCache, torch.nn.Module):
         self.register_rotations(rot)
         for name, t in level_buffers(scheme, num_layers, model_layers, device, "QuantizedKVCache").items():
             self.register_buffer(name, t)
+        for name, t in channel_buffers([scheme] * num_layers, model_layers, kv_heads, head_dim, device,
+                                       "QuantizedKVCache").items():
+            self.register_buffer(name, t)
 
     # ---------------------------------------------------------------------------------------------
     @property
@@ -96,8 +108,10 @@ class QuantizedKVCache(RotatedCache, torch.nn.Module):
         return [None if getattr(self, name, None) is None else getattr(self, name)[layer] for name in BUFFERS]
 
     def sides(self, layer: int) -> tuple[CacheSide, CacheSide]:
-        """The layer's keys and values as the cache ops take them: buffers, levels and sparse outliers."""
-        return split_sides(self.layer_buffers(layer), layer_levels(self, layer), layer_outliers(self, layer))
+        """The layer's keys and values as the cache ops take them: buffers, levels, sparse outliers and refined
+        key channels."""
+        refine = layer_refine(self, layer, self.k_refine[layer] if self.scheme.k_refine else None)
+        return split_sides(self.layer_buffers(layer), layer_levels(self, layer), layer_outliers(self, layer), refine)
 
     def nbytes(self) -> int:
         """Exact bytes of the KV buffers (all layers), from the same layout that allocated them."""
@@ -212,6 +226,8 @@ class QuantizedKVCache(RotatedCache, torch.nn.Module):
                 if entries is not None:  # the sparse outliers' residuals, as attention adds them
                     res = outlier_residuals(entries[:, :, : q // s.block], s.block, lay.head_dim)
                     deq = deq + res.reshape(deq.shape)
+                if side == "k" and s.k_refine:  # the refined channels' residuals, likewise
+                    deq = self._refined(layer, deq, qt.scale, t)
                 parts.append(deq[:, :, s.sinks :])
             if n > max(s.sinks, q):
                 slots = torch.arange(max(s.sinks, q), n, device=self.lengths.device)
@@ -225,6 +241,16 @@ class QuantizedKVCache(RotatedCache, torch.nn.Module):
         if s.pre_rope:
             k = rope(k, self.rope_cos, self.rope_sin, torch.arange(n, device=k.device), self.rope_interleaved)
         return k, v
+
+    def _refined(self, layer: int, deq: torch.Tensor, scale: torch.Tensor, block_tokens: int) -> torch.Tensor:
+        """Dequantized keys deq (B, Hkv, q, D) of this layer with their refined channels' residuals added."""
+        b, h, q, d = deq.shape
+        rows = self.k_refine[layer][:, :, :q]
+        channels = getattr(self, f"k_channels_{layer}")
+        flat = lambda t: t.transpose(1, 2).reshape(b * q, h, t.shape[-1])  # noqa: E731  (B, H, q, x) -> (B*q, H, x)
+        sc = scale.float().repeat_interleave(block_tokens, dim=2)
+        out = refined_rows(flat(deq), flat(rows), channels, flat(sc), refine_bits(rows, channels))
+        return out.reshape(b, q, h, d).transpose(1, 2)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:

@@ -13,8 +13,9 @@ channels are refined is decided per (layer, KV head) on a calibration text (torc
 and stored as a ranking in a small JSON file; a scheme names the file and how many channels it refines
 (Scheme.k_refine, k_refine_bits, channels).
 
-Simulated only: no cache kernel stores the refinement codes yet, and the caches refuse such a scheme
-(Scheme.check_served).
+The caches store them (layout.page_regions: k_refine, m * extra / 8 bytes a row; the ranking's top m
+channels of each layer in a k_channels buffer, channel_buffers), and every cache op reads and writes
+them (reference.refine_codes / refined_rows: the spec the kernels follow bit for bit).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from . import reference as ref
 from .files import write_text_atomic
 from .ops.quant import quantize
 from .reference import expand_meta
@@ -96,13 +98,33 @@ def load(path: str) -> KeyChannels:
 
 def refine(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, extra: int) -> torch.Tensor:
     """x (float32) decoded through its code at `bits` and an `extra`-bit refinement within the code's cell,
-    with scale and zero per element (the block's unclipped range, expanded), float32. Where scale is 0
-    (a constant channel) the value is zero, as the plain code decodes it."""
-    u = (x - zero) / torch.where(scale > 0, scale, torch.ones_like(scale))
-    code = u.round().clamp(0, (1 << bits) - 1)
-    cells = 1 << extra
-    r = ((u - code + 0.5) * cells).floor().clamp(0, cells - 1)
-    return torch.where(scale > 0, zero + scale * (code - 0.5 + (r + 0.5) / cells), zero)
+    with scale and zero per element (the block's unclipped range, expanded), float32, as the cache kernels
+    decode it (reference.refine_codes / refine_residual). Where scale is 0 (a constant channel) the value
+    is zero, as the plain code decodes it."""
+    codes = ref.encode(x, scale, zero, bits, False)
+    r = ref.refine_codes(x, scale, zero, bits, extra)
+    return ref.decode(codes, scale, zero, bits) + ref.refine_residual(r, scale, extra)
+
+
+def channel_buffers(schemes, model_layers, kv_heads: int, head_dim: int, device, owner: str) -> dict:
+    """A cache's refined key channels: {"k_channels_<i>": int32 (kv_heads, m_i)} for each of its layers i
+    (model layer model_layers[i]; None: i), the top m_i = k_refine channels of the schemes' ranking file,
+    or None for a layer without refined channels. owner names the cache in errors."""
+    schemes = list(schemes)
+    model_layers = list(range(len(schemes))) if model_layers is None else list(model_layers)
+    out = {}
+    for i, (s, layer) in enumerate(zip(schemes, model_layers)):
+        top = None
+        if s.k_refine:
+            ranks = load(s.channels)
+            ranks.mask(layer, s.k_refine, head_dim)  # (checks the layer and the ranking's head_dim)
+            top = ranks.top(layer, s.k_refine)
+            if top.shape[0] != kv_heads:
+                raise ValueError(f"{owner}: the key-channel file {s.channels} ranks {top.shape[0]} kv heads in layer "
+                                 f"{layer}, the cache has {kv_heads}")
+            top = top.to(device=device, dtype=torch.int32)
+        out[f"k_channels_{i}"] = top
+    return out
 
 
 def block_params(x: torch.Tensor, scheme, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

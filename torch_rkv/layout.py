@@ -60,7 +60,8 @@ def window_tokens(scheme: Scheme) -> int:
 def page_regions(scheme: Scheme, kv_heads: int, head_dim: int, rows: int):
     """(name, shape (kv_heads, rows or metadata rows, last dim), dtype) of one page's regions, in their
     byte order: codes of keys, then of values, then each side's scales and zeros (absent when
-    symmetric), then, with sparse outliers, each side's entries (one row of K int32 per block)."""
+    symmetric), then, with sparse outliers, each side's entries (one row of K int32 per block), then, with
+    refined key channels, their codes (k_refine: k_refine x k_refine_bits bits a row; torch_rkv.channels)."""
     s, h, d = scheme, kv_heads, head_dim
     out = [(f"{side}_codes", (h, rows, d * getattr(s, f"{side}_bits") // 8), torch.uint8) for side in ("k", "v")]
     for side in ("k", "v"):
@@ -72,6 +73,8 @@ def page_regions(scheme: Scheme, kv_heads: int, head_dim: int, rows: int):
     if s.outliers:
         k = outlier_count(s.outliers, s.block, d)
         out += [(f"{side}_outliers", (h, rows // s.block, k), torch.int32) for side in ("k", "v")]
+    if s.k_refine:
+        out.append(("k_refine", (h, rows, s.k_refine * s.k_refine_bits // 8), torch.uint8))
     return out
 
 

@@ -27,7 +27,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cache import layer_outliers
+from .cache import layer_outliers, layer_refine
+from .channels import channel_buffers
 from .codebook import layer_levels, level_buffers
 from .layout import PageLayout, default_page_size
 from .ops.paged import paged_append, paged_copy, paged_decode_attention, paged_prefill_attention
@@ -87,6 +88,9 @@ class PagedQuantizedKVCache(RotatedCache, torch.nn.Module):
             raise ValueError(f"PagedQuantizedKVCache: num_layers ({num_layers}), num_pages ({num_pages}) and max_seqs "
                              f"({max_seqs}) must be >= 1")
         self.schemes = per_layer_schemes(scheme, num_layers)
+        if len({s.k_refine > 0 for s in self.schemes}) > 1:
+            raise ValueError("PagedQuantizedKVCache: some layers refine key channels and others do not; the pages "
+                             "need the refinement region in every layer or in none (k_refine >= 1 everywhere, or 0)")
         scheme = self.scheme = self.schemes[0]  # (its sinks, window, block and rotations are every layer's)
         self.num_layers = num_layers
         page_size = page_size or default_page_size(scheme)
@@ -117,6 +121,9 @@ class PagedQuantizedKVCache(RotatedCache, torch.nn.Module):
                                self.max_tokens, "a sequence's")
         self.register_rotations(rot)
         for name, t in level_buffers(scheme, num_layers, model_layers, device, "PagedQuantizedKVCache").items():
+            self.register_buffer(name, t)
+        for name, t in channel_buffers(self.schemes, model_layers, kv_heads, head_dim, device,
+                                       "PagedQuantizedKVCache").items():
             self.register_buffer(name, t)
         # host-side bookkeeping: which pages and slots are free, who references each page
         self._free_pages = list(range(num_pages - 1, -1, -1))
@@ -266,9 +273,10 @@ class PagedQuantizedKVCache(RotatedCache, torch.nn.Module):
                 self.k_sink[layer], self.v_sink[layer]]
 
     def sides(self, layer: int) -> tuple[CacheSide, CacheSide]:
-        """The layer's keys and values as the paged ops take them: page regions, side slots, levels and
-        sparse outliers."""
-        return split_sides(self.layer_tensors(layer), layer_levels(self, layer), layer_outliers(self, layer))
+        """The layer's keys and values as the paged ops take them: page regions, side slots, levels, sparse
+        outliers and refined key channels."""
+        refine = layer_refine(self, layer, self._region("k_refine", layer))
+        return split_sides(self.layer_tensors(layer), layer_levels(self, layer), layer_outliers(self, layer), refine)
 
     def _region(self, name: str, layer: int) -> Optional[torch.Tensor]:
         """Region `name` of `layer`'s pages (num_pages, kv_heads, rows, last dim), or None (not in the scheme)."""

@@ -171,6 +171,7 @@ def quantize(
     sink_rows: int = 0,
     levels: Optional[torch.Tensor] = None,
     excluded: Optional[torch.Tensor] = None,
+    unclipped: Optional[torch.Tensor] = None,
 ):
     """x (*, N, D) -> (packed (*, N, D*bits/8) uint8, scale, zero (*, N/T, D/G) meta_dtype).
 
@@ -187,6 +188,8 @@ def quantize(
     ascending within [0, 2^bits - 1]; the range and scale are unchanged, codes come from encode's lv.
     excluded (the cache's use, a bool mask like x): values kept as sparse outliers (select_outliers),
     encoded like the others but left out of every range and clip error.
+    unclipped (the cache's use, a bool mask broadcast to (*, N/T, D/G)): groups that keep their full
+    range under clip (refined key channels, refine_codes).
     """
     if clip and symmetric:
         raise ValueError("rkv.quantize: clip searches asymmetric ranges; it needs symmetric=False")
@@ -206,6 +209,9 @@ def quantize(
     hi = torch.where(counted, tiles, torch.full_like(tiles, -math.inf)).amax(dim=(-3, -1))
     if clip:
         scale, zero = clip_params(tiles, counted, lo, hi, bits, meta_dtype, levels)
+        if unclipped is not None:
+            full_scale, full_zero = quant_params(lo, hi, bits, symmetric, meta_dtype)
+            scale, zero = torch.where(unclipped, full_scale, scale), torch.where(unclipped, full_zero, zero)
     else:
         scale, zero = quant_params(lo, hi, bits, symmetric, meta_dtype)
     codes = encode(xf, expand_meta(scale, t, g), expand_meta(zero, t, g), bits, symmetric, levels)
@@ -330,6 +336,58 @@ def outlier_residuals(entries: torch.Tensor, block: int, dim: int) -> torch.Tens
     dense = torch.zeros(e.shape[0], block * dim + 1, dtype=torch.float32, device=entries.device)
     dense.scatter_add_(1, torch.where(used, pos, block * dim), torch.where(used, res, torch.zeros_like(res)))
     return dense[:, : block * dim].reshape(*lead, block, dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# Refined key channels (torch_rkv.channels; docs/format.md, "Refined key channels"): m per-channel key
+# channels of each KV head, channels[h] (Hkv, m), keep their code c and their block's unclipped scale and
+# zero, and add an `extra`-bit code r for where in c's cell the value lies, packed m to a row like codes:
+#     x_hat = c * scale + zero + scale * (2r + 1 - 2^extra) / 2^(extra + 1)
+# The second term is refine_residual; |x - x_hat| <= scale / 2^(extra + 1) inside the range.
+# --------------------------------------------------------------------------------------------------
+
+REFINE_BITS = (2, 3, 4)  # the widths the kernels store refinement codes at
+
+
+def refine_bits(refine: torch.Tensor, channels: torch.Tensor) -> int:
+    """The refinement width of a buffer whose rows hold channels.shape[-1] codes."""
+    return refine.shape[-1] * 8 // channels.shape[-1]
+
+
+def refine_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, extra: int) -> torch.Tensor:
+    """The `extra`-bit refinement codes (uint8) of float32 x whose `bits`-bit codes encode takes with
+    float32 scale / zero (broadcast): u = (x - zero) / scale, c = encode's code, r = floor((u - c + 1/2)
+    * 2^extra) within [0, 2^extra). NaN is 0, as encode takes it; where scale is 0, u is 0."""
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+    pos = scale > 0
+    u = torch.where(pos, (x - zero) / torch.where(pos, scale, torch.ones_like(scale)), torch.zeros_like(x))
+    code = torch.round(u).clamp(0, levels(bits))
+    cells = 1 << extra
+    return ((u - code + 0.5) * cells).floor().clamp(0, cells - 1).to(torch.uint8)
+
+
+def refine_residual(r: torch.Tensor, scale: torch.Tensor, extra: int) -> torch.Tensor:
+    """What refinement code r adds to its channel's decoded value: scale * (2r + 1 - 2^extra) /
+    2^(extra + 1), float32 (the fraction is exact, the product rounds once)."""
+    cells = 1 << extra
+    return scale * ((2 * r.float() + 1 - cells) / (2 * cells))
+
+
+def refined_rows(out: torch.Tensor, refine_rows: torch.Tensor, channels: torch.Tensor, scale: torch.Tensor,
+                 extra: int) -> torch.Tensor:
+    """Dequantized key rows out (N, H, D) with the refinement rows (N, H, m*extra/8) of channels (H, m)
+    added; scale (N, H, D): each element's scale."""
+    ch = channels.long().to(out.device).expand(out.shape[0], -1, -1)
+    r = unpack(refine_rows, extra)
+    return out.scatter_add(-1, ch, refine_residual(r, scale.gather(-1, ch), extra))
+
+
+def refine_pair(op: str, k_refine: Optional[torch.Tensor], k_channels: Optional[torch.Tensor]):
+    """(k_refine, k_channels), or None without refined key channels; they come together."""
+    if (k_refine is None) != (k_channels is None):
+        raise ValueError(f"rkv.{op}: k_refine and k_channels come together (the refinement codes and which "
+                         "channels they refine)")
+    return None if k_refine is None else (k_refine, k_channels)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -496,9 +554,10 @@ def _slot_of(side_slots, b: int) -> int:
 
 
 def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Tensor, lv=None, outliers=None,
-              block: int = 1) -> torch.Tensor:
+              block: int = 1, refine=None) -> torch.Tensor:
     """Quantized rows (page pages[i], row rows[i]) of every head, dequantized: (H, N, D) float32. outliers
-    (pages, H, P / block, K): each block's sparse residuals are added at their positions."""
+    (pages, H, P / block, K): each block's sparse residuals are added at their positions. refine: (buffer
+    (pages, H, P, m*extra/8), channels (H, m)), the refined key channels (refined_rows)."""
     per_meta = codes.shape[2] // scale.shape[2]  # tokens per metadata row (the quantizer tile T)
     dev = codes.device
     pages, rows = pages.to(dev), rows.to(dev)
@@ -510,6 +569,9 @@ def read_rows(codes, scale, zero, bits: int, pages: torch.Tensor, rows: torch.Te
     if outliers is not None:  # the blocks of these rows only (a pool's whole buffer would be large)
         res = outlier_residuals(outliers[pages, :, rows // block], block, c.shape[-1])  # (N, H, block, D)
         out = out + res[torch.arange(len(rows), device=dev), :, rows % block]
+    if refine is not None:
+        buf, channels = refine
+        out = refined_rows(out, buf[pages, :, rows], channels, sc, refine_bits(buf, channels))
     return out.transpose(0, 1)
 
 
@@ -520,7 +582,7 @@ def window_start(end: int, window: int) -> int:
 
 
 def gather_tokens(codes, scale, zero, bits, window, sink, pages, n: int, recent: int, block: int, first: int = 0,
-                  ring: bool = False, lv=None, outliers=None) -> torch.Tensor:
+                  ring: bool = False, lv=None, outliers=None, refine=None) -> torch.Tensor:
     """Tokens first..n-1 of one sequence's n cached tokens of one side (keys or values) in order, float32
     (H, n - first, D), from its pages (1-D page ids), its window ring (H, W, D) and its sinks (H, S, D).
     ring: one page whose rows are a ring (a sliding-window layer's contiguous cache): token t in row
@@ -532,19 +594,20 @@ def gather_tokens(codes, scale, zero, bits, window, sink, pages, n: int, recent:
     if q > lo:
         t = torch.arange(lo, q)
         page_ids = torch.as_tensor(pages)[torch.zeros_like(t) if ring else t // p]
-        parts.append(read_rows(codes, scale, zero, bits, page_ids, t % p, lv, outliers, block))
+        parts.append(read_rows(codes, scale, zero, bits, page_ids, t % p, lv, outliers, block, refine))
     if n > max(lo, q):
         parts.append(window[:, [t % window.shape[-2] for t in range(max(lo, q), n)]].float())
     return torch.cat(parts, dim=1)
 
 
 def _cached(cache, block_tables, side_slots, b: int, n: int, k_bits, v_bits, block, recent, first: int = 0,
-            ring: bool = False, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None):
-    """(keys, values) (Hkv, n - first, D) float32 of sequence b's tokens first..n-1, in the storage space."""
+            ring: bool = False, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None, k_refine=None):
+    """(keys, values) (Hkv, n - first, D) float32 of sequence b's tokens first..n-1, in the storage space.
+    k_refine: (buffer, channels) of refined key channels, or None."""
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink = cache
     pages, slot = _pages_of(block_tables, b), _slot_of(side_slots, b)
     keys = gather_tokens(k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], pages, n, recent, block,
-                         first, ring, k_levels, k_outliers)
+                         first, ring, k_levels, k_outliers, k_refine)
     values = gather_tokens(v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], pages, n, recent, block,
                            first, ring, v_levels, v_outliers)
     return keys, values
@@ -601,6 +664,7 @@ def paged_decode_attention(
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
     k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
     sink_logits: Optional[torch.Tensor] = None,
+    k_refine: Optional[torch.Tensor] = None, k_channels: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest query q (B, Hq, D) over its n = lengths[b] cached tokens
     (sliding_window > 0: the newest sliding_window of them; without block tables the pages are then a
@@ -612,11 +676,13 @@ def paged_decode_attention(
     h // (Hq / Hkv). softcap > 0: soft-capped scores (_attend). k_levels / v_levels: each side's
     non-uniform levels (quantize's levels), None: uniform. k_outliers / v_outliers (pages, Hkv, P / block,
     K) int32: each quantized block's sparse outliers (paged_append), added to its dequantized values.
-    sink_logits (Hq,): learned attention sinks (_attend), None: none. A sequence with no cached token gets a zero
+    sink_logits (Hq,): learned attention sinks (_attend), None: none. k_refine (pages, Hkv, P, m*extra/8)
+    uint8 with k_channels (Hkv, m): refined key channels (refined_rows), None: none. A sequence with no cached token gets a zero
     output. Computed in float32.
     """
     check_levels("paged_decode_attention", "k_levels", k_levels, k_bits, k_zero is None)
     check_levels("paged_decode_attention", "v_levels", v_levels, v_bits, v_zero is None)
+    kr = refine_pair("paged_decode_attention", k_refine, k_channels)
     b_, hq, d = q.shape
     cache = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -626,7 +692,8 @@ def paged_decode_attention(
         n = int(lengths[b])
         first = window_start(n, sliding_window)
         keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent, first,
-                               block_tables is None and sliding_window > 0, k_levels, v_levels, k_outliers, v_outliers)
+                               block_tables is None and sliding_window > 0, k_levels, v_levels, k_outliers, v_outliers,
+                               kr)
         if rope_cos is not None:
             keys = rope(keys, rope_cos, rope_sin, torch.arange(first, n, device=q.device), rope_interleaved)
         out[b] = _attend(qf[b][None], keys, values, torch.tensor([n]), scale, sliding_window, softcap, first,
@@ -648,10 +715,11 @@ def paged_prefill_attention(
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
     k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
     sink_logits: Optional[torch.Tensor] = None,
+    k_refine: Optional[torch.Tensor] = None, k_channels: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of a chunk of new tokens per sequence over its cache and the chunk itself
-    (sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits: as paged_decode_attention's,
-    per query row).
+    (sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits, k_refine, k_channels: as
+    paged_decode_attention's, per query row).
 
     Sequence b has n = lengths[b] cached tokens and m = query_start_loc[b+1] - query_start_loc[b] new
     ones at positions n..n+m-1: rows query_start_loc[b].. of q (T, Hq, D) and of k_new / v_new (T, Hkv,
@@ -660,6 +728,7 @@ def paged_prefill_attention(
     tokens 0..i in full precision. Rows past query_start_loc[B] (padding) get zeros. (T, Hq, D) in
     q's dtype.
     """
+    kr = refine_pair("paged_prefill_attention", k_refine, k_channels)
     t_, hq, d = q.shape
     cache = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -670,7 +739,8 @@ def paged_prefill_attention(
         n, lo, hi = int(lengths[b]), starts[b], starts[b + 1]
         first = min(n, window_start(n + 1, sliding_window))  # the earliest key the chunk's first token sees
         keys, values = _cached(cache, block_tables, side_slots, b, n, k_bits, v_bits, block, recent, first,
-                               block_tables is None and sliding_window > 0, k_levels, v_levels, k_outliers, v_outliers)
+                               block_tables is None and sliding_window > 0, k_levels, v_levels, k_outliers, v_outliers,
+                               kr)
         keys = torch.cat([keys, k_new[lo:hi].float().transpose(0, 1)], dim=1)
         values = torch.cat([values, v_new[lo:hi].float().transpose(0, 1)], dim=1)
         if rope_cos is not None:
@@ -713,17 +783,31 @@ def _paged_append_plan(num_pages: int, p: int, page_fill, block_tables, side_slo
 
 
 def _write_block(codes, scale, zero, outliers, page: int, row: int, src: torch.Tensor, bits: int, clip: bool,
-                 levels, sinks_here: int) -> None:
+                 levels, sinks_here: int, refine=None) -> None:
     """One completed block src (H, block, D) quantized into rows row.. of `page` (codes, metadata and,
-    with outliers, its row of sparse-outlier entries); its first sinks_here tokens are sink rows."""
+    with outliers, its row of sparse-outlier entries); its first sinks_here tokens are sink rows. refine
+    (buffer, channels (H, m)): those channels keep their full range and get refinement codes
+    (refine_codes) in the buffer's rows."""
     block, p = src.shape[1], codes.shape[2]
     per_meta = p // scale.shape[2]  # tokens per metadata row (the quantizer tile)
     group = codes.shape[-1] * 8 // bits // scale.shape[-1]
     taken = None
     if outliers is not None:
         taken = select_outliers(src.float().cpu(), outliers.shape[-1], per_meta, group, sinks_here)
+    unclipped = None
+    if refine is not None:
+        ch = refine[1].long().to(src.device)
+        unclipped = torch.zeros(src.shape[0], 1, src.shape[2], dtype=torch.bool, device=src.device)
+        unclipped.scatter_(-1, ch[:, None], True)
     c, sc, zr = quantize(src, bits, group, per_meta, zero is None, scale.dtype, clip, sink_rows=sinks_here,
-                         levels=levels, excluded=None if taken is None else taken.to(src.device))
+                         levels=levels, excluded=None if taken is None else taken.to(src.device), unclipped=unclipped)
+    if refine is not None:
+        buf, extra = refine[0], refine_bits(*refine)
+        idx = ch[:, None, :].expand(-1, block, -1)
+        s_full = expand_meta(sc, per_meta, 1).gather(-1, idx)
+        z_full = expand_meta(zr, per_meta, 1).gather(-1, idx)
+        r = refine_codes(src.float().gather(-1, idx), s_full, z_full, bits, extra)
+        buf[page, :, row : row + block] = pack(r, extra).to(buf.device)
     if outliers is not None:
         x_hat = dequantize(c, sc, zr if zero is not None else None, bits, levels=levels)
         outliers[page, :, row // block] = outlier_entries(src.float().cpu(), x_hat.cpu(), taken,
@@ -743,6 +827,7 @@ def paged_append(
     slot_mapping: Optional[torch.Tensor] = None, ring: bool = False,
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
     k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
+    k_refine: Optional[torch.Tensor] = None, k_channels: Optional[torch.Tensor] = None,
 ) -> None:
     """Append each sequence's new tokens, in place: sequence b's m = query_start_loc[b+1] -
     query_start_loc[b] tokens, rows query_start_loc[b].. of k_new / v_new (T, Hkv, D) in the storage
@@ -760,8 +845,11 @@ def paged_append(
     sliding_window). k_levels / v_levels: blocks are quantized with these non-uniform levels. k_outliers /
     v_outliers (pages, Hkv, P / block, K) int32: each completed block's sparse outliers (select_outliers
     with K = the last dim, its quantizer tiles, sinks never) are left out of its dense ranges, and its
-    row of entries (outlier_entries: residuals against the dense codes) is written.
+    row of entries (outlier_entries: residuals against the dense codes) is written. k_refine (pages, Hkv,
+    P, m*extra/8) uint8 with k_channels (Hkv, m): each completed block's refined key channels keep their
+    full range under k_clip, and their refinement codes (refine_codes) are written to its rows.
     """
+    kr = refine_pair("paged_append", k_refine, k_channels)
     check_levels("paged_append", "k_levels", k_levels, k_bits, k_zero is None)
     check_levels("paged_append", "v_levels", v_levels, v_bits, v_zero is None)
     for side, clip, zero in (("k", k_clip, k_zero), ("v", v_clip, v_zero)):
@@ -773,9 +861,10 @@ def paged_append(
                               slot_mapping, ring)
     for b, n0, n1, lo, pages, slot in plan:
         q1 = quantized_count(n1, recent, block)
-        for codes, scale, zero, bits, window, sink, new, clip, lv, outliers in (
-            (k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], k_new, k_clip, k_levels, k_outliers),
-            (v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], v_new, v_clip, v_levels, v_outliers),
+        for codes, scale, zero, bits, window, sink, new, clip, lv, outliers, refine in (
+            (k_codes, k_scale, k_zero, k_bits, k_window[slot], k_sink[slot], k_new, k_clip, k_levels, k_outliers, kr),
+            (v_codes, v_scale, v_zero, v_bits, v_window[slot], v_sink[slot], v_new, v_clip, v_levels, v_outliers,
+             None),
         ):
             new = new[lo : lo + n1 - n0].to(window.dtype).transpose(0, 1)  # (H, m, D)
 
@@ -788,7 +877,7 @@ def paged_append(
                 first = j * block
                 src = torch.stack([token(t) for t in range(first, first + block)], dim=1)  # (H, block, D)
                 _write_block(codes, scale, zero, outliers, int(pages[first // p]), first % p, src, bits, clip, lv,
-                             max(0, min(s - first, block)))
+                             max(0, min(s - first, block)), refine)
             for t in range(n0, min(n1, s)):
                 sink[:, t] = new[:, t - n0]
             for t in range(max(n0, s, q1), n1):
@@ -800,10 +889,12 @@ def paged_append(
 
 def paged_copy(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                page_fill: Optional[torch.Tensor], src_pages: torch.Tensor, dst_pages: torch.Tensor,
-               src_slots: torch.Tensor, dst_slots: torch.Tensor, k_outliers=None, v_outliers=None) -> None:
-    """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata, sparse outliers and page_fill) and side
-    slots src_slots[j] -> dst_slots[j] (sinks and window), in place: a fork's open page and side rows."""
-    for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_fill, k_outliers, v_outliers):
+               src_slots: torch.Tensor, dst_slots: torch.Tensor, k_outliers=None, v_outliers=None,
+               k_refine=None) -> None:
+    """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata, sparse outliers, refinement codes and
+    page_fill) and side slots src_slots[j] -> dst_slots[j] (sinks and window), in place: a fork's open
+    page and side rows."""
+    for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_fill, k_outliers, v_outliers, k_refine):
         if t is not None:
             t[dst_pages.long()] = t[src_pages.long()]
     for t in (k_window, v_window, k_sink, v_sink):
@@ -831,20 +922,21 @@ def decode_attention(
     k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
     k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
     sink_logits: Optional[torch.Tensor] = None,
+    k_refine: Optional[torch.Tensor] = None, k_channels: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """paged_decode_attention over the contiguous layout: k_packed (B, Hkv, C, D*bits/8) etc., sequence
     b in page b (C rows; a ring with a sliding window) and side slot b."""
     return paged_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                                   k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent, rope_cos,
                                   rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window, softcap,
-                                  k_levels, v_levels, k_outliers, v_outliers, sink_logits)
+                                  k_levels, v_levels, k_outliers, v_outliers, sink_logits, k_refine, k_channels)
 
 
 def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window,
                       k_sink, v_sink, lengths, k_bits, v_bits, block, recent, rope_cos=None, rope_sin=None,
                       rope_interleaved=False, k_signs=None, v_signs=None, scale=None, sliding_window=0,
                       softcap=0.0, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None,
-                      sink_logits=None) -> torch.Tensor:
+                      sink_logits=None, k_refine=None, k_channels=None) -> torch.Tensor:
     """paged_prefill_attention over the contiguous layout: q (B, Hq, m, D), k_new / v_new (B, Hkv, m, D);
     (B, Hq, m, D)."""
     kn, qsl = _contiguous_new(k_new)
@@ -853,7 +945,8 @@ def prefill_attention(q, k_new, v_new, k_packed, k_scale, k_zero, v_packed, v_sc
     out = paged_prefill_attention(qn, kn, vn, qsl, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
                                   v_window, k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent,
                                   rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, sliding_window,
-                                  softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits)
+                                  softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits, k_refine,
+                                  k_channels)
     return out.reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
 
@@ -864,6 +957,7 @@ def cache_append(
     k_bits: int, v_bits: int, block: int, recent: int, k_clip: bool = False, v_clip: bool = False,
     sliding_window: int = 0, k_levels: Optional[torch.Tensor] = None, v_levels: Optional[torch.Tensor] = None,
     k_outliers: Optional[torch.Tensor] = None, v_outliers: Optional[torch.Tensor] = None,
+    k_refine: Optional[torch.Tensor] = None, k_channels: Optional[torch.Tensor] = None,
 ) -> None:
     """paged_append over the contiguous layout: k_new / v_new (B, Hkv, m, D) after each sequence's
     lengths[b] tokens. sliding_window > 0: the packed rows are a ring of C >= ring_rows rows that takes at
@@ -880,6 +974,6 @@ def cache_append(
         paged_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink, None,
                      None, None, lengths, qsl, kn, vn, k_bits, v_bits, block, recent, k_clip, v_clip,
                      ring=sliding_window > 0, k_levels=k_levels, v_levels=v_levels, k_outliers=k_outliers,
-                     v_outliers=v_outliers)
+                     v_outliers=v_outliers, k_refine=k_refine, k_channels=k_channels)
     except ValueError as e:
         raise ValueError(str(e).replace("rkv.paged_append", "rkv.cache_append")) from None

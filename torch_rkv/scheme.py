@@ -12,6 +12,7 @@ import torch
 from .ops._validate import META_NAMES
 from .ops.structs import CacheFormat
 from .outliers import outlier_bits
+from .reference import REFINE_BITS
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Scheme:
     fraction of each block's values of both sides kept as fp16 residuals in a fixed-size side buffer
     (torch_rkv.outliers; the caches, the kernels and the vLLM plugin store them). k_refine: per KV
     head, this many per-channel key channels (the first of the ranking file `channels`) keep their codes
-    and add k_refine_bits within each code's cell (torch_rkv.channels; simulation only).
+    and add k_refine_bits within each code's cell (torch_rkv.channels; the caches store k_refine_bits 2 to 4).
     """
 
     name: str = "custom"
@@ -169,9 +170,10 @@ class Scheme:
         if self.levels == "gaussian":
             raise NotImplementedError(f"Scheme {self.name}: gaussian levels are simulated only (the report's "
                                       "peer); the cache kernels store codes in each group's range")
-        if self.k_refine:
-            raise NotImplementedError(f"Scheme {self.name}: refined key channels (k_refine) are simulated only; no "
-                                      "cache kernel stores their refinement codes yet")
+        if self.k_refine and (self.k_refine_bits not in REFINE_BITS or self.k_refine * self.k_refine_bits % 8):
+            raise NotImplementedError(f"Scheme {self.name}: the caches store refined key channels at k_refine_bits 2, 3 "
+                                      f"or 4 in whole bytes a row (got {self.k_refine} channels x {self.k_refine_bits} "
+                                      "bits); other widths are simulated only")
 
     def side_levels(self, layer: int, side: str) -> Optional[torch.Tensor]:
         """The code values side ('k' or 'v') of layer `layer` decodes through, float32 (2^bits,), or None

@@ -113,6 +113,16 @@ CacheCall resolve_cache(const char* op, const at::Tensor& ref, const CacheTensor
   };
   outliers("k_outliers", c.k_outliers, c.k_codes, out.k);
   outliers("v_outliers", c.v_outliers, c.v_codes, out.v);
+  const std::optional<at::Tensor>& refine = c.k_refine ? *c.k_refine : none;
+  out.k_channels = check_refine(op, ref, refine, c.k_channels ? *c.k_channels : none, c.k_codes, c.k_zero.has_value(),
+                                !out.k_levels.defined(), out.k.outliers != nullptr, g);
+  if (out.k_channels.defined()) {
+    out.k.refine = static_cast<uint8_t*>(ptr(*refine, writable));
+    out.k.refine_page_stride = refine->stride(0);
+    out.k.refine_count = out.k_channels.size(1);
+    out.k.refine_bits = static_cast<int>(refine->size(3) * 8 / out.k.refine_count);
+    out.k.channels = out.k_channels.const_data_ptr<int32_t>();
+  }
   return out;
 }
 

@@ -22,6 +22,7 @@ struct CacheCall {
   at::ScalarType fp = at::kFloat;                         // dtype of the side rows
   at::ScalarType k_meta = at::kFloat, v_meta = at::kFloat;  // and of each side's metadata
   at::Tensor k_levels, v_levels;  // what k.levels / v.levels point into (undefined: uniform)
+  at::Tensor k_channels;          // what k.channels points into (undefined: no refined key channels)
 };
 
 // Checks the cache and resolves its addressing. The pointers are into the caller's tensors (writable:

@@ -30,9 +30,11 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_packed, 
                                const std::optional<at::Tensor>& k_levels, const std::optional<at::Tensor>& v_levels,
                                const std::optional<at::Tensor>& k_outliers,
                                const std::optional<at::Tensor>& v_outliers,
-                               const std::optional<at::Tensor>& sink_logits) {
+                               const std::optional<at::Tensor>& sink_logits,
+                               const std::optional<at::Tensor>& k_refine,
+                               const std::optional<at::Tensor>& k_channels) {
   const CacheTensors c{k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                       &k_levels, &v_levels, &k_outliers, &v_outliers};
+                       &k_levels, &v_levels, &k_outliers, &v_outliers, &k_refine, &k_channels};
   const char* op = "decode_attention";
   AttentionCall call = decode_call(op, q, c, CacheIndex{}, lengths, k_bits, v_bits, block, recent,
                                    rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens,
@@ -57,9 +59,11 @@ at::Tensor paged_decode_attention_op(const at::Tensor& q, const at::Tensor& k_co
                                      const std::optional<at::Tensor>& v_levels,
                                      const std::optional<at::Tensor>& k_outliers,
                                      const std::optional<at::Tensor>& v_outliers,
-                                     const std::optional<at::Tensor>& sink_logits) {
+                                     const std::optional<at::Tensor>& sink_logits,
+                               const std::optional<at::Tensor>& k_refine,
+                               const std::optional<at::Tensor>& k_channels) {
   const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                       &k_levels, &v_levels, &k_outliers, &v_outliers};
+                       &k_levels, &v_levels, &k_outliers, &v_outliers, &k_refine, &k_channels};
   const CacheIndex ix{&block_tables, &side_slots, true};
   const char* op = "paged_decode_attention";
   AttentionCall call = decode_call(op, q, c, ix, lengths, k_bits, v_bits, block, recent,
@@ -82,9 +86,10 @@ at::Tensor paged_prefill_attention_op(
     const std::optional<at::Tensor>& v_signs, double scale, int64_t split_tokens, int64_t sliding_window,
     double softcap, const std::optional<at::Tensor>& k_levels, const std::optional<at::Tensor>& v_levels,
     const std::optional<at::Tensor>& k_outliers, const std::optional<at::Tensor>& v_outliers,
-    const std::optional<at::Tensor>& sink_logits) {
+    const std::optional<at::Tensor>& sink_logits, const std::optional<at::Tensor>& k_refine,
+    const std::optional<at::Tensor>& k_channels) {
   const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                       &k_levels, &v_levels, &k_outliers, &v_outliers};
+                       &k_levels, &v_levels, &k_outliers, &v_outliers, &k_refine, &k_channels};
   const CacheIndex ix{&block_tables, &side_slots, true};
   AttentionCall call = prefill_call(q, k_new, v_new, query_start_loc, max_query_len, c, ix, lengths, k_bits, v_bits,
                                     block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale,
@@ -101,9 +106,10 @@ void cache_append_op(const at::Tensor& k_packed, const at::Tensor& k_scale, cons
                      const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
                      bool k_clip, bool v_clip, int64_t sliding_window,
                      const std::optional<at::Tensor>& k_levels, const std::optional<at::Tensor>& v_levels,
-                     const std::optional<at::Tensor>& k_outliers, const std::optional<at::Tensor>& v_outliers) {
+                     const std::optional<at::Tensor>& k_outliers, const std::optional<at::Tensor>& v_outliers,
+                     const std::optional<at::Tensor>& k_refine, const std::optional<at::Tensor>& k_channels) {
   const CacheTensors c{k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                       &k_levels, &v_levels, &k_outliers, &v_outliers};
+                       &k_levels, &v_levels, &k_outliers, &v_outliers, &k_refine, &k_channels};
   Run("cache_append", contiguous_append_call(c, lengths, k_new, v_new, k_bits, v_bits, block, recent, k_clip, v_clip,
                                              sliding_window));
 }
@@ -118,9 +124,10 @@ void paged_append_op(const at::Tensor& k_codes, const at::Tensor& k_scale, const
                      const at::Tensor& v_new, int64_t k_bits, int64_t v_bits, int64_t block, int64_t recent,
                      bool k_clip, bool v_clip, const std::optional<at::Tensor>& slot_mapping,
                      const std::optional<at::Tensor>& k_levels, const std::optional<at::Tensor>& v_levels,
-                     const std::optional<at::Tensor>& k_outliers, const std::optional<at::Tensor>& v_outliers) {
+                     const std::optional<at::Tensor>& k_outliers, const std::optional<at::Tensor>& v_outliers,
+                     const std::optional<at::Tensor>& k_refine, const std::optional<at::Tensor>& k_channels) {
   const CacheTensors c{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                       &k_levels, &v_levels, &k_outliers, &v_outliers};
+                       &k_levels, &v_levels, &k_outliers, &v_outliers, &k_refine, &k_channels};
   const CacheIndex ix{&block_tables, &side_slots, true};
   Run("paged_append", paged_append_call(c, page_fill, ix, lengths, query_start_loc, k_new, v_new, k_bits, v_bits,
                                         block, recent, k_clip, v_clip, slot_mapping));

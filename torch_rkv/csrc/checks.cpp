@@ -5,6 +5,7 @@
 #include "rkv/attention.h"
 #include "rkv/hadamard.h"
 #include "rkv/pack.h"
+#include "rkv/paging.h"
 
 namespace rkv {
 
@@ -434,6 +435,49 @@ void check_outliers(const char* op, const char* arg, const at::Tensor& ref, cons
                     " must be contiguous within each page (its pages may be any stride apart)");
   TORCH_CHECK_VALUE(g.block * g.dim <= 0xFFFF, "rkv.", op, ": ", arg, ": outlier positions are 16 bits, so block x "
                     "head_dim must be <= 65535 (got ", g.block, " x ", g.dim, ")");
+}
+
+at::Tensor check_refine(const char* op, const at::Tensor& ref, const std::optional<at::Tensor>& refine,
+                        const std::optional<at::Tensor>& channels, const at::Tensor& codes, bool asymmetric,
+                        bool uniform, bool outliers, const CacheGeometry& g) {
+  TORCH_CHECK_VALUE(refine.has_value() == channels.has_value(), "rkv.", op, ": k_refine and k_channels come together "
+                    "(the refinement codes and which channels they refine)");
+  if (!refine.has_value()) return at::Tensor();
+  const at::Tensor& r = *refine;
+  const at::Tensor& c = *channels;
+  TORCH_CHECK_TYPE(c.scalar_type() == at::kInt, "rkv.", op, ": k_channels must be int32 (got ", c.scalar_type(), ")");
+  TORCH_CHECK_TYPE(r.scalar_type() == at::kByte, "rkv.", op, ": k_refine must be uint8 (got ", r.scalar_type(), ")");
+  check_same_device(op, ref, "k_refine", r);
+  check_same_device(op, ref, "k_channels", c);
+  TORCH_CHECK_VALUE(c.dim() == 2 && c.size(0) == g.kv_heads && c.size(1) >= 1 && c.size(1) <= g.dim &&
+                        c.size(1) <= kMaxRefined,
+                    "rkv.", op, ": k_channels must have shape (kv_heads=", g.kv_heads, ", m) with 1 <= m <= min(head_dim=",
+                    g.dim, ", ", kMaxRefined, "), got ", c.sizes());
+  const int64_t m = c.size(1);
+  TORCH_CHECK_VALUE(r.dim() == 4 && r.size(0) == codes.size(0) && r.size(1) == g.kv_heads && r.size(2) == codes.size(2) &&
+                        r.size(3) * 8 % m == 0 && r.size(3) * 8 / m >= 2 && r.size(3) * 8 / m <= 4,
+                    "rkv.", op, ": k_refine must have shape (", codes.size(0), ", ", g.kv_heads, ", ", codes.size(2),
+                    ", m * extra / 8) with m = ", m, " refined channels of extra = 2, 3 or 4 bits each, got ", r.sizes());
+  TORCH_CHECK_VALUE(rows_contiguous(r), "rkv.", op,
+                    ": k_refine must be contiguous within each page (its pages may be any stride apart)");
+  TORCH_CHECK_VALUE(asymmetric && uniform && !outliers && g.k_group == 1 && g.k_bits < 8, "rkv.", op,
+                    ": k_refine refines per-channel key codes: it needs asymmetric keys (k_zero), one channel per "
+                    "group, uniform codes below 8 bits (no k_levels) and no k_outliers");
+  const at::Tensor cc = c.contiguous();
+  if (cc.is_cpu()) {
+    std::vector<bool> seen(g.dim);
+    const int32_t* v = cc.const_data_ptr<int32_t>();
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      std::fill(seen.begin(), seen.end(), false);
+      for (int64_t j = 0; j < m; ++j) {
+        const int32_t ch = v[h * m + j];
+        TORCH_CHECK_VALUE(ch >= 0 && ch < g.dim && !seen[ch], "rkv.", op, ": k_channels[", h, "] must name distinct "
+                          "channels in [0, head_dim=", g.dim, "); entry ", j, " is ", ch);
+        seen[ch] = true;
+      }
+    }
+  }
+  return cc;
 }
 
 }  // namespace rkv

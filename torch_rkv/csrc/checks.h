@@ -51,6 +51,15 @@ inline const float* levels_data(const at::Tensor& levels) {
 void check_outliers(const char* op, const char* arg, const at::Tensor& ref, const std::optional<at::Tensor>& outliers,
                     const at::Tensor& codes, const CacheGeometry& g);
 
+// Refined key channels (reference.refined_rows): k_refine uint8 (pages, kv_heads, rows, m * extra / 8),
+// contiguous within each page, and k_channels int32 (kv_heads, m) of distinct channels below head_dim
+// (their values are checked on CPU tensors), with extra in 2..4; the keys must be asymmetric per-channel
+// uniform codes (k_zero, group 1, no levels, no outliers). Both None: none. Returns k_channels contiguous,
+// or an undefined tensor.
+at::Tensor check_refine(const char* op, const at::Tensor& ref, const std::optional<at::Tensor>& refine,
+                        const std::optional<at::Tensor>& channels, const at::Tensor& codes, bool asymmetric,
+                        bool uniform, bool outliers, const CacheGeometry& g);
+
 // The ten tensors of one layer's quantized cache (reference.py, "The quantized KV cache").
 struct CacheTensors {
   const at::Tensor& k_codes;
@@ -67,6 +76,8 @@ struct CacheTensors {
   const std::optional<at::Tensor>* v_levels = nullptr;  // uniform codes)
   const std::optional<at::Tensor>* k_outliers = nullptr;  // sparse outliers of each side (nullptr or None:
   const std::optional<at::Tensor>* v_outliers = nullptr;  // none)
+  const std::optional<at::Tensor>* k_refine = nullptr;    // refined key channels: their codes and which
+  const std::optional<at::Tensor>* k_channels = nullptr;  // channels (nullptr or None: none)
 };
 
 // How an op addresses the cache: the paged ops pass block tables and side slots (each may be absent:

@@ -1,4 +1,4 @@
-// rkv::paged_copy: copy whole pages (and their sparse outliers) and side slots inside one layer's cache, for a fork (prefix sharing,
+// rkv::paged_copy: copy whole pages (with their sparse outliers and refinement codes) and side slots inside one layer's cache, for a fork (prefix sharing,
 // beam search): the full pages of the parent are shared by reference, only its open page and its side
 // rows are copied. One implementation for both backends, made of ATen's own copy kernels; the checks
 // name what is wrong (ids out of range, a destination given twice).
@@ -45,7 +45,8 @@ void paged_copy(const at::Tensor& k_codes, const at::Tensor& k_scale, const std:
                 const at::Tensor& k_window, const at::Tensor& v_window, const at::Tensor& k_sink,
                 const at::Tensor& v_sink, const std::optional<at::Tensor>& page_fill, const at::Tensor& src_pages,
                 const at::Tensor& dst_pages, const at::Tensor& src_slots, const at::Tensor& dst_slots,
-                const std::optional<at::Tensor>& k_outliers, const std::optional<at::Tensor>& v_outliers) {
+                const std::optional<at::Tensor>& k_outliers, const std::optional<at::Tensor>& v_outliers,
+                const std::optional<at::Tensor>& k_refine) {
   const std::pair<const char*, const at::Tensor*> paged[] = {{"k_codes", &k_codes}, {"k_scale", &k_scale},
                                                              {"v_codes", &v_codes}, {"v_scale", &v_scale}};
   const int64_t pages = k_codes.dim() >= 1 ? k_codes.size(0) : 0;
@@ -63,13 +64,15 @@ void paged_copy(const at::Tensor& k_codes, const at::Tensor& k_scale, const std:
                       slots, ", kv_heads, rows, head_dim), got ", t->sizes());
   }
   for (const auto& [name, t] : {std::pair<const char*, const std::optional<at::Tensor>*>{"k_outliers", &k_outliers},
-                                {"v_outliers", &v_outliers}}) {
+                                {"v_outliers", &v_outliers}, {"k_refine", &k_refine}}) {
     if (!t->has_value()) continue;
-    TORCH_CHECK_TYPE((*t)->scalar_type() == at::kInt, "rkv.paged_copy: ", name, " must be int32 (got ",
-                     (*t)->scalar_type(), ")");
+    const at::ScalarType want = t == &k_refine ? at::kByte : at::kInt;
+    TORCH_CHECK_TYPE((*t)->scalar_type() == want, "rkv.paged_copy: ", name, " must be ",
+                     want == at::kByte ? "uint8" : "int32", " (got ", (*t)->scalar_type(), ")");
     check_same_device("paged_copy", k_codes, name, **t);
     TORCH_CHECK_VALUE((*t)->dim() == 4 && (*t)->size(0) == pages, "rkv.paged_copy: ", name, " must have shape (pages=",
-                      pages, ", kv_heads, blocks, outliers), got ", (*t)->sizes());
+                      pages, ", kv_heads, ", t == &k_refine ? "rows, bytes" : "blocks, outliers", "), got ",
+                      (*t)->sizes());
   }
   if (page_fill.has_value())
     TORCH_CHECK_VALUE(page_fill->dim() == 1 && page_fill->size(0) == pages, "rkv.paged_copy: page_fill must have "
@@ -77,7 +80,7 @@ void paged_copy(const at::Tensor& k_codes, const at::Tensor& k_scale, const std:
   check_ids(k_codes, "src_pages", src_pages, "dst_pages", dst_pages, pages, "pages");
   check_ids(k_codes, "src_slots", src_slots, "dst_slots", dst_slots, slots, "side slots");
   for (const auto& [name, t] : paged) copy_rows(*t, src_pages, dst_pages);
-  for (const auto* z : {&k_zero, &v_zero, &k_outliers, &v_outliers})
+  for (const auto* z : {&k_zero, &v_zero, &k_outliers, &v_outliers, &k_refine})
     if (z->has_value()) copy_rows(**z, src_pages, dst_pages);
   if (page_fill.has_value()) copy_rows(*page_fill, src_pages, dst_pages);
   for (const auto& [name, t] : side) copy_rows(*t, src_slots, dst_slots);

@@ -106,7 +106,8 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
       "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens, "
       "SymInt sliding_window=0, float softcap=0.0, Tensor? k_levels=None, Tensor? v_levels=None, "
-      "Tensor? k_outliers=None, Tensor? v_outliers=None, Tensor? sink_logits=None) -> Tensor");
+      "Tensor? k_outliers=None, Tensor? v_outliers=None, Tensor? sink_logits=None, Tensor? k_refine=None, "
+      "Tensor? k_channels=None) -> Tensor");
   // Appends k_new / v_new (B, Hkv, m, D) after each sequence's lengths[b] tokens of the contiguous
   // layout, in place: completed blocks are quantized into the packed rows and metadata, other new tokens
   // go to the sinks or the window ring (reference.cache_append). Writes only the buffers marked (x!);
@@ -114,12 +115,16 @@ TORCH_LIBRARY(rkv, m) {
   // k_outliers / v_outliers (int32 (pages|batch, Hkv, rows/block, K), None: none): each completed block
   // keeps up to K sparse outliers (include/rkv/outliers.h) in its row of entries, left out of the dense
   // ranges; every op that reads or writes codes takes them the same way, paged_copy copies them.
+  // k_refine (uint8 (pages|batch, Hkv, rows, m*extra/8)) with k_channels (int32 (Hkv, m)), None: none:
+  // refined key channels (reference.refined_rows): those channels of each completed block keep their full
+  // range and add an extra-bit code per row; every op that reads or writes keys takes them the same way.
   m.def(
       "cache_append(Tensor(a!) k_packed, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_packed, "
       "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
       "Tensor(j!) v_sink, Tensor lengths, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, "
       "SymInt recent, bool k_clip=False, bool v_clip=False, SymInt sliding_window=0, Tensor? k_levels=None, "
-      "Tensor? v_levels=None, Tensor(k!)? k_outliers=None, Tensor(l!)? v_outliers=None) -> ()");
+      "Tensor? v_levels=None, Tensor(k!)? k_outliers=None, Tensor(l!)? v_outliers=None, Tensor(m!)? k_refine=None, "
+      "Tensor? k_channels=None) -> ()");
   // The paged layout (reference.py, "The quantized KV cache"): codes (pages, Hkv, P, D*bits/8) and
   // scale/zero (pages, Hkv, P/T, D/G), contiguous within a page and any stride apart (views into one
   // page buffer), side slots (slots, Hkv, W|S, D); sequence b reads page block_tables[b][t / P] (int32
@@ -135,7 +140,8 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor(j!) v_sink, Tensor(k!)? page_fill, Tensor? block_tables, Tensor? side_slots, Tensor lengths, "
       "Tensor query_start_loc, Tensor k_new, Tensor v_new, int k_bits, int v_bits, SymInt block, SymInt recent, "
       "bool k_clip=False, bool v_clip=False, Tensor? slot_mapping=None, Tensor? k_levels=None, Tensor? v_levels=None, "
-      "Tensor(l!)? k_outliers=None, Tensor(m!)? v_outliers=None) -> ()");
+      "Tensor(l!)? k_outliers=None, Tensor(m!)? v_outliers=None, Tensor(n!)? k_refine=None, "
+      "Tensor? k_channels=None) -> ()");
   // decode_attention over the paged layout: q (B, Hq, D), one query per sequence.
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor? k_zero, Tensor v_codes, "
@@ -144,7 +150,7 @@ TORCH_LIBRARY(rkv, m) {
       "SymInt recent, Tensor? rope_cos, Tensor? rope_sin, bool rope_interleaved, Tensor? k_signs, "
       "Tensor? v_signs, float scale, SymInt split_tokens, SymInt sliding_window=0, float softcap=0.0, "
       "Tensor? k_levels=None, Tensor? v_levels=None, Tensor? k_outliers=None, Tensor? v_outliers=None, "
-      "Tensor? sink_logits=None) -> Tensor");
+      "Tensor? sink_logits=None, Tensor? k_refine=None, Tensor? k_channels=None) -> Tensor");
   // A chunk of new tokens per sequence, q (T, Hq, D) with query_start_loc (B+1) and their keys / values
   // k_new / v_new (T, Hkv, D) in the storage space: causal attention over the lengths[b] cached tokens
   // as stored and the chunk itself in full precision (reference.paged_prefill_attention). Runs before
@@ -156,12 +162,13 @@ TORCH_LIBRARY(rkv, m) {
       "Tensor lengths, int k_bits, int v_bits, SymInt block, SymInt recent, Tensor? rope_cos, Tensor? rope_sin, "
       "bool rope_interleaved, Tensor? k_signs, Tensor? v_signs, float scale, SymInt split_tokens, "
       "SymInt sliding_window=0, float softcap=0.0, Tensor? k_levels=None, Tensor? v_levels=None, "
-      "Tensor? k_outliers=None, Tensor? v_outliers=None, Tensor? sink_logits=None) -> Tensor");
-  // Copies pages src_pages[i] -> dst_pages[i] (codes, metadata, page_fill) and side slots src_slots[j] ->
+      "Tensor? k_outliers=None, Tensor? v_outliers=None, Tensor? sink_logits=None, Tensor? k_refine=None, "
+      "Tensor? k_channels=None) -> Tensor");
+  // Copies pages src_pages[i] -> dst_pages[i] (codes, metadata, outliers, refinement codes, page_fill) and side slots src_slots[j] ->
   // dst_slots[j] (sinks, window) in place: a fork's open page and side rows (reference.paged_copy).
   m.def(
       "paged_copy(Tensor(a!) k_codes, Tensor(b!) k_scale, Tensor(c!)? k_zero, Tensor(d!) v_codes, "
       "Tensor(e!) v_scale, Tensor(f!)? v_zero, Tensor(g!) k_window, Tensor(h!) v_window, Tensor(i!) k_sink, "
       "Tensor(j!) v_sink, Tensor(k!)? page_fill, Tensor src_pages, Tensor dst_pages, Tensor src_slots, "
-      "Tensor dst_slots, Tensor(l!)? k_outliers=None, Tensor(m!)? v_outliers=None) -> ()");
+      "Tensor dst_slots, Tensor(l!)? k_outliers=None, Tensor(m!)? v_outliers=None, Tensor(n!)? k_refine=None) -> ()");
 }

@@ -69,7 +69,7 @@ def attend_tile(qg, qp, col, t, visible, sees, n, b, h, slot, d,
                 acc, m_i, l_i,
                 bt_ptr, bt_stride, page_size, n_sinks, q_end,
                 kc_ptr, kc_s0, kc_s1, kc_s2, k_row_bytes, ks_ptr, kz_ptr, km_s0, km_s1, km_s2, k_tile, k_group,
-                k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, k_nout,
+                k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, k_nout, krf_ptr, krf_s0, krf_s1, krf_s2, kch_ptr, k_nref,
                 vc_ptr, vc_s0, vc_s1, vc_s2, v_row_bytes, vs_ptr, vz_ptr, vm_s0, vm_s1, vm_s2, v_tile, v_group,
                 v_lv_ptr, vo_ptr, vo_s0, vo_s1, vo_s2, v_nout,
                 ksink_ptr, ksk_s0, ksk_s1, ksk_s2, vsink_ptr, vsk_s0, vsk_s1, vsk_s2,
@@ -77,7 +77,7 @@ def attend_tile(qg, qp, col, t, visible, sees, n, b, h, slot, d,
                 cos_ptr, sin_ptr, half, block, softcap, dim,
                 K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
                 K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
-                PAGED: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
+                K_REFINE: tl.constexpr, PAGED: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
     """One tile of cached tokens t [N] of a sequence of n tokens (q_end: its quantized count Q(n)) for the
     query rows qg [R, D] (scaled; with pre-RoPE keys also qp, see score_tile, and each channel's table
     column col [D]): the online-softmax state (acc [R, D], m_i, l_i [R]) after it. visible [N]: the tokens
@@ -91,8 +91,9 @@ def attend_tile(qg, qp, col, t, visible, sees, n, b, h, slot, d,
     k = load_side(t, d, in_sink, in_quant, in_win, page, row, h, slot,
                   kc_ptr, kc_s0, kc_s1, kc_s2, k_row_bytes, ks_ptr, kz_ptr, km_s0, km_s1, km_s2, k_tile, k_group,
                   k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, block, k_nout,
+                  krf_ptr, krf_s0, krf_s1, krf_s2, kch_ptr, k_nref,
                   ksink_ptr, ksk_s0, ksk_s1, ksk_s2, kwin_ptr, kw_s0, kw_s1, kw_s2, win_rows,
-                  dim, K_BITS, K_SYM, K_LEVELS, K_OUT)
+                  dim, K_BITS, K_SYM, K_LEVELS, K_OUT, K_REFINE)
     c = k
     s = k
     if ROPE:
@@ -101,8 +102,9 @@ def attend_tile(qg, qp, col, t, visible, sees, n, b, h, slot, d,
     v = load_side(t, d, in_sink, in_quant, in_win, page, row, h, slot,
                   vc_ptr, vc_s0, vc_s1, vc_s2, v_row_bytes, vs_ptr, vz_ptr, vm_s0, vm_s1, vm_s2, v_tile, v_group,
                   v_lv_ptr, vo_ptr, vo_s0, vo_s1, vo_s2, block, v_nout,
+                  krf_ptr, krf_s0, krf_s1, krf_s2, kch_ptr, 0,
                   vsink_ptr, vsk_s0, vsk_s1, vsk_s2, vwin_ptr, vw_s0, vw_s1, vw_s2, win_rows,
-                  dim, V_BITS, V_SYM, V_LEVELS, V_OUT)
+                  dim, V_BITS, V_SYM, V_LEVELS, V_OUT, 0)
     return softmax_step(scores, sees, v, acc, m_i, l_i, softcap)
 
 
@@ -110,7 +112,7 @@ def attend_tile(qg, qp, col, t, visible, sees, n, b, h, slot, d,
 def _decode_split_kernel(
         q_ptr, part_ptr, ml_ptr, lengths_ptr, bt_ptr, bt_stride, slots_ptr,
         kc_ptr, kc_s0, kc_s1, kc_s2, k_row_bytes, ks_ptr, kz_ptr, km_s0, km_s1, km_s2, k_tile, k_group,
-        k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, k_nout,
+        k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, k_nout, krf_ptr, krf_s0, krf_s1, krf_s2, kch_ptr, k_nref,
         vc_ptr, vc_s0, vc_s1, vc_s2, v_row_bytes, vs_ptr, vz_ptr, vm_s0, vm_s1, vm_s2, v_tile, v_group,
         v_lv_ptr, vo_ptr, vo_s0, vo_s1, vo_s2, v_nout,
         ksink_ptr, ksk_s0, ksk_s1, ksk_s2, vsink_ptr, vsk_s0, vsk_s1, vsk_s2,
@@ -120,7 +122,7 @@ def _decode_split_kernel(
         num_splits, split_tokens,
         K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
         K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
-        PAGED: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+        K_REFINE: tl.constexpr, PAGED: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
         HAS_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (b, kv head h, split): the online-softmax state of query heads h*G..h*G+G-1 over the
     split's tokens, written to part (B, Hq, splits, D) and ml (B, Hq, splits, 2) (running max, sum)."""
@@ -167,13 +169,13 @@ def _decode_split_kernel(
             qg, qp, col, t, visible, visible[None, :], n, b, h, slot, d, acc, m_i, l_i,
             bt_ptr, bt_stride, page_size, n_sinks, q_end,
             kc_ptr, kc_s0, kc_s1, kc_s2, k_row_bytes, ks_ptr, kz_ptr, km_s0, km_s1, km_s2, k_tile, k_group,
-            k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, k_nout,
+            k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, k_nout, krf_ptr, krf_s0, krf_s1, krf_s2, kch_ptr, k_nref,
             vc_ptr, vc_s0, vc_s1, vc_s2, v_row_bytes, vs_ptr, vz_ptr, vm_s0, vm_s1, vm_s2, v_tile, v_group,
             v_lv_ptr, vo_ptr, vo_s0, vo_s1, vo_s2, v_nout,
             ksink_ptr, ksk_s0, ksk_s1, ksk_s2, vsink_ptr, vsk_s0, vsk_s1, vsk_s2,
             kwin_ptr, kw_s0, kw_s1, kw_s2, vwin_ptr, vw_s0, vw_s1, vw_s2, win_rows,
             cos_ptr, sin_ptr, half, block, softcap, dim,
-            K_BITS, V_BITS, K_SYM, V_SYM, K_LEVELS, V_LEVELS, K_OUT, V_OUT, PAGED, ROPE, INTERLEAVED)
+            K_BITS, V_BITS, K_SYM, V_SYM, K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_REFINE, PAGED, ROPE, INTERLEAVED)
 
     row = (b * kv_heads * group_heads + heads) * num_splits + split
     tl.store(part_ptr + row[:, None] * dim + d[None, :], acc, mask=gm[:, None] & (d < dim)[None, :])
@@ -239,6 +241,14 @@ def _side(codes, scale, zero, levels, outliers, dim, bits):
             dict(SYM=zero is None, LEVELS=levels is not None, OUT=o is not None, BITS=bits))
 
 
+def refine_args(k_codes, k_refine, k_channels):
+    """The launch arguments of the keys' refined channels (dummies and 0 without), and their width (0: none)."""
+    if k_refine is None:
+        return [k_codes, 0, 0, 0, k_codes, 0], 0
+    return ([k_refine, *k_refine.stride()[:3], k_channels.contiguous(), k_channels.shape[1]],
+            k_refine.shape[3] * 8 // k_channels.shape[1])
+
+
 def _rows(t):
     return [t, t.stride(0), t.stride(1), t.stride(2)]
 
@@ -249,7 +259,8 @@ def _hadamard(x, signs, inverse):
 
 def _split_launch(qf, part, ml, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
                   v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin,
-                  rope_interleaved, split_tokens, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers):
+                  rope_interleaved, split_tokens, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers,
+                  k_refine=None, k_channels=None):
     """(grid, runtime args, constexprs, options) of the split stage; qf: the scaled fp32 queries in the keys'
     space, part / ml: its outputs (their split count sets the grid)."""
     bsz, hq, dim = qf.shape
@@ -257,16 +268,18 @@ def _split_launch(qf, part, ml, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
     splits = part.shape[2]
     k_args, k_f = _side(k_codes, k_scale, k_zero, k_levels, k_outliers, dim, k_bits)
     v_args, v_f = _side(v_codes, v_scale, v_zero, v_levels, v_outliers, dim, v_bits)
+    r_args, extra = refine_args(k_codes, k_refine, k_channels)
     rope = rope_cos is not None
     args = [qf, part, ml, lengths, block_tables if block_tables is not None else lengths,
             block_tables.stride(0) if block_tables is not None else 0,
             side_slots if side_slots is not None else lengths,
-            *k_args, *v_args, *_rows(k_sink), *_rows(v_sink), *_rows(k_window), *_rows(v_window), k_window.shape[2],
-            rope_cos if rope else qf, rope_sin if rope else qf, rope_cos.shape[1] if rope else 0,
+            *k_args, *r_args, *v_args, *_rows(k_sink), *_rows(v_sink), *_rows(k_window), *_rows(v_window),
+            k_window.shape[2], rope_cos if rope else qf, rope_sin if rope else qf, rope_cos.shape[1] if rope else 0,
             hkv, hq // hkv, k_sink.shape[2], k_codes.shape[2], block, recent, sliding_window, float(softcap), dim,
             splits, split_tokens]
     constexprs = dict(K_BITS=k_f["BITS"], V_BITS=v_f["BITS"], K_SYM=k_f["SYM"], V_SYM=v_f["SYM"],
                       K_LEVELS=k_f["LEVELS"], V_LEVELS=v_f["LEVELS"], K_OUT=k_f["OUT"], V_OUT=v_f["OUT"],
+                      K_REFINE=extra,
                       PAGED=block_tables is not None, ROPE=rope, INTERLEAVED=bool(rope_interleaved),
                       HAS_SLOTS=side_slots is not None, BLOCK_N=block_n(dim, hq // hkv),
                       BLOCK_G=triton.next_power_of_2(hq // hkv), BLOCK_D=triton.next_power_of_2(dim))
@@ -287,7 +300,7 @@ def num_warps(dim: int) -> int:
 
 
 def _cache_checks(op, lengths, block_tables, side_slots, k_codes, k_window, rope_cos, sliding_window, k_levels,
-                  v_levels, k_bits, v_bits, query_start_loc=None):
+                  v_levels, k_bits, v_bits, query_start_loc=None, k_channels=None):
     """The checks of tensor values: on the host for CPU tensors (checks.py), by a device-side assert
     kernel on a GPU (no host sync)."""
     ring = block_tables is None and sliding_window > 0
@@ -298,6 +311,7 @@ def _cache_checks(op, lengths, block_tables, side_slots, k_codes, k_window, rope
             counts = [e - s for s, e in zip(starts, starts[1:])]
         checks.levels(op, "k_levels", k_levels, k_bits)
         checks.levels(op, "v_levels", v_levels, v_bits)
+        checks.refine_channels(op, k_channels, k_window.shape[-1])
         checks.cache_data(op, lengths, block_tables, side_slots, k_codes.shape[2], k_codes.shape[0],
                           k_window.shape[0], rope_cos, ring, counts)
         return counts
@@ -317,14 +331,14 @@ def _cache_checks(op, lengths, block_tables, side_slots, k_codes, k_window, rope
 def _paged_decode(op, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                   block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin,
                   rope_interleaved, k_signs, v_signs, scale, split_tokens, sliding_window, softcap, k_levels, v_levels,
-                  k_outliers, v_outliers, sink_logits):
+                  k_outliers, v_outliers, sink_logits, k_refine=None, k_channels=None):
     bsz, hq, dim = q.shape
     hkv = k_codes.shape[1]
     checks.cache_layout(op, block_tables is not None or op != "decode_attention", k_codes, k_scale, k_zero, v_codes,
                         v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables, side_slots, block, hkv, dim,
                         bsz)
     _cache_checks(op, lengths, block_tables, side_slots, k_codes, k_window, rope_cos, sliding_window, k_levels,
-                  v_levels, k_bits, v_bits)
+                  v_levels, k_bits, v_bits, k_channels=k_channels)
     out = torch.zeros(bsz, hq, dim, dtype=torch.float32, device=q.device)
     if bsz == 0 or hq == 0:
         return out.to(q.dtype)
@@ -343,7 +357,7 @@ def _paged_decode(op, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_w
     grid, args, constexprs, options = _split_launch(
         qf, part, ml, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
         block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved,
-        split_tokens, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers)
+        split_tokens, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, k_refine, k_channels)
     _decode_split_kernel[grid](*args, **constexprs, **options)
     grid, args, constexprs, options = _merge_launch(part, ml, sink_logits, out)
     _merge_kernel[grid](*args, **constexprs, **options)
@@ -355,36 +369,38 @@ def _paged_decode(op, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_w
 def paged_decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                            block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin,
                            rope_interleaved, k_signs, v_signs, scale, split_tokens, sliding_window=0, softcap=0.0,
-                           k_levels=None, v_levels=None, k_outliers=None, v_outliers=None, sink_logits=None):
+                           k_levels=None, v_levels=None, k_outliers=None, v_outliers=None, sink_logits=None,
+                           k_refine=None, k_channels=None):
     paged_op._paged_decode_attention_fake(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables,
         side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs,
-        scale, split_tokens, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits)
+        scale, split_tokens, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits,
+        k_refine, k_channels)
     return _paged_decode("paged_decode_attention", q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window,
                          v_window, k_sink, v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent,
                          rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens, sliding_window,
-                         softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits)
+                         softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits, k_refine, k_channels)
 
 
 def decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                      lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs,
                      scale, split_tokens, sliding_window=0, softcap=0.0, k_levels=None, v_levels=None, k_outliers=None,
-                     v_outliers=None, sink_logits=None):
+                     v_outliers=None, sink_logits=None, k_refine=None, k_channels=None):
     attention_op._decode_attention_fake(
         q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink, lengths, k_bits,
         v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens,
-        sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits)
+        sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers, sink_logits, k_refine, k_channels)
     return _paged_decode("decode_attention", q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
                          v_window, k_sink, v_sink, None, None, lengths, k_bits, v_bits, block, recent, rope_cos,
                          rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens, sliding_window, softcap,
-                         k_levels, v_levels, k_outliers, v_outliers, sink_logits)
+                         k_levels, v_levels, k_outliers, v_outliers, sink_logits, k_refine, k_channels)
 
 
 KERNELS = {"decode_attention": decode_attention, "paged_decode_attention": paged_decode_attention}
 
 
 def _meta_cache(dim, k_bits, v_bits, k_symmetric=False, levels=False, outliers=False, paged=True, page=128,
-                block=128, kv_heads=8, q_heads=32, batch=4, rope=True, v_meta=torch.float16):
+                block=128, kv_heads=8, q_heads=32, batch=4, rope=True, v_meta=torch.float16, refine=False):
     """Meta tensors shaped as the launch of one decode step over a paged cache: per-channel keys (a scale
     row per block of tokens), per-token values (their metadata in v_meta), sinks and a window ring; only
     dtypes and strides matter."""
@@ -406,11 +422,13 @@ def _meta_cache(dim, k_bits, v_bits, k_symmetric=False, levels=False, outliers=F
     slots = torch.empty(batch, dtype=torch.int32, **m) if paged else None
     lengths = torch.empty(batch, dtype=torch.int32, **m)
     cos = torch.empty(4096, dim // 2, dtype=torch.float32, **m) if rope else None
+    k_refine = torch.empty(pages, kv_heads, page, 2, dtype=torch.uint8, **m) if refine else None
+    k_channels = torch.empty(kv_heads, 8, dtype=torch.int32, **m) if refine else None
     qf = torch.empty(batch, q_heads, dim, dtype=torch.float32, **m)
     part = torch.empty(batch, q_heads, 8, dim, dtype=torch.float32, **m)
     ml = torch.empty(batch, q_heads, 8, 2, dtype=torch.float32, **m)
     return (qf, part, ml, kc, ks, kz, vc, vs, vz, window, window, sink, sink, tables, slots, lengths, k_bits, v_bits,
-            block, 32, cos, cos, False, 0, 0, 0.0, kl, vl, ko, vo)
+            block, 32, cos, cos, False, 0, 0, 0.0, kl, vl, ko, vo, k_refine, k_channels)
 
 
 def meta_cache_cases(full: bool, variants: list) -> list[tuple]:
@@ -428,11 +446,11 @@ def case_label(kernel: str, dim: int, bits: int, variant: dict) -> str:
 def compile_specs(full: bool) -> list[CompileSpec]:
     """The decode's split stage at the rkv layout for every head_dim and bit width (full) or at dim 128,
     4 bits; the feature variants (symmetric keys, codebooks, outliers, the contiguous
-    layout) at dim 128; the merge stage with and without sink logits."""
+    layout, refined key channels) at dim 128; the merge stage with and without sink logits."""
     from .spec import from_args
 
     variants = [(128, 4, dict(k_symmetric=True, rope=False)), (128, 3, dict(levels=True)),
-                (128, 2, dict(outliers=True)), (128, 4, dict(paged=False)),
+                (128, 2, dict(outliers=True)), (128, 4, dict(paged=False)), (128, 2, dict(refine=True)),
                 (128, 2, dict(v_meta=torch.float8_e4m3fn))]
     specs = []
     for dim, bits, variant in meta_cache_cases(full, variants):

@@ -39,6 +39,7 @@ import triton.language as tl
 from ..ops import _validate
 from . import checks, quant
 from . import outliers as outlier_kernels
+from . import refine as refine_kernels
 from .codes import kernel_view, load_float
 from .spec import CompileSpec, signature
 
@@ -335,10 +336,11 @@ def _strides(new: torch.Tensor, paged: bool):
 
 
 def _append(cache, page_fill, tables, slots, lengths, qsl, fixed, k_new, v_new, k_bits, v_bits, block, recent,
-            clips, levels, outliers, slot_mapping, ring, paged):
+            clips, levels, outliers, slot_mapping, ring, paged, refine=None):
     """The launches of one append (the module's steps 1-6), after the checks. paged: k_new (T, H, D) rows
     placed by query_start_loc (qsl); else (B, H, m, D), m = fixed tokens a sequence. ring: one page per
-    sequence whose rows are a ring (cache_append's sliding window). clips, levels, outliers: (keys, values)."""
+    sequence whose rows are a ring (cache_append's sliding window). clips, levels, outliers: (keys, values).
+    refine: (k_refine, k_channels) of refined key channels, or None."""
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink = cache
     batch, heads, dim = lengths.shape[0], k_codes.shape[1], k_new.shape[-1]
     new_rows = k_new.shape[0] if paged else batch * fixed
@@ -374,9 +376,9 @@ def _append(cache, page_fill, tables, slots, lengths, qsl, fixed, k_new, v_new, 
         window_n, page_size, block, recent, *strides, EB=ELEMS, **OPTIONS)
     # the staging slots that hold a block this append writes (the plan's column 3), one flag per slab
     active = table[:, 3].to(torch.int32).repeat_interleave(heads)
-    sides = ((k_x, k_codes, k_scale, k_zero, k_bits, clips[0], levels[0], outliers[0]),
-             (v_x, v_codes, v_scale, v_zero, v_bits, clips[1], levels[1], outliers[1]))
-    for i, (x, codes, scale, zero, bits, clip, lv, out) in enumerate(sides):
+    sides = ((k_x, k_codes, k_scale, k_zero, k_bits, clips[0], levels[0], outliers[0], refine),
+             (v_x, v_codes, v_scale, v_zero, v_bits, clips[1], levels[1], outliers[1], None))
+    for i, (x, codes, scale, zero, bits, clip, lv, out, rf) in enumerate(sides):
         tile, group = page_size // scale.shape[2], dim // scale.shape[3]
         slabs = x.view(nb * heads, block, dim)
         excluded = None
@@ -389,8 +391,12 @@ def _append(cache, page_fill, tables, slots, lengths, qsl, fixed, k_new, v_new, 
             ok.select_kernel[(nb, heads)](slabs, excluded.view(torch.uint8), gains, gpos, table, heads, dim, block, tile,
                                           group, dim // group, groups, members, out.shape[3], GB=ok.GROUP_TILE,
                                           MB=ok.ELEM_TILE, RB=ok.RESCAN_TILE, ZB=ok.COPY_TILE, **OPTIONS)
+        unclipped = None
+        if rf is not None:  # refined channels keep their full range
+            unclipped = torch.zeros(heads, dim, dtype=torch.uint8, device=dev)
+            unclipped.scatter_(1, rf[1].long(), 1)
         packed, sc, zr = quant.quantize_slabs(slabs, bits, group, tile, zero is None, scale.dtype, clip, sink_rows, lv,
-                                              excluded, active)
+                                              excluded, active, unclipped)
         meta = [kernel_view(t) for t in (sc, zr if zero is not None else sc, scale,
                                            zero if zero is not None else scale)]
         n_codes, n_meta = block * codes.shape[3], block // tile * scale.shape[3]
@@ -406,6 +412,9 @@ def _append(cache, page_fill, tables, slots, lengths, qsl, fixed, k_new, v_new, 
                 slabs, excluded.view(torch.uint8), packed, sc32, zr32, lv32, table, out, out.stride(0), heads, dim,
                 page_size, block, codes.shape[3], tile, group, scale.shape[3], out.shape[3], BITS=bits,
                 SYMMETRIC=zero is None, HAS_LEVELS=lv is not None, PB=outlier_kernels.COPY_TILE, **OPTIONS)
+        if rf is not None:
+            refine_kernels.write(slabs, sc.float(), zr.float(), table, rf[1].contiguous(), rf[0], heads, dim, block,
+                                 tile, bits)
 
 
 def _prepare(op, cache, lv_k, lv_v):
@@ -419,13 +428,15 @@ def _prepare(op, cache, lv_k, lv_v):
 def paged_append(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink, page_fill,
                  block_tables, side_slots, lengths, query_start_loc, k_new, v_new, k_bits, v_bits, block, recent,
                  k_clip=False, v_clip=False, slot_mapping=None, k_levels=None, v_levels=None, k_outliers=None,
-                 v_outliers=None):
+                 v_outliers=None, k_refine=None, k_channels=None):
     op = "paged_append"
     _validate.paged_append(k_codes, v_codes, k_window, page_fill, block_tables, side_slots, lengths, query_start_loc,
                            k_new, v_new, k_bits, v_bits, block, recent, k_zero, v_zero, k_clip, v_clip, slot_mapping)
     _validate.cache_levels(op, k_new, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.cache_strides(op, True, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _validate.cache_outliers(op, k_new, k_codes, v_codes, k_outliers, v_outliers, block, k_new.shape[-1])
+    _validate.cache_refine(op, k_new, k_codes, k_zero, k_scale, k_levels, k_outliers, k_bits, k_refine, k_channels)
+    checks.refine_channels(op, k_channels, k_new.shape[-1])
     _validate.devices(op, k_new, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale,
                       v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink, v_sink=v_sink,
                       page_fill=page_fill, block_tables=block_tables, side_slots=side_slots, lengths=lengths,
@@ -441,12 +452,13 @@ def paged_append(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v
         _check_data(op, lengths, starts, counts, k_new.shape[0], block_tables, side_slots, page_fill, slot_mapping,
                     k_codes.shape[0], k_window.shape[0], k_codes.shape[2], False)
     _append(cache, page_fill, block_tables, side_slots, lengths, query_start_loc, 0, k_new, v_new, k_bits, v_bits,
-            block, recent, (k_clip, v_clip), levels, (k_outliers, v_outliers), slot_mapping, False, True)
+            block, recent, (k_clip, v_clip), levels, (k_outliers, v_outliers), slot_mapping, False, True,
+            None if k_refine is None else (k_refine, k_channels))
 
 
 def cache_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink, v_sink, lengths,
                  k_new, v_new, k_bits, v_bits, block, recent, k_clip=False, v_clip=False, sliding_window=0,
-                 k_levels=None, v_levels=None, k_outliers=None, v_outliers=None):
+                 k_levels=None, v_levels=None, k_outliers=None, v_outliers=None, k_refine=None, k_channels=None):
     op = "cache_append"
     _validate.cache_append(k_packed, v_packed, k_window, lengths, k_new, v_new, k_bits, v_bits, block, recent, k_zero,
                            v_zero, k_clip, v_clip)
@@ -454,6 +466,8 @@ def cache_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
     _validate.cache_levels(op, k_new, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.cache_strides(op, False, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero)
     _validate.cache_outliers(op, k_new, k_packed, v_packed, k_outliers, v_outliers, block, k_new.shape[-1])
+    _validate.cache_refine(op, k_new, k_packed, k_zero, k_scale, k_levels, k_outliers, k_bits, k_refine, k_channels)
+    checks.refine_channels(op, k_channels, k_new.shape[-1])
     _validate.devices(op, k_new, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, lengths=lengths, v_new=v_new)
@@ -466,7 +480,8 @@ def cache_append(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window,
         _check_data(op, lengths, None, [m] * batch, batch * m, None, None, None, None, k_packed.shape[0],
                     k_window.shape[0], k_packed.shape[2], ring)
     _append(cache, None, None, None, lengths, None, m, k_new, v_new, k_bits, v_bits, block, recent,
-            (k_clip, v_clip), levels, (k_outliers, v_outliers), None, ring, False)
+            (k_clip, v_clip), levels, (k_outliers, v_outliers), None, ring, False,
+            None if k_refine is None else (k_refine, k_channels))
 
 
 KERNELS = {"paged_append": paged_append, "cache_append": cache_append}

@@ -31,6 +31,19 @@ def levels(op: str, arg: str, lv: Optional[torch.Tensor], bits: int) -> None:
                              f"is {v:g})")
 
 
+def refine_channels(op: str, channels: Optional[torch.Tensor], dim: int) -> None:
+    """Each kv head's refined key channels distinct and below head_dim (check_refine; shape and dtype:
+    _validate.cache_refine)."""
+    if channels is None or not on_host(channels):
+        return
+    for h, row in enumerate(channels.tolist()):
+        seen = set()
+        for j, c in enumerate(row):
+            if not 0 <= c < dim or c in seen:
+                fail(op, f"k_channels[{h}] must name distinct channels in [0, head_dim={dim}); entry {j} is {c}")
+            seen.add(c)
+
+
 def cache_data(op: str, lengths: torch.Tensor, block_tables: Optional[torch.Tensor],
                side_slots: Optional[torch.Tensor], page_size: int, pages: int, slots: int,
                rope_cos: Optional[torch.Tensor], ring: bool, new_counts: Optional[list] = None) -> None:

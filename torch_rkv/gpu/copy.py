@@ -36,12 +36,12 @@ def _copy_rows(t: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def paged_copy(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink, page_fill,
-               src_pages, dst_pages, src_slots, dst_slots, k_outliers=None, v_outliers=None) -> None:
+               src_pages, dst_pages, src_slots, dst_slots, k_outliers=None, v_outliers=None, k_refine=None) -> None:
     _paged_copy_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                     page_fill, src_pages, dst_pages, src_slots, dst_slots, k_outliers, v_outliers)
+                     page_fill, src_pages, dst_pages, src_slots, dst_slots, k_outliers, v_outliers, k_refine)
     _check_ids("src_pages", src_pages, "dst_pages", dst_pages, k_codes.shape[0], "pages")
     _check_ids("src_slots", src_slots, "dst_slots", dst_slots, k_window.shape[0], "side slots")
-    for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_fill, k_outliers, v_outliers):
+    for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_fill, k_outliers, v_outliers, k_refine):
         if t is not None:
             _copy_rows(t, src_pages, dst_pages)
     for t in (k_window, v_window, k_sink, v_sink):

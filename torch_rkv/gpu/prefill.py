@@ -15,7 +15,7 @@ import triton.language as tl
 from ..ops import paged as paged_op
 from . import checks
 from .attention import (_cache_checks, _hadamard, _meta_cache, _rows, _side, attend_tile, block_n, case_label,
-                        meta_cache_cases, score_tile, softmax_step)
+                        meta_cache_cases, refine_args, score_tile, softmax_step)
 from .spec import CompileSpec
 from .tokens import quantized_count, rope_partner, rope_rows
 
@@ -25,7 +25,7 @@ def _prefill_kernel(
         q_ptr, kn_ptr, vn_ptr, kn_s0, kn_s1, vn_s0, vn_s1, qsl_ptr, out_ptr, sinks_ptr,
         lengths_ptr, bt_ptr, bt_stride, slots_ptr,
         kc_ptr, kc_s0, kc_s1, kc_s2, k_row_bytes, ks_ptr, kz_ptr, km_s0, km_s1, km_s2, k_tile, k_group,
-        k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, k_nout,
+        k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, k_nout, krf_ptr, krf_s0, krf_s1, krf_s2, kch_ptr, k_nref,
         vc_ptr, vc_s0, vc_s1, vc_s2, v_row_bytes, vs_ptr, vz_ptr, vm_s0, vm_s1, vm_s2, v_tile, v_group,
         v_lv_ptr, vo_ptr, vo_s0, vo_s1, vo_s2, v_nout,
         ksink_ptr, ksk_s0, ksk_s1, ksk_s2, vsink_ptr, vsk_s0, vsk_s1, vsk_s2,
@@ -34,7 +34,8 @@ def _prefill_kernel(
         kv_heads, group_heads, n_sinks, page_size, block, recent, sliding_window, softcap, dim,
         K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
         K_LEVELS: tl.constexpr, V_LEVELS: tl.constexpr, K_OUT: tl.constexpr, V_OUT: tl.constexpr,
-        PAGED: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_SLOTS: tl.constexpr,
+        K_REFINE: tl.constexpr, PAGED: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+        HAS_SLOTS: tl.constexpr,
         HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr):
     """Program (b, kv head h, block of BLOCK_M new tokens): rows r = (new token r // BLOCK_G, query head
@@ -82,13 +83,13 @@ def _prefill_kernel(
                 qg, qp, col, t, visible, sees, n, b, h, slot, d, acc, m_i, l_i,
                 bt_ptr, bt_stride, page_size, n_sinks, q_end,
                 kc_ptr, kc_s0, kc_s1, kc_s2, k_row_bytes, ks_ptr, kz_ptr, km_s0, km_s1, km_s2, k_tile, k_group,
-                k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, k_nout,
+                k_lv_ptr, ko_ptr, ko_s0, ko_s1, ko_s2, k_nout, krf_ptr, krf_s0, krf_s1, krf_s2, kch_ptr, k_nref,
                 vc_ptr, vc_s0, vc_s1, vc_s2, v_row_bytes, vs_ptr, vz_ptr, vm_s0, vm_s1, vm_s2, v_tile, v_group,
                 v_lv_ptr, vo_ptr, vo_s0, vo_s1, vo_s2, v_nout,
                 ksink_ptr, ksk_s0, ksk_s1, ksk_s2, vsink_ptr, vsk_s0, vsk_s1, vsk_s2,
                 kwin_ptr, kw_s0, kw_s1, kw_s2, vwin_ptr, vw_s0, vw_s1, vw_s2, win_rows,
                 cos_ptr, sin_ptr, half, block, softcap, dim,
-                K_BITS, V_BITS, K_SYM, V_SYM, K_LEVELS, V_LEVELS, K_OUT, V_OUT, PAGED, ROPE, INTERLEAVED)
+                K_BITS, V_BITS, K_SYM, V_SYM, K_LEVELS, V_LEVELS, K_OUT, V_OUT, K_REFINE, PAGED, ROPE, INTERLEAVED)
         # the chunk's own tokens, causal: new token j is seen by rows i >= j
         i_last = tl.minimum(i0 + BLOCK_M, m_new)
         j_first = tl.maximum(tl.min(tl.where(row_ok, lo - n, i_last), axis=0), 0)
@@ -121,7 +122,7 @@ def _prefill_kernel(
 def _prefill_launch(qf, k_new, v_new, query_start_loc, max_query_len, out, sink_logits, k_codes, k_scale, k_zero,
                     v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables, side_slots, lengths,
                     k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, sliding_window, softcap,
-                    k_levels, v_levels, k_outliers, v_outliers):
+                    k_levels, v_levels, k_outliers, v_outliers, k_refine=None, k_channels=None):
     """(grid, runtime args, constexprs, options) of the prefill kernel; qf: the scaled fp32 queries in the
     keys' space, out: its (T, Hq, D) float32 output."""
     _, hq, dim = qf.shape
@@ -133,17 +134,19 @@ def _prefill_launch(qf, k_new, v_new, query_start_loc, max_query_len, out, sink_
     block_m = rows // group
     k_args, k_f = _side(k_codes, k_scale, k_zero, k_levels, k_outliers, dim, k_bits)
     v_args, v_f = _side(v_codes, v_scale, v_zero, v_levels, v_outliers, dim, v_bits)
+    r_args, extra = refine_args(k_codes, k_refine, k_channels)
     rope = rope_cos is not None
     args = [qf, k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), query_start_loc,
             out, sink_logits if sink_logits is not None else out, lengths,
             block_tables if block_tables is not None else lengths,
             block_tables.stride(0) if block_tables is not None else 0,
             side_slots if side_slots is not None else lengths,
-            *k_args, *v_args, *_rows(k_sink), *_rows(v_sink), *_rows(k_window), *_rows(v_window), k_window.shape[2],
-            rope_cos if rope else qf, rope_sin if rope else qf, rope_cos.shape[1] if rope else 0,
+            *k_args, *r_args, *v_args, *_rows(k_sink), *_rows(v_sink), *_rows(k_window), *_rows(v_window),
+            k_window.shape[2], rope_cos if rope else qf, rope_sin if rope else qf, rope_cos.shape[1] if rope else 0,
             hkv, hq // hkv, k_sink.shape[2], k_codes.shape[2], block, recent, sliding_window, float(softcap), dim]
     constexprs = dict(K_BITS=k_f["BITS"], V_BITS=v_f["BITS"], K_SYM=k_f["SYM"], V_SYM=v_f["SYM"],
                       K_LEVELS=k_f["LEVELS"], V_LEVELS=v_f["LEVELS"], K_OUT=k_f["OUT"], V_OUT=v_f["OUT"],
+                      K_REFINE=extra,
                       PAGED=block_tables is not None, ROPE=rope, INTERLEAVED=bool(rope_interleaved),
                       HAS_SLOTS=side_slots is not None, HAS_SINKS=sink_logits is not None, BLOCK_M=block_m,
                       BLOCK_G=group, BLOCK_N=block_n(dim, 2 * rows), BLOCK_D=triton.next_power_of_2(dim))
@@ -155,18 +158,18 @@ def paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len, k_c
                             v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables, side_slots, lengths,
                             k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved, k_signs, v_signs,
                             scale, split_tokens, sliding_window=0, softcap=0.0, k_levels=None, v_levels=None,
-                            k_outliers=None, v_outliers=None, sink_logits=None):
+                            k_outliers=None, v_outliers=None, sink_logits=None, k_refine=None, k_channels=None):
     op = "paged_prefill_attention"
     paged_op._paged_prefill_attention_fake(
         q, k_new, v_new, query_start_loc, max_query_len, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window,
         v_window, k_sink, v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin,
         rope_interleaved, k_signs, v_signs, scale, split_tokens, sliding_window, softcap, k_levels, v_levels,
-        k_outliers, v_outliers, sink_logits)
+        k_outliers, v_outliers, sink_logits, k_refine, k_channels)
     checks.cache_layout(op, True, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink,
                         v_sink, block_tables, side_slots, block, k_codes.shape[1], q.shape[2],
                         query_start_loc.shape[0] - 1)
     counts = _cache_checks(op, lengths, block_tables, side_slots, k_codes, k_window, rope_cos, sliding_window,
-                           k_levels, v_levels, k_bits, v_bits, query_start_loc)
+                           k_levels, v_levels, k_bits, v_bits, query_start_loc, k_channels)
     if counts and max(counts) > max_query_len:
         raise ValueError(f"rkv.{op}: a chunk of {max(counts)} tokens is longer than max_query_len={max_query_len}")
     t_, hq, dim = q.shape
@@ -182,7 +185,8 @@ def paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len, k_c
     grid, args, constexprs, options = _prefill_launch(
         qf, k_new, v_new, query_start_loc, max_query_len, out, sink_logits, k_codes, k_scale, k_zero, v_codes, v_scale,
         v_zero, k_window, v_window, k_sink, v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent,
-        rope_cos, rope_sin, rope_interleaved, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers)
+        rope_cos, rope_sin, rope_interleaved, sliding_window, softcap, k_levels, v_levels, k_outliers, v_outliers,
+        k_refine, k_channels)
     _prefill_kernel[grid](*args, **constexprs, **options)
     if v_signs is not None:
         out = _hadamard(out, v_signs, True)
@@ -198,12 +202,13 @@ def compile_specs(full: bool) -> list[CompileSpec]:
     from .spec import from_args
 
     specs = []
-    for dim, bits, variant in meta_cache_cases(full, [(128, 2, dict(v_meta=torch.float8_e4m3fn))]):
+    for dim, bits, variant in meta_cache_cases(full, [(128, 2, dict(v_meta=torch.float8_e4m3fn)),
+                                                      (128, 2, dict(refine=True))]):
         cache = _meta_cache(dim, bits, bits, **variant)
         qf = torch.empty(64, 32, dim, dtype=torch.float32, device="meta")
         new = torch.empty(64, 8, dim, dtype=torch.float16, device="meta")
         qsl = torch.empty(5, dtype=torch.int32, device="meta")
         grid, args, constexprs, options = _prefill_launch(qf, new, new, qsl, 16, qf, None, *cache[3:23],
-                                                          *cache[24:30])
+                                                          *cache[24:])
         specs.append(from_args(case_label("prefill", dim, bits, variant), _prefill_kernel, args, constexprs, options))
     return specs

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .codes import dequant, load_codes, load_float
+from .refine import add_refined
 
 
 @triton.jit
@@ -36,13 +37,15 @@ def load_side(t, d, in_sink, in_quant, in_win, page, row, h, slot,
               codes_ptr, c_s0, c_s1, c_s2, row_bytes,
               scale_ptr, zero_ptr, m_s0, m_s1, m_s2, tile_t, group,
               levels_ptr, out_ptr, o_s0, o_s1, o_s2, block, n_out,
+              rf_ptr, rf_s0, rf_s1, rf_s2, ch_ptr, n_refine,
               sink_ptr, s_s0, s_s1, s_s2, win_ptr, w_s0, w_s1, w_s2, win_rows,
               dim, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_LEVELS: tl.constexpr,
-              HAS_OUTLIERS: tl.constexpr):
+              HAS_OUTLIERS: tl.constexpr, REFINE: tl.constexpr):
     """Tokens t [N] at channels d [D] of one side of kv head h, float32 [N, D]: the sink rows, the
     dequantized rows (page [N], row [N] within it; metadata row row // tile_t, group d // group; plus
-    each block's sparse outliers, n_out entries per block row) and the window ring rows, by the masks
-    in_sink / in_quant / in_win [N]. Lanes in none of them, or past dim, are 0."""
+    each block's sparse outliers, n_out entries per block row; plus with REFINE > 0 the refined key
+    channels' residuals, refine.add_refined) and the window ring rows, by the masks in_sink / in_quant /
+    in_win [N]. Lanes in none of them, or past dim, are 0."""
     dm = d < dim
     qm = in_quant[:, None] & dm[None, :]
     c = load_codes(codes_ptr + page[:, None] * c_s0 + h * c_s1 + row[:, None] * c_s2, d[None, :], row_bytes, qm, BITS)
@@ -63,6 +66,9 @@ def load_side(t, d, in_sink, in_quant, in_win, page, row, h, slot,
             res = (e & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             hit = ((pos < block * dim) & (pos // dim == r_in))[:, None] & ((pos % dim)[:, None] == d[None, :])
             x += tl.where(hit, res[:, None], 0.0)
+    if REFINE > 0:
+        x = add_refined(x, d, in_quant, page, row, h, scale_ptr, m_s0, m_s1, m_s2, tile_t,
+                        rf_ptr, rf_s0, rf_s1, rf_s2, ch_ptr, n_refine, REFINE)
     x = tl.where(qm, x, 0.0)
     sm = in_sink[:, None] & dm[None, :]
     xs = tl.load(sink_ptr + slot * s_s0 + h * s_s1 + t[:, None] * s_s2 + d[None, :], mask=sm, other=0).to(tl.float32)

@@ -16,6 +16,7 @@ FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 META_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "e4m3"}
 META_TYPES = tuple(META_NAMES)
 BITS = (2, 3, 4, 8)
+MAX_REFINED = 256  # refined key channels a kv head may have (include/rkv/paging.h kMaxRefined)
 
 
 def value(cond, op: str, msg: str) -> None:
@@ -110,6 +111,36 @@ def cache_outliers(op: str, ref: torch.Tensor, k_codes, v_codes, k_outliers, v_o
         value(rows_contiguous(t), op, f"{arg} must be contiguous within each page (its pages may be any stride apart)")
         value(block * dim <= 0xFFFF, op, f"{arg}: outlier positions are 16 bits, so block x head_dim must be <= 65535 "
               f"(got {block} x {dim})")
+
+
+def cache_refine(op: str, ref: torch.Tensor, k_codes, k_zero, k_scale, k_levels, k_outliers, k_bits, k_refine,
+                 k_channels) -> None:
+    """Refined key channels: k_refine uint8 (pages, kv_heads, rows, m*extra/8) contiguous within each page
+    and k_channels int32 (kv_heads, m), extra 2..4, on per-channel asymmetric uniform keys without outliers
+    (checks.cpp check_refine; the channels' values are checked by the kernels)."""
+    value((k_refine is None) == (k_channels is None), op, "k_refine and k_channels come together (the refinement "
+          "codes and which channels they refine)")
+    if k_refine is None:
+        return
+    dim = k_codes.shape[-1] * 8 // k_bits
+    dtype(k_channels.dtype == torch.int32, op, f"k_channels must be int32 (got {k_channels.dtype})")
+    dtype(k_refine.dtype == torch.uint8, op, f"k_refine must be uint8 (got {k_refine.dtype})")
+    same_device(op, ref, "k_refine", k_refine)
+    same_device(op, ref, "k_channels", k_channels)
+    heads = k_codes.shape[1]
+    value(k_channels.dim() == 2 and k_channels.shape[0] == heads and 1 <= k_channels.shape[1] <= min(dim, MAX_REFINED),
+          op, f"k_channels must have shape (kv_heads={heads}, m) with 1 <= m <= min(head_dim={dim}, {MAX_REFINED}), "
+          f"got {list(k_channels.shape)}")
+    m = k_channels.shape[1]
+    value(k_refine.dim() == 4 and tuple(k_refine.shape[:3]) == tuple(k_codes.shape[:3])
+          and k_refine.shape[3] * 8 % m == 0 and 2 <= k_refine.shape[3] * 8 // m <= 4, op,
+          f"k_refine must have shape ({k_codes.shape[0]}, {heads}, {k_codes.shape[2]}, m * extra / 8) with m = {m} "
+          f"refined channels of extra = 2, 3 or 4 bits each, got {list(k_refine.shape)}")
+    value(rows_contiguous(k_refine), op, "k_refine must be contiguous within each page (its pages may be any stride "
+          "apart)")
+    value(k_zero is not None and k_levels is None and k_outliers is None and k_scale.shape[-1] == dim and k_bits < 8,
+          op, "k_refine refines per-channel key codes: it needs asymmetric keys (k_zero), one channel per group, "
+          "uniform codes below 8 bits (no k_levels) and no k_outliers")
 
 
 def cache_levels(op: str, ref: torch.Tensor, k_levels, v_levels, k_bits: int, v_bits: int, k_zero, v_zero) -> None:

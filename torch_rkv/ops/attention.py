@@ -46,13 +46,16 @@ def decode_attention(q: torch.Tensor, k: CacheSide, v: CacheSide, lengths: torch
 def _decode_attention_fake(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, k_window, v_window, k_sink,
                            v_sink, lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved,
                            k_signs, v_signs, scale, split_tokens, sliding_window=0, softcap=0.0, k_levels=None,
-                           v_levels=None, k_outliers=None, v_outliers=None, sink_logits=None):
+                           v_levels=None, k_outliers=None, v_outliers=None, sink_logits=None, k_refine=None,
+                           k_channels=None):
     _validate.decode_attention(q, k_packed, v_packed, k_window, lengths, k_bits, v_bits, block, recent,
                                rope_cos, rope_sin, k_signs)
     _validate.window_and_cap("decode_attention", sliding_window, softcap, k_packed.shape[2], block)
     _validate.cache_levels("decode_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.cache_strides("decode_attention", False, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero)
     _validate.cache_outliers("decode_attention", q, k_packed, v_packed, k_outliers, v_outliers, block, q.shape[-1])
+    _validate.cache_refine("decode_attention", q, k_packed, k_zero, k_scale, k_levels, k_outliers, k_bits, k_refine,
+                           k_channels)
     _validate.sink_logits("decode_attention", q, sink_logits)
     _validate.devices("decode_attention", q, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,

@@ -48,12 +48,14 @@ def paged_append(k: CacheSide, v: CacheSide, k_new: torch.Tensor, v_new: torch.T
 def _paged_append_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
                        page_fill, block_tables, side_slots, lengths, query_start_loc, k_new, v_new, k_bits, v_bits,
                        block, recent, k_clip=False, v_clip=False, slot_mapping=None, k_levels=None, v_levels=None,
-                       k_outliers=None, v_outliers=None):
+                       k_outliers=None, v_outliers=None, k_refine=None, k_channels=None):
     _validate.paged_append(k_codes, v_codes, k_window, page_fill, block_tables, side_slots, lengths, query_start_loc,
                            k_new, v_new, k_bits, v_bits, block, recent, k_zero, v_zero, k_clip, v_clip, slot_mapping)
     _validate.cache_levels("paged_append", k_new, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.cache_strides("paged_append", True, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _validate.cache_outliers("paged_append", k_new, k_codes, v_codes, k_outliers, v_outliers, block, k_new.shape[-1])
+    _validate.cache_refine("paged_append", k_new, k_codes, k_zero, k_scale, k_levels, k_outliers, k_bits, k_refine,
+                           k_channels)
     _validate.devices("paged_append", k_new, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
                       v_sink=v_sink, page_fill=page_fill, block_tables=block_tables, side_slots=side_slots,
@@ -79,7 +81,7 @@ def _paged_decode_attention_fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, 
                                  v_sink, block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
                                  rope_sin, rope_interleaved, k_signs, v_signs, scale, split_tokens, sliding_window=0,
                                  softcap=0.0, k_levels=None, v_levels=None, k_outliers=None, v_outliers=None,
-                                 sink_logits=None):
+                                 sink_logits=None, k_refine=None, k_channels=None):
     _validate.decode_attention(q, k_codes, v_codes, k_window, lengths, k_bits, v_bits, block, recent, rope_cos,
                                rope_sin, k_signs, block_tables, side_slots, op="paged_decode_attention")
     _validate.window_and_cap("paged_decode_attention", sliding_window, softcap,
@@ -87,6 +89,8 @@ def _paged_decode_attention_fake(q, k_codes, k_scale, k_zero, v_codes, v_scale, 
     _validate.cache_levels("paged_decode_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.cache_strides("paged_decode_attention", True, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _validate.cache_outliers("paged_decode_attention", q, k_codes, v_codes, k_outliers, v_outliers, block, q.shape[-1])
+    _validate.cache_refine("paged_decode_attention", q, k_codes, k_zero, k_scale, k_levels, k_outliers, k_bits,
+                           k_refine, k_channels)
     _validate.sink_logits("paged_decode_attention", q, sink_logits)
     _validate.devices("paged_decode_attention", q, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
                       v_scale=v_scale, v_zero=v_zero, k_window=k_window, v_window=v_window, k_sink=k_sink,
@@ -116,7 +120,8 @@ def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_le
                                   v_scale, v_zero, k_window, v_window, k_sink, v_sink, block_tables, side_slots,
                                   lengths, k_bits, v_bits, block, recent, rope_cos, rope_sin, rope_interleaved,
                                   k_signs, v_signs, scale, split_tokens, sliding_window=0, softcap=0.0, k_levels=None,
-                                  v_levels=None, k_outliers=None, v_outliers=None, sink_logits=None):
+                                  v_levels=None, k_outliers=None, v_outliers=None, sink_logits=None, k_refine=None,
+                                  k_channels=None):
     _validate.paged_prefill_attention(q, k_new, v_new, query_start_loc, max_query_len, k_codes, v_codes, k_window,
                                       block_tables, side_slots, lengths, k_bits, v_bits, block, recent, rope_cos,
                                       rope_sin, k_signs)
@@ -125,6 +130,8 @@ def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_le
     _validate.cache_levels("paged_prefill_attention", q, k_levels, v_levels, k_bits, v_bits, k_zero, v_zero)
     _validate.cache_strides("paged_prefill_attention", True, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     _validate.cache_outliers("paged_prefill_attention", q, k_codes, v_codes, k_outliers, v_outliers, block, q.shape[-1])
+    _validate.cache_refine("paged_prefill_attention", q, k_codes, k_zero, k_scale, k_levels, k_outliers, k_bits,
+                           k_refine, k_channels)
     _validate.sink_logits("paged_prefill_attention", q, sink_logits)
     _validate.devices("paged_prefill_attention", q, k_new=k_new, v_new=v_new, query_start_loc=query_start_loc,
                       k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale,
@@ -136,7 +143,7 @@ def _paged_prefill_attention_fake(q, k_new, v_new, query_start_loc, max_query_le
 
 def paged_copy(k: CacheSide, v: CacheSide, *, src_pages: torch.Tensor, dst_pages: torch.Tensor,
                src_slots: torch.Tensor, dst_slots: torch.Tensor, page_fill: Optional[torch.Tensor] = None) -> None:
-    """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata, sparse outliers and page_fill) and side slots
+    """Copy pages src_pages[i] -> dst_pages[i] (codes, metadata, sparse outliers, refinement codes and page_fill) and side slots
     src_slots[j] -> dst_slots[j] (sinks and window), in place: what a fork copies (its open page and side
     rows; its full pages are shared by reference)."""
     torch.ops.rkv.paged_copy.default(**cache_kwargs(k, v, "codes"), page_fill=page_fill, src_pages=src_pages,
@@ -146,7 +153,8 @@ def paged_copy(k: CacheSide, v: CacheSide, *, src_pages: torch.Tensor, dst_pages
 
 @torch.library.register_fake("rkv::paged_copy")
 def _paged_copy_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_window, v_window, k_sink, v_sink,
-                     page_fill, src_pages, dst_pages, src_slots, dst_slots, k_outliers=None, v_outliers=None):
+                     page_fill, src_pages, dst_pages, src_slots, dst_slots, k_outliers=None, v_outliers=None,
+                     k_refine=None):
     op = "paged_copy"  # csrc/paged_copy.cpp's rules and messages, but the ids' range (data)
     pages = k_codes.shape[0] if k_codes.dim() >= 1 else 0
     for name, t in (("k_codes", k_codes), ("k_scale", k_scale), ("v_codes", v_codes), ("v_scale", v_scale)):
@@ -161,6 +169,10 @@ def _paged_copy_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_windo
             _validate.dtype(t.dtype == torch.int32, op, f"{name} must be int32 (got {t.dtype})")
             _validate.value(t.dim() == 4 and t.shape[0] == pages, op,
                             f"{name} must have shape (pages={pages}, kv_heads, blocks, outliers), got {list(t.shape)}")
+    if k_refine is not None:
+        _validate.dtype(k_refine.dtype == torch.uint8, op, f"k_refine must be uint8 (got {k_refine.dtype})")
+        _validate.value(k_refine.dim() == 4 and k_refine.shape[0] == pages, op,
+                        f"k_refine must have shape (pages={pages}, kv_heads, rows, bytes), got {list(k_refine.shape)}")
     if page_fill is not None:
         _validate.value(page_fill.dim() == 1 and page_fill.shape[0] == pages, op,
                         f"page_fill must have shape ({pages},), got {list(page_fill.shape)}")
@@ -174,5 +186,5 @@ def _paged_copy_fake(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_windo
     _validate.devices(op, k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale, v_zero=v_zero,
                       k_window=k_window, v_window=v_window, k_sink=k_sink, v_sink=v_sink, page_fill=page_fill,
                       src_pages=src_pages, dst_pages=dst_pages, src_slots=src_slots, dst_slots=dst_slots,
-                      k_outliers=k_outliers, v_outliers=v_outliers)
+                      k_outliers=k_outliers, v_outliers=v_outliers, k_refine=k_refine)
     return None

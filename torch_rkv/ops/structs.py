@@ -22,7 +22,9 @@ class CacheSide(NamedTuple):
     (B, Hkv, C/T, D/G), window (B, Hkv, W, D), sink (B, Hkv, S, D). Paged cache: codes, scale and zero
     one entry a page (pages, Hkv, P, ...), window and sink one entry a side slot. zero None: a symmetric
     side. levels: the side's non-uniform code values (quantize's levels), None: the uniform grid.
-    outliers: the side's sparse-outlier entries (layout.CacheLayout), None: none."""
+    outliers: the side's sparse-outlier entries (layout.CacheLayout), None: none. refine and channels
+    (keys only): refined key channels, the refinement codes (like codes, m*extra/8 bytes a row) and
+    which channels of each kv head they refine (Hkv, m) int32 (reference.refined_rows), None: none."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -31,6 +33,8 @@ class CacheSide(NamedTuple):
     sink: torch.Tensor
     levels: Optional[torch.Tensor] = None
     outliers: Optional[torch.Tensor] = None
+    refine: Optional[torch.Tensor] = None
+    channels: Optional[torch.Tensor] = None
 
 
 class CacheFormat(NamedTuple):
@@ -67,11 +71,12 @@ class AttentionOptions(NamedTuple):
     sink_logits: Optional[torch.Tensor] = None
 
 
-def split_sides(tensors, levels=(None, None), outliers=(None, None)) -> tuple[CacheSide, CacheSide]:
+def split_sides(tensors, levels=(None, None), outliers=(None, None), refine=(None, None)) -> tuple[CacheSide, CacheSide]:
     """The keys' and values' CacheSide of a layer's ten buffers in the ops' order (k codes, scale, zero,
-    v codes, scale, zero, k window, v window, k sink, v sink), with each side's levels and outliers."""
+    v codes, scale, zero, k window, v window, k sink, v sink), with each side's levels and outliers, and
+    the keys' refined channels (refine: (codes, channels))."""
     t = tensors
-    return (CacheSide(t[0], t[1], t[2], t[6], t[8], levels[0], outliers[0]),
+    return (CacheSide(t[0], t[1], t[2], t[6], t[8], levels[0], outliers[0], *refine),
             CacheSide(t[3], t[4], t[5], t[7], t[9], levels[1], outliers[1]))
 
 
@@ -100,8 +105,9 @@ def attention_kwargs(q: torch.Tensor, opts: AttentionOptions, split_tokens: int)
 
 
 def side_kwargs(k: CacheSide, v: CacheSide, levels: bool = True) -> dict:
-    """Each side's levels and sparse outliers by name (levels False: the op takes outliers only)."""
-    out = {"k_outliers": k.outliers, "v_outliers": v.outliers}
+    """Each side's levels, sparse outliers and the keys' refined channels by name (levels False: the op
+    takes the buffers it copies only: outliers and refinement codes)."""
+    out = {"k_outliers": k.outliers, "v_outliers": v.outliers, "k_refine": k.refine}
     if levels:
-        out.update(k_levels=k.levels, v_levels=v.levels)
+        out.update(k_levels=k.levels, v_levels=v.levels, k_channels=k.channels)
     return out

@@ -127,6 +127,24 @@ struct RowReader {
     }
   }
 
+  // f(i, c, r) for each refined key channel c of quantized rows [t, t + n) (reference.refined_rows):
+  // residual r of row t + i, to add to its dequantized value.
+  template <typename F>
+  RKV_INLINE void for_refined(int64_t t, int64_t n, F&& f) {
+    if (side->refine == nullptr) return;
+    const int64_t hi = std::min(t + n, q_count), m = side->refine_count;
+    const int32_t* ch = side->channels + h * m;
+    uint8_t r[kMaxRefined];
+    float s[kMaxRefined];
+    for (int64_t u = std::max(t, sinks); u < hi; ++u) {
+      seek(u);
+      const int64_t row = page.row(u), meta_row = side->meta_offset(*g, page.page, h, row);
+      unpack_row(side->refine + side->refine_offset(*g, page.page, h, row), m, side->refine_bits, r);
+      for (int64_t j = 0; j < m; ++j) read_floats(side->scale, meta, meta_row + ch[j], s + j, 1);
+      for (int64_t j = 0; j < m; ++j) f(u - t, ch[j], refine_residual(r[j], s[j], side->refine_bits));
+    }
+  }
+
 #if RKV_TILES_AVX2
   // f(CodeValues<bits, levels>): the per-row loops below are compiled once per bit width and kind of
   // levels, so both are chosen once per tile, not per row.
@@ -346,7 +364,9 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
         if (!a.cos) {
           if (!keys.load_tile(tt, nt, tile))
             for (int64_t i = 0; i < nt; ++i) keys.load(tt + i, tile + i * D);
-          keys.for_outliers(tt, nt, [&](int64_t i, int64_t c, float r) { tile[i * D + c] += r; });
+          const auto add = [&](int64_t i, int64_t c, float r) { tile[i * D + c] += r; };
+          keys.for_outliers(tt, nt, add);
+          keys.for_refined(tt, nt, add);
         } else {
           const float* cs = a.cos + tt * g.rope_half;
           const float* sn = a.sin + tt * g.rope_half;
@@ -357,9 +377,11 @@ void attention_items(const AttentionArgs& a, int64_t begin, int64_t end, float* 
               rope_row(row, cs + i * g.rope_half, sn + i * g.rope_half, g.rope_half, g.interleaved);
             }
           }
-          keys.for_outliers(tt, nt, [&](int64_t i, int64_t c, float r) {
+          const auto add = [&](int64_t i, int64_t c, float r) {
             rope_add(tile + i * D, c, r, cs + i * g.rope_half, sn + i * g.rope_half, g.rope_half, g.interleaved);
-          });
+          };
+          keys.for_outliers(tt, nt, add);
+          keys.for_refined(tt, nt, add);
         }
         tile_scores<DC>(tile, nt, D, qg, rows, scores + (tt - c0), kChunkTokens);
         tt += nt;

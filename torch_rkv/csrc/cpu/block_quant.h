@@ -85,12 +85,13 @@ struct BlockScratch {
 // sink_rows rows (a cache's attention sinks, kept in full precision elsewhere) are encoded but do not
 // set the ranges, unless every row is one (reference.quantize's sink_rows). lut: the side's
 // non-uniform levels (include/rkv/quant.h), or nullptr. excluded (block_tokens x dim flags, or nullptr):
-// values kept as sparse outliers (include/rkv/outliers.h), encoded but left out of every range.
+// values kept as sparse outliers (include/rkv/outliers.h), encoded but left out of every range. unclipped
+// (groups flags, or nullptr): groups that keep their full range under clip (refined key channels).
 template <typename scalar_t, typename meta_t, typename SrcRow, typename DstRow>
 void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, int64_t dim, int64_t group_size,
                         int bits, bool symmetric, bool clip, meta_t* scale_out, meta_t* zero_out,
                         BlockScratch& s, int64_t sink_rows = 0, const float* lut = nullptr,
-                        const uint8_t* excluded = nullptr) {
+                        const uint8_t* excluded = nullptr, const uint8_t* unclipped = nullptr) {
   const int64_t groups = dim / group_size, counted0 = sink_rows < block_tokens ? sink_rows : 0;
   float* xs = s.x.data();
   for (int64_t t = 0; t < block_tokens; ++t) to_float(src_row(t), xs + t * dim, dim);
@@ -141,7 +142,8 @@ void quantize_block_row(SrcRow src_row, DstRow dst_row, int64_t block_tokens, in
       }
       return e;
     };
-    const QParams p = clip ? clipped_qparams<meta_t>(lo[gi], hi[gi], bits, group_error)
+    const QParams p = clip && !(unclipped != nullptr && unclipped[gi])
+                          ? clipped_qparams<meta_t>(lo[gi], hi[gi], bits, group_error)
                            : make_qparams<meta_t>(lo[gi], hi[gi], bits, symmetric);
     s.scale[gi] = p.scale;
     s.zero[gi] = p.zero;

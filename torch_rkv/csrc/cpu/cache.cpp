@@ -27,6 +27,29 @@
 namespace rkv::cpu {
 namespace {
 
+// Per-thread scratch of refined key channels: which channels keep their full range, and one row's codes.
+struct RefineScratch {
+  std::vector<uint8_t> unclipped, codes;
+  RefineScratch(const SideView& side, int64_t dim)
+      : unclipped(side.refine != nullptr ? dim : 0), codes(side.refine != nullptr ? side.refine_count : 0) {}
+};
+
+// The refinement codes of quantizer tile rows [s, s + T) of kv head h, from the tile's float values and
+// parameters that quantize_block_row leaves in its scratch, packed into their page rows.
+void write_refined(const CacheGeometry& g, const SideView& side, const BlockScratch& tile, int64_t page, int64_t h,
+                   int64_t row, int64_t T, RefineScratch& rs) {
+  const int32_t* ch = side.channels + h * side.refine_count;
+  for (int64_t i = 0; i < T; ++i) {
+    const float* x = tile.x.data() + i * g.dim;
+    for (int64_t j = 0; j < side.refine_count; ++j) {
+      const int64_t c = ch[j];
+      rs.codes[j] = static_cast<uint8_t>(
+          refine_code(x[c], QParams{tile.scale[c], tile.zero[c]}, side.bits, side.refine_bits));
+    }
+    pack_row(rs.codes.data(), side.refine_count, side.refine_bits, side.refine + side.refine_offset(g, page, h, row + i));
+  }
+}
+
 // Per-thread scratch of the outlier selection: one whole block in float, and its taken flags.
 struct OutlierScratch {
   std::vector<float> x;
@@ -37,7 +60,7 @@ struct OutlierScratch {
 template <typename fp_t, typename meta_t>
 void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& side, const fp_t* fresh,
                 const FreshRows& rows, bool clip, int64_t b, int64_t h, int64_t n0, int64_t m, BlockScratch& scratch,
-                OutlierScratch& out) {
+                OutlierScratch& out, RefineScratch& rs) {
   const int64_t d = g.dim, S = g.sinks, P = g.page_size, T = side.block_tokens, n1 = n0 + m, slot = pt.slot(b);
   const int64_t q1 = quantized_count(n1, g.recent, g.block);
   fp_t* window = static_cast<fp_t*>(side.window);
@@ -49,7 +72,12 @@ void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& sid
     return t < S ? sink + sink_offset(g, slot, h, t) : window + window_offset(g, slot, h, t);
   };
   // 1. completed blocks, one quantizer tile (T rows) at a time; with sparse outliers the block's are
-  // chosen first, left out of the tiles' ranges, and stored with their residuals after
+  // chosen first, left out of the tiles' ranges, and stored with their residuals after; refined key
+  // channels keep their full range, and their refinement codes follow each tile's codes
+  if (side.refine != nullptr) {
+    std::fill(rs.unclipped.begin(), rs.unclipped.end(), 0);
+    for (int64_t j = 0; j < side.refine_count; ++j) rs.unclipped[side.channels[h * side.refine_count + j]] = 1;
+  }
   for (int64_t first = n0 / g.block * g.block; first + g.block <= n1; first += g.block) {
     std::vector<int64_t> taken;
     if (side.outliers != nullptr) {
@@ -64,7 +92,9 @@ void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& sid
           [&](int64_t i) { return side.codes + side.codes_offset(g, page, h, row + i); }, T, d, side.group,
           side.bits, zero == nullptr, clip, scale + meta, zero ? zero + meta : nullptr, scratch,
           sink_rows_in(S, s, T), side.levels,
-          side.outliers != nullptr ? out.taken.data() + (s - first) * d : nullptr);
+          side.outliers != nullptr ? out.taken.data() + (s - first) * d : nullptr,
+          side.refine != nullptr ? rs.unclipped.data() : nullptr);
+      if (side.refine != nullptr) write_refined(g, side, scratch, page, h, row, T, rs);
     }
     if (side.outliers != nullptr) {
       const int64_t page = pt.page(b, first), row0 = first % P;
@@ -100,9 +130,11 @@ void run_append(const char* op, const AppendCall& a) {
         at::parallel_for(0, g.batch * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
           BlockScratch scratch(block_tokens, g.dim / group, g.dim);
           OutlierScratch o_scratch(g.block, g.dim, side.outliers != nullptr);
+          RefineScratch r_scratch(side, g.dim);
           for (int64_t bh = begin; bh < end; ++bh) {
             const int64_t b = bh / g.kv_heads, h = bh % g.kv_heads, m = count(b);
-            if (m > 0) append_one<fp_t, meta_t>(g, pt, side, x, a.rows, clip, b, h, n[b], m, scratch, o_scratch);
+            if (m > 0) append_one<fp_t, meta_t>(g, pt, side, x, a.rows, clip, b, h, n[b], m, scratch, o_scratch,
+                                                 r_scratch);
           }
         });
       });

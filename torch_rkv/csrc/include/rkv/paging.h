@@ -50,6 +50,9 @@ struct FreshRows {
   }
 };
 
+// Refined key channels a kv head may have (the CPU decode reads one row's codes into a stack array).
+constexpr int64_t kMaxRefined = 256;
+
 // One layer's keys or values: codes and metadata in pages (pages, H, P, D*bits/8) and (pages, H, P/T, D/G)
 // whose rows are contiguous but whose pages may be any stride apart (views into one page buffer), and
 // full-precision side rows (slots, H, W, D) and (slots, H, S, D). The kernels read or write through it.
@@ -68,6 +71,13 @@ struct SideView {
   // (pages, H, P / block, K) with rows contiguous and pages outlier_page_stride entries apart; nullptr: none
   uint32_t* outliers = nullptr;
   int64_t outlier_page_stride = 0, outlier_count = 0;
+  // refined key channels (reference.refined_rows): channels[h * refine_count + j] of kv head h, and per row
+  // refine_count codes of refine_bits bits packed like codes, laid out (pages, H, P, refine_row_bytes) with
+  // rows contiguous and pages refine_page_stride bytes apart; nullptr: none
+  uint8_t* refine = nullptr;
+  const int32_t* channels = nullptr;
+  int64_t refine_page_stride = 0, refine_count = 0;
+  int refine_bits = 0;
   RKV_HD int64_t row_bytes(const CacheGeometry& g) const { return g.dim * bits / 8; }
   // byte offset of the codes of row `row` of kv head h in page `page`
   RKV_HD int64_t codes_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {
@@ -78,6 +88,11 @@ struct SideView {
   RKV_HD int64_t meta_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {
     const int64_t m = block_tokens == 1 ? row : static_cast<uint32_t>(row) / static_cast<uint32_t>(block_tokens);
     return page * meta_page_stride + (h * (g.page_size / block_tokens) + m) * (g.dim / group);
+  }
+  RKV_HD int64_t refine_row_bytes() const { return refine_count * refine_bits / 8; }
+  // byte offset of the refinement codes of row `row` of kv head h in page `page`
+  RKV_HD int64_t refine_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {
+    return page * refine_page_stride + (h * g.page_size + row) * refine_row_bytes();
   }
   // entry offset of the outliers of the block that row `row` belongs to
   RKV_HD int64_t outlier_offset(const CacheGeometry& g, int64_t page, int64_t h, int64_t row) const {

@@ -144,6 +144,21 @@ RKV_HD float decode(uint32_t code, QParams p, int bits, bool symmetric, const fl
   return add_rn(mul_rn(static_cast<float>(code), p.scale), p.zero);
 }
 
+// Refined key channels (reference.refine_codes / refine_residual): the extra-bit code of where x lies
+// within its code's cell, and what that code adds to the channel's decoded value.
+RKV_HD uint32_t refine_code(float x, QParams p, int bits, int extra) {
+  if (x != x) x = 0.0f;  // NaN, as encode takes it
+  const float u = p.scale > 0.0f ? div_rn(sub_rn(x, p.zero), p.scale) : 0.0f;
+  const float c = clamp_f(rintf(u), 0.0f, static_cast<float>(levels(bits)));
+  const float cells = static_cast<float>(1 << extra);
+  return static_cast<uint32_t>(clamp_f(floorf(mul_rn(add_rn(sub_rn(u, c), 0.5f), cells)), 0.0f, cells - 1.0f));
+}
+
+RKV_HD float refine_residual(uint32_t r, float scale, int extra) {
+  const int cells = 1 << extra;
+  return mul_rn(scale, static_cast<float>(2 * static_cast<int>(r) + 1 - cells) / static_cast<float>(2 * cells));
+}
+
 constexpr int kClipSteps = 11;
 
 // Candidate j of the clipped-range search of [lo, hi]; false when it does not exist (j > 0 and the
