@@ -1,5 +1,4 @@
-"""Where the quantization loss comes from, and what refined key channels buy (torch_rkv.channels; a
-format simulated only, to decide whether to build its kernels).
+"""Where the quantization loss comes from, and what refined key channels buy (torch_rkv.channels).
 
 Each at --tokens of alice29 (the report's window and rows): a row's bits at the window, perplexity change,
 KL divergence from full precision and top-8 recall; with --split also keys only and values only. A row
@@ -20,8 +19,9 @@ import time
 
 import torch
 
-from torch_rkv.eval import channels, data, perplexity
+from torch_rkv.eval import data, perplexity
 from torch_rkv.eval.report import Options, Report
+from torch_rkv.scheme import refined
 
 
 def counts(report: Report, m: int, spread: float | None) -> list[int]:
@@ -43,8 +43,7 @@ def row_schemes(report: Report, spec: str, path, extra: int, recent: int | None,
         schemes = [s.replace(recent=recent) for s in schemes]
     if not count:
         return schemes
-    return [s.replace(k_refine=c, k_refine_bits=extra, channels=str(path)) if c else s
-            for s, c in zip(schemes, counts(report, int(count), spread))]
+    return [refined(s, c, str(path), extra) for s, c in zip(schemes, counts(report, int(count), spread))]
 
 
 def main() -> None:
@@ -68,7 +67,7 @@ def main() -> None:
                    chunk_schemes=(), second_schemes=(), eight_bits=(), alloc_targets=(), split_targets=(),
                    long_schemes=())
     report = Report(model, tok, data.read_text(None), opts, log=lambda s: None)
-    path = channels.load_or_calibrate(model, tok) if any("+" in r for r in args.rows) else None
+    path = report.key_channels() if any("+" in r for r in args.rows) else None
     ids = report.ids
     reference = report._logprobs(ids, None)
     fp = perplexity.perplexity_of(reference, ids)

@@ -41,20 +41,22 @@ import time
 ENV = "TORCH_RKV_SCHEME"  # torch_rkv.integrations.vllm.ENV (not imported: this side needs no torch_rkv)
 CODEBOOK_ENV = "TORCH_RKV_CODEBOOK"  # (its CODEBOOK_ENV)
 ALLOCATION_ENV = "TORCH_RKV_ALLOCATION"  # (its ALLOCATION_ENV)
+CHANNELS_ENV = "TORCH_RKV_CHANNELS"  # (its CHANNELS_ENV)
 # (its KV_TRANSFER_CONFIG: the plugin's KV connector, which every engine with the plugin takes)
 KV_TRANSFER_CONFIG = {"kv_connector": "RKVConnector", "kv_connector_module_path": "torch_rkv.integrations.vllm_connector",
                       "kv_role": "kv_both"}
 
 
 def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900, in_process: bool = False,
-        codebook: str | None = None, allocation: str | None = None) -> dict:
+        codebook: str | None = None, allocation: str | None = None, channels: str | None = None) -> dict:
     """Run one engine in a new process (scheme None: vLLM's own cache): the task results, with vLLM's
     reported KV cache size ("kv_tokens") and maximum concurrency ("concurrency", at "concurrency_len"
     tokens a request), and its log ("log"). kv_gb: VLLM_CPU_KVCACHE_SPACE, unless the job sets
     kv_cache_memory_bytes (which the variable would override). codebook: the scheme's calibrated levels
-    (the plugin's TORCH_RKV_CODEBOOK). allocation: per-layer bits in place of a scheme (TORCH_RKV_ALLOCATION)."""
+    (the plugin's TORCH_RKV_CODEBOOK). allocation: per-layer bits in place of a scheme (TORCH_RKV_ALLOCATION).
+    channels: refined key channels, "<m>:<ranking file>" (TORCH_RKV_CHANNELS)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in (ENV, CODEBOOK_ENV, ALLOCATION_ENV, "VLLM_CPU_KVCACHE_SPACE")}
+           if k not in (ENV, CODEBOOK_ENV, ALLOCATION_ENV, CHANNELS_ENV, "VLLM_CPU_KVCACHE_SPACE")}
     env["PYTHONUNBUFFERED"] = "1"
     if "kv_cache_memory_bytes" not in job.get("engine", {}):
         env["VLLM_CPU_KVCACHE_SPACE"] = kv_gb
@@ -64,6 +66,8 @@ def run(scheme: str | None, job: dict, kv_gb: str = "2", timeout: int = 900, in_
         env[CODEBOOK_ENV] = codebook
     if allocation:
         env[ALLOCATION_ENV] = allocation
+    if channels:
+        env[CHANNELS_ENV] = channels
     if scheme or allocation:
         job = {**job, "engine": {"kv_transfer_config": KV_TRANSFER_CONFIG, **job.get("engine", {})}}
     if in_process:

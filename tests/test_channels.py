@@ -207,3 +207,52 @@ def test_the_paged_cache_reads_refined_channels_and_a_fork_copies_them(tmp_path,
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     parent_page, child_page = paged.k_refine[0][paged.pages_of(seq)[-1]], paged.k_refine[0][paged.pages_of(child)[-1]]
     assert parent_page[:, :32].any() and torch.equal(child_page, parent_page)
+
+
+def test_the_vllm_plugin_and_plan_name_refined_channels_by_one_variable(monkeypatch, tmp_path, capsys):
+    """TORCH_RKV_CHANNELS=<m>:<file> refines the plugin's scheme (or every layer of its allocation), a bad
+    value or file fails before vLLM starts, naming it; `plan --vllm --schemes <preset>+<m> --channels FILE`
+    counts the refinement's bytes and prints the command that serves it."""
+    import json
+
+    from torch_rkv.__main__ import main
+    from torch_rkv.integrations import vllm
+
+    path = tmp_path / "ranks.json"
+    ranking(heads=3, d=64, layers=30).save(path)
+    monkeypatch.setenv(vllm.ENV, "rkv-lean-2")
+    monkeypatch.setenv(vllm.CHANNELS_ENV, f"8:{path}")
+    s = vllm.configured_scheme()
+    assert (s.name, s.k_refine, s.k_refine_bits, s.channels) == ("rkv-lean-2+8", 8, 2, str(path))
+    for bad, error, match in (("8", ValueError, "TORCH_RKV_CHANNELS='8': write <channels per KV head>"),
+                              (f"x:{path}", ValueError, "write <channels per KV head>"),
+                              ("8:/no/such.json", FileNotFoundError, "/no/such.json does not exist")):
+        monkeypatch.setenv(vllm.CHANNELS_ENV, bad)
+        with pytest.raises(error, match=match):
+            vllm.configured_scheme()
+    monkeypatch.setenv(vllm.CHANNELS_ENV, f"8:{path}")
+    monkeypatch.delenv(vllm.ENV)
+    with pytest.raises(ValueError, match="TORCH_RKV_CHANNELS is set but neither TORCH_RKV_SCHEME"):
+        vllm.configured_scheme()
+    monkeypatch.delenv(vllm.CHANNELS_ENV)
+    assert main(["plan", "--model", "smollm2-135m", "--vllm", "--budget-gb", "2", "--context", "4096", "--schemes",
+                 "rkv-lean-2", "rkv-lean-2+8", "--channels", str(path), "--json"]) == 0
+    *_, plain, refined_row = json.loads(capsys.readouterr().out)["rows"]
+    assert refined_row["serve"]["env"] == {"TORCH_RKV_SCHEME": "rkv-lean-2", "TORCH_RKV_CHANNELS": f"8:{path}"}
+    assert refined_row["bits_per_element"] == pytest.approx(plain["bits_per_element"] + 8 * 2 / 64 / 2)
+    assert refined_row["page_bytes"] == plain["page_bytes"] + 3 * 128 * 2  # (a layer: 3 heads x 128 rows x 2 bytes)
+    with pytest.raises(ValueError, match="--schemes rkv-lean-2\\+8: refined key channels need"):
+        main(["plan", "--model", "smollm2-135m", "--vllm", "--schemes", "rkv-lean-2+8"])
+
+
+@pytest.mark.parametrize("name, kind, bits", [("rkv-lean-alloc-3.6+8", "lean allocation", 3.6),
+                                              ("rkv-lean-2+8", "preset", 0.0), ("rkv-alloc-2.5+12", "allocation", 2.5)])
+def test_a_report_row_name_takes_a_refinement_suffix(name, kind, bits):
+    """<row>+<m>: the row's schemes with m refined key channels a head; it prints back as written and is
+    a per-layer row (each layer its own channels)."""
+    from torch_rkv.eval.report import RowName
+
+    row = RowName.parse(name)
+    assert (row.kind, row.bits, row.refine, str(row), row.per_layer) == (kind, bits, int(name.split("+")[1]), name,
+                                                                          True)
+    assert RowName.parse(name.split("+")[0]).refine == 0

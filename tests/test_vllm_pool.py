@@ -386,8 +386,9 @@ def test_plan_vllm_prints_the_command_that_serves_its_plan(tmp_path, capsys):
     auto, fp8, rkv4 = out
     assert auto["serve"]["env"] == fp8["serve"]["env"] == {} and rkv4["serve"]["env"] == {"TORCH_RKV_SCHEME": "rkv-4"}
     assert fp8["serve"]["args"][-2:] == ["--kv-cache-dtype", "fp8"] and "--kv-cache-dtype" not in rkv4["serve"]["args"]
-    assert rkv4["serve"]["unset"] == ["TORCH_RKV_ALLOCATION", "TORCH_RKV_CODEBOOK"]  # (a shell's from another run)
-    assert auto["serve"]["unset"] == ["TORCH_RKV_SCHEME", "TORCH_RKV_ALLOCATION", "TORCH_RKV_CODEBOOK"]
+    assert rkv4["serve"]["unset"] == ["TORCH_RKV_ALLOCATION", "TORCH_RKV_CODEBOOK", "TORCH_RKV_CHANNELS"]  # (a shell's)
+    assert auto["serve"]["unset"] == ["TORCH_RKV_SCHEME", "TORCH_RKV_ALLOCATION", "TORCH_RKV_CODEBOOK",
+                                      "TORCH_RKV_CHANNELS"]
     assert rkv4["serve"]["args"] == ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "256",
                                      "--block-size", "128", "--kv-cache-memory-bytes",
                                      str(rkv4["kv_cache_memory_bytes"]), "--kv-transfer-config",
@@ -404,8 +405,8 @@ def test_plan_vllm_prints_the_command_that_serves_its_plan(tmp_path, capsys):
     assert json.loads(flags[flags.index("--speculative-config") + 1]) == {"method": "ngram", "num_speculative_tokens": 3}
     text = run_plan(capsys, "--budget-gb", "2", "--context", "131072", "--batch", "2", "--schemes", "rkv-2", "rkv-4")
     assert "serve rkv-4 (the rkv preset of the most bits that fits" in text  # (auto 0.66, rkv-4 2.33)
-    assert ("env -u TORCH_RKV_ALLOCATION -u TORCH_RKV_CODEBOOK TORCH_RKV_SCHEME=rkv-4 vllm serve MODEL --dtype bfloat16 "
-            "--max-model-len 131072") in text
+    assert ("env -u TORCH_RKV_ALLOCATION -u TORCH_RKV_CODEBOOK -u TORCH_RKV_CHANNELS TORCH_RKV_SCHEME=rkv-4 vllm serve "
+            "MODEL --dtype bfloat16 --max-model-len 131072") in text
     text = run_plan(capsys, "--budget-gb", "2", "--context", "32768", "--batch", "8", "--schemes", "per-token-4", "rkv-3",
                     "kivi-2")
     assert "serve rkv-3 (the rkv preset" in text  # (per-token-4 fits and keeps more bits, but it is a peer)

@@ -333,6 +333,14 @@ def sparse(s: Scheme, fraction: float = SPARSE_FRACTION) -> Scheme:
     return s.replace(name=f"{s.name}+sparse", outliers=fraction)
 
 
+def refined(s: Scheme, count: int, channels: str, extra: int = 2) -> Scheme:
+    """s with `count` key channels per KV head refined by `extra` bits, the first of the ranking file
+    `channels` (torch_rkv.channels; named s.name+<count>); s itself when count is 0."""
+    if not count:
+        return s
+    return s.replace(name=f"{s.name}+{count}", k_refine=count, k_refine_bits=extra, channels=channels)
+
+
 LEAN_META = torch.float8_e4m3fn  # rkv-lean-<bits>: the values' scales and zeros
 
 

@@ -57,17 +57,19 @@ def alice(model_dir) -> list[int]:
 
 
 def run_engine(scheme: str | None, job: dict, timeout: int = 900, codebook: str | None = None,
-               allocation: str | None = None) -> dict:
-    return vllm_engine.run(scheme, job, KV_GB, timeout, in_process=True, codebook=codebook, allocation=allocation)
+               allocation: str | None = None, channels: str | None = None) -> dict:
+    return vllm_engine.run(scheme, job, KV_GB, timeout, in_process=True, codebook=codebook, allocation=allocation,
+                           channels=channels)
 
 
 _runs: dict = {}
 
 
-def engine(name: str, scheme: str | None, job_fn, codebook: str | None = None, allocation: str | None = None) -> dict:
+def engine(name: str, scheme: str | None, job_fn, codebook: str | None = None, allocation: str | None = None,
+           channels: str | None = None) -> dict:
     """An engine run shared by the module's tests (started on first use)."""
     if name not in _runs:
-        _runs[name] = run_engine(scheme, job_fn(), codebook=codebook, allocation=allocation)
+        _runs[name] = run_engine(scheme, job_fn(), codebook=codebook, allocation=allocation, channels=channels)
     return _runs[name]
 
 
@@ -447,7 +449,34 @@ def lean_sparse_allocation(layer_allocation, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def transformers_ppl(model_dir, layer_codebook, layer_allocation, lean_sparse_allocation):
+def lean_allocation(layer_allocation, tmp_path_factory) -> str:
+    """layer_allocation with rkv-lean's float8 value metadata in every layer (the layout of the goal rows
+    rkv-lean-alloc-<bits>+8, whose refined key channels come from TORCH_RKV_CHANNELS)."""
+    from torch_rkv.allocate import Allocation
+
+    path = tmp_path_factory.mktemp("allocation") / "lean.json"
+    Allocation.load(layer_allocation).with_layout(lean=True).save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def key_ranking(model_dir, tmp_path_factory) -> str:
+    """A key-channel ranking file for SmolLM2 whose order differs by layer and KV head: a pattern of both
+    (a calibrated file's shape, without the calibration pass)."""
+    from torch_rkv.channels import KeyChannels
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    layers, heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    ranks = [[[(c * (2 * layer + 1) + 7 * h) % dim for c in range(dim)] for h in range(heads)] for layer in range(layers)]
+    path = tmp_path_factory.mktemp("channels") / "key-channels.json"
+    KeyChannels(ranks, model="SmolLM2 (test pattern)").save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def transformers_ppl(model_dir, layer_codebook, layer_allocation, lean_sparse_allocation, lean_allocation,
+                     key_ranking):
     """The same chunked protocol through torch_rkv's transformers integration, in the main venv
     (TORCH_RKV_HF_PYTHON: it needs transformers >= 5.24; vLLM pins an older one); "rkv-3+codebook":
     rkv-3 with layer_codebook's levels; "allocation": layer_allocation's per-layer schemes."""
@@ -462,6 +491,8 @@ def transformers_ppl(model_dir, layer_codebook, layer_allocation, lean_sparse_al
             "from torch_rkv.allocate import Allocation\n"
             f"schemes['allocation'] = Allocation.load({layer_allocation!r}).schemes()\n"
             f"schemes['allocation+sparse+lean'] = Allocation.load({lean_sparse_allocation!r}).schemes()\n"
+            f"schemes['allocation+lean'] = Allocation.load({lean_allocation!r}).schemes()\n"
+            f"schemes['allocation+lean+32'] = [S.refined(s, 32, {key_ranking!r}) for s in schemes['allocation+lean']]\n"
             "for name, scheme in schemes.items():\n"
             "    out[name] = perplexity.chunked(model, ids, lambda n, s=scheme: RKVCache(model, s, capacity=n), 256)\n"
             "print('RESULT ' + json.dumps(out))\n")
@@ -549,6 +580,29 @@ def test_a_lean_sparse_allocation_gives_the_same_perplexity_in_both_engines(mode
     assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
     assert abs(want / transformers_ppl["allocation"] - 1) > 3e-3, (want, transformers_ppl["allocation"])
     schemes = tuple(Allocation.load(lean_sparse_allocation).schemes())
+    tokens, concurrency = VllmPool(30, 3, 64, torch.float32, schemes).capacity(float(KV_GB) * 2**30, 4096)
+    assert (got["kv_tokens"], got["concurrency"]) == (tokens, round(concurrency, 2))
+
+
+def test_refined_key_channels_give_the_same_perplexity_in_both_engines(model_dir, alice, lean_allocation, key_ranking,
+                                                                       transformers_ppl):
+    """TORCH_RKV_CHANNELS over a lean allocation (the goal rows' layout): every layer's pages hold the
+    refinement codes of its own key channels beside its own bits, in vLLM as in the transformers
+    integration (1e-3 relative; the same chunked protocol), the refinement changes the result, and vLLM's
+    capacity is the one `plan --vllm` predicts for these pages. 32 channels a head: a test-pattern
+    ranking's 8 (not the calibrated ones) moved this perplexity by 1e-3 only, the agreement's tolerance."""
+    import torch
+
+    from torch_rkv import scheme as S
+    from torch_rkv.allocate import Allocation
+    from torch_rkv.integrations.vllm_pool import VllmPool
+
+    got = engine("lean-allocation-refined-chunked", None, lambda: chunked_job(model_dir, alice),
+                 allocation=lean_allocation, channels=f"32:{key_ranking}")
+    want = transformers_ppl["allocation+lean+32"]
+    assert abs(got["ppl"] / want - 1) < 1e-3, (got["ppl"], want)
+    assert abs(want / transformers_ppl["allocation+lean"] - 1) > 3e-3, (want, transformers_ppl["allocation+lean"])
+    schemes = tuple(S.refined(s, 32, key_ranking) for s in Allocation.load(lean_allocation).schemes())
     tokens, concurrency = VllmPool(30, 3, 64, torch.float32, schemes).capacity(float(KV_GB) * 2**30, 4096)
     assert (got["kv_tokens"], got["concurrency"]) == (tokens, round(concurrency, 2))
 

@@ -10,9 +10,11 @@ per-token-8, ...: torch_rkv.scheme.by_name). TORCH_RKV_CODEBOOK=<file> gives it 
 (a codebook from ``python -m torch_rkv calibrate-levels``; each layer decodes through its own rows).
 TORCH_RKV_ALLOCATION=<file>, in place of TORCH_RKV_SCHEME, gives each layer its own key and value bits
 (an allocation from ``python -m torch_rkv calibrate --bits B`` or ``plan --vllm --sensitivity``; each
-layer's pages have its own bytes). Without either the plugin does nothing. The
-entry point (group ``vllm.general_plugins``) runs in every vLLM process, engine and workers, which
-inherit the variable.
+layer's pages have its own bytes). TORCH_RKV_CHANNELS=<m>:<file> refines every layer's m most important
+key channels per KV head by 2 bits (torch_rkv.channels; the file: the model's key-channel ranking,
+``torch_rkv.eval.channels``). Without a scheme or an allocation the plugin does nothing. The entry point
+(group ``vllm.general_plugins``) runs in every vLLM process, engine and workers, which inherit the
+variables.
 
 What vLLM then does differently:
 - its attention backend is ``RKVAttentionBackend``: registered over the platform's default backend
@@ -54,6 +56,7 @@ from ..scheme import Scheme
 ENV = "TORCH_RKV_SCHEME"
 CODEBOOK_ENV = "TORCH_RKV_CODEBOOK"
 ALLOCATION_ENV = "TORCH_RKV_ALLOCATION"
+CHANNELS_ENV = "TORCH_RKV_CHANNELS"  # <m>:<ranking file>: m key channels per KV head refined in every layer
 TESTED_VLLM = ("0.32.0",)
 BACKEND = "torch_rkv.integrations.vllm_backend.RKVAttentionBackend"  # imported by vLLM when it selects it
 CONNECTOR = "RKVConnector"
@@ -83,7 +86,22 @@ def configured_layers() -> list[Scheme] | None:
     path = os.environ.get(ALLOCATION_ENV, "").strip()
     if not path:
         return None
-    return _allocation_schemes(path)
+    return [refine(s) for s in _allocation_schemes(path)]
+
+
+def refine(s: Scheme) -> Scheme:
+    """s with TORCH_RKV_CHANNELS' refined key channels (s itself when that is not set)."""
+    value = os.environ.get(CHANNELS_ENV, "").strip()
+    if not value:
+        return s
+    count, colon, path = value.partition(":")
+    if not colon or not count.isdigit() or not path:
+        raise ValueError(f"{CHANNELS_ENV}={value!r}: write <channels per KV head>:<key-channel ranking file>, "
+                         "e.g. 8:/path/key-channels.json")
+    from ..channels import load  # noqa: PLC0415
+
+    load(path)  # read and checked now, in the process that starts vLLM: a bad file fails here
+    return presets.refined(s, int(count), path)
 
 
 @lru_cache(maxsize=4)
@@ -105,8 +123,9 @@ def configured_scheme() -> Scheme | None:
             raise ValueError(f"{ALLOCATION_ENV} gives every layer its scheme: unset {ENV} and {CODEBOOK_ENV}")
         return layers[0]
     if not name:
-        if codebook:
-            raise ValueError(f"{CODEBOOK_ENV} is set but {ENV} is not: name the scheme whose levels it holds")
+        if codebook or os.environ.get(CHANNELS_ENV, "").strip():
+            raise ValueError(f"{CODEBOOK_ENV} or {CHANNELS_ENV} is set but neither {ENV} nor {ALLOCATION_ENV} is: "
+                             "name the scheme they apply to")
         return None
     scheme = presets.by_name(name)
     scheme.check_served()  # (the report's simulated peers: named here, before vLLM starts)
@@ -115,6 +134,8 @@ def configured_scheme() -> Scheme | None:
 
         load(codebook)  # read and checked now, in the process that starts vLLM: a bad file fails here
         scheme = scheme.replace(name=f"{scheme.name}+codebook", levels="calibrated", codebook=codebook)
+    scheme = refine(scheme)
+    scheme.check_served()
     return scheme
 
 

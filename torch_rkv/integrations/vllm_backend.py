@@ -36,7 +36,7 @@ from .vllm import (
     text_config,
 )
 from .vllm_builder import RKVMetadata, RKVMetadataBuilder, speculative_tokens
-from .vllm_layers import codebook_rows, layer_scheme, served_scheme
+from .vllm_layers import codebook_rows, layer_scheme, refined_channels, served_scheme
 from .vllm_pool import block_multiple, content_bytes, published_token_bytes
 from .vllm_refusals import unsupported_features
 from .vllm_rope import model_rope_tables
@@ -218,6 +218,7 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         self.state: LayerState | None = None  # what the forward reads, gathered by prepare
         self._views = None  # (key, page region views) of the cache tensor (regions)
         self.levels = None  # (k_levels, v_levels) of this layer, read on the first forward (it names the layer)
+        self.channels = None  # its refined key channels (kv_heads, m), or None; read with the levels
         self.readers: tuple[str, ...] | None = None  # the KV-shared layers reading this layer's cache (_bind)
         self.step: _Step | None = None  # this step's cache, for its readers
         # (self.scheme is the shared one until then: side rows, signs and RoPE are the same in every layer)
@@ -252,6 +253,8 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
             self.scheme = layer_scheme(layer.layer_name)
             rows = codebook_rows(self.scheme, layer.layer_name)
             self.levels = tuple(None if t is None else t.to(device) for t in rows)
+            channels = refined_channels(self.scheme, layer.layer_name, self.num_kv_heads, self.head_size)
+            self.channels = None if channels is None else channels.to(device)
             layers = self.vllm_config.compilation_config.static_forward_context
             named = [n for n, x in layers.items()
                      if getattr(x, "kv_sharing_target_layer_name", None) == layer.layer_name]
@@ -356,11 +359,13 @@ class RKVAttentionImpl(AttentionImpl[RKVMetadata]):
         side, rotations = self._layer_state(kv_cache.device, dtype, slots)
         views = self.regions(kv_cache, kv_cache.shape[2], dtype)
         outliers = (views.get("k_outliers"), views.get("v_outliers"))  # sparse outliers: in the pages too
+        refine = None if self.channels is None else (views["k_refine"], self.channels)  # and refined key channels
         if work is not None:
-            run_side_work(work, side, views, self.scheme, levels, outliers)
+            run_side_work(work, side, views, self.scheme, levels, outliers, refine)
         if self.state is None or self.state.side is not side or self.state.views is not views:
+            refined = (refine or (None, None), (None, None))  # (the keys' only)
             k, v = (CacheSide(views[f"{x}_codes"], views[f"{x}_scale"], views.get(f"{x}_zero"), side[f"{x}_window"],
-                              side[f"{x}_sink"], levels[i], outliers[i]) for i, x in enumerate("kv"))
+                              side[f"{x}_sink"], levels[i], outliers[i], *refined[i]) for i, x in enumerate("kv"))
             self.state = LayerState(self.scheme.format, k, v, rotations, side, views)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from vllm.model_executor.models.utils import extract_layer_index
 
+from ..channels import channel_buffers
 from ..codebook import SIDES
 from ..scheme import Scheme
 from .vllm import ALLOCATION_ENV, ENV, configured_layers, configured_scheme
@@ -33,6 +34,14 @@ def layer_scheme(layer_name: str) -> Scheme:
                          f"(index {index}) is not among them: it was made for another model")
     layers[index].check_served()
     return layers[index]
+
+
+def refined_channels(scheme: Scheme, layer_name: str, kv_heads: int, head_dim: int):
+    """The refined key channels (kv_heads, m) int32 of vLLM's layer `layer_name` (its rows of the scheme's
+    ranking file, by vLLM's layer index), or None (none refined)."""
+    index = extract_layer_index(layer_name)
+    return channel_buffers([scheme], [index], kv_heads, head_dim, None, "torch_rkv's vLLM backend")["k_channels_0"]
+
 
 def codebook_rows(scheme: Scheme, layer_name: str) -> tuple:
     """(k_levels, v_levels) of vLLM's layer `layer_name`: its rows of the scheme's codebook, found by vLLM's

@@ -62,12 +62,14 @@ def plan_side_work(inits: list[tuple[SlotInit, list[int]]], saves: list[tuple[in
                     counts=(len(saves), len(donors), len(stored), len(rows)))
 
 
-def run_side_work(work: SideWork, side: dict, cache: dict, scheme: Scheme, levels: tuple, outliers: tuple) -> None:
+def run_side_work(work: SideWork, side: dict, cache: dict, scheme: Scheme, levels: tuple, outliers: tuple,
+                  refine=None) -> None:
     """Run a step's SideWork on one layer's side pool `side` (layout.side_shapes' tensors, sink store
-    included), reading the window rows from its page regions `cache` (PageLayout.views' names)."""
+    included), reading the window rows from its page regions `cache` (PageLayout.views' names). refine:
+    (k_refine, k_channels) of refined key channels, or None."""
     saves, donors, stored, rows = work.counts
-    for part, bits, lv, outl in (("k", scheme.k_bits, levels[0], outliers[0]),
-                                 ("v", scheme.v_bits, levels[1], outliers[1])):
+    for part, bits, lv, outl, rf in (("k", scheme.k_bits, levels[0], outliers[0], refine),
+                                     ("v", scheme.v_bits, levels[1], outliers[1], None)):
         sink, window = side[f"{part}_sink"], side[f"{part}_window"]
         if saves:
             side[f"{part}_sink_store"][work.save_entries] = sink[work.save_slots]
@@ -77,5 +79,5 @@ def run_side_work(work: SideWork, side: dict, cache: dict, scheme: Scheme, level
             sink[work.stored_dst] = side[f"{part}_sink_store"][work.stored_src]
         if rows:
             got = read_rows(cache[f"{part}_codes"], cache[f"{part}_scale"], cache.get(f"{part}_zero"), bits,
-                            work.ring_pages, work.ring_rows, lv, outl, scheme.block)  # (heads, rows, head_dim)
+                            work.ring_pages, work.ring_rows, lv, outl, scheme.block, rf)  # (heads, rows, head_dim)
             window[work.ring_slots, :, work.ring_pos] = got.transpose(0, 1).to(window.dtype)

@@ -28,7 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reserve-gb", type=float, default=4.0, help="activations, workspace, fragmentation (GB)")
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), help="presets like rkv-3 or kivi-2")
+    p.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), help="presets like rkv-3 or kivi-2, each "
+                   "optionally +<m>: m key channels per KV head refined (with --channels)")
+    p.add_argument("--channels", help="the model's key-channel ranking (torch_rkv.eval.channels) that a scheme "
+                   "named <preset>+<m> refines its channels from")
     p.add_argument("--budget-gb", type=float, help="KV-cache memory in GB (instead of GPU - weights - reserve); "
                    "with --sensitivity, also the per-layer bit allocation that fits it")
     p.add_argument("--sensitivity", help="a per-layer sensitivity profile of this model (JSON, written by "

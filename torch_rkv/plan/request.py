@@ -111,7 +111,14 @@ def schemes_of(args, model: ModelShape) -> tuple[list[tuple[str, Scheme | None]]
     plugin would not serve on the model are left out, and said so on stderr."""
     schemes: list[tuple[str, Scheme | None]] = [(name, None) for name in VLLM_CACHES] if args.vllm else [("fp16", None)]
     for spec in args.schemes:
-        schemes.append((spec, S.by_name(spec)))
+        base, plus, count = spec.rpartition("+")
+        if not (plus and count.isdigit()):
+            schemes.append((spec, S.by_name(spec)))
+            continue
+        if not getattr(args, "channels", None):
+            raise ValueError(f"--schemes {spec}: refined key channels need the model's ranking: --channels FILE "
+                             "(torch_rkv.eval.channels)")
+        schemes.append((spec, S.refined(S.by_name(base), int(count), args.channels)))
     # (the plugin rebuilds rotary tables for PRE_ROPE_MODELS alone, and refuses pre-RoPE schemes for others)
     unrotated = bool(args.vllm and model.family and model.family not in PRE_ROPE_MODELS)
     left_out = [name for name, scheme in schemes if unrotated and scheme is not None and scheme.pre_rope]

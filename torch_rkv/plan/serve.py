@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from ..integrations.vllm import ALLOCATION_ENV, CODEBOOK_ENV, ENV, KV_TRANSFER_CONFIG
+from ..integrations.vllm import ALLOCATION_ENV, CHANNELS_ENV, CODEBOOK_ENV, ENV, KV_TRANSFER_CONFIG
 from ..weights import checkpoint_folder, holds_weights
 from .shape import ModelShape
 from .vllm import VLLM_CACHES, VllmEngine
@@ -28,7 +28,11 @@ def serve_command(model: ModelShape, engine: VllmEngine, row: dict, context: int
         env[ALLOCATION_ENV] = allocation
     elif row["scheme"] not in VLLM_CACHES:
         env[ENV] = row["scheme"]
-    unset = [name for name in (ENV, ALLOCATION_ENV, CODEBOOK_ENV) if name not in env]
+    if row.get("channels"):  # a <preset>+<m> row: the preset, and its refined key channels
+        base, _, count = row["scheme"].rpartition("+")
+        env[ENV] = base
+        env[CHANNELS_ENV] = f"{count}:{row['channels']}"
+    unset = [name for name in (ENV, ALLOCATION_ENV, CODEBOOK_ENV, CHANNELS_ENV) if name not in env]
     if engine.device == "cpu":
         unset.append("VLLM_CPU_KVCACHE_SPACE")
     args = ["--dtype", dtype, "--max-model-len", str(context), "--max-num-seqs", str(engine.max_num_seqs),

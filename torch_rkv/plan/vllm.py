@@ -177,4 +177,5 @@ def vllm_row(model: ModelShape, engine: VllmEngine, budget: float, context: int,
     return {"scheme": name, "bits_per_element": bits, "block_size": pool.block_size,
             "page_bytes": pool.layer_pages[0], "side_pool_bytes": side, "kv_cache_memory_bytes": kv,
             "kv_tokens": tokens, "max_concurrency": concurrency,
-            "fits": concurrency >= batch and batch <= engine.max_num_seqs}
+            "fits": concurrency >= batch and batch <= engine.max_num_seqs,
+            "channels": schemes[0].channels if schemes and schemes[0].k_refine else None}

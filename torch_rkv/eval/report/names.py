@@ -1,12 +1,15 @@
 """The names of the report's rows: which scheme a row measures, and on which text it was scored.
 
-Options and the command line name schemes by strings ("rkv-3", "rkv-alloc-2.5", "rkv-nu-2"). The report
-parses each into a RowName once, works with its fields, and renders it back to the same string where a
-row is printed or written to JSON.
+Options and the command line name schemes by strings ("rkv-3", "rkv-alloc-2.5", "rkv-nu-2"); any of them
+may end in +<m>: every layer refines its m most important key channels per KV head by 2 bits
+(torch_rkv.channels, the ranking calibrated on lcet10 and cached). The report parses each into a
+RowName once, works with its fields, and renders it back to the same string where a row is printed or
+written to JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 FULL = "full precision"  # the rows' name of the unquantized model
@@ -48,18 +51,23 @@ class RowName:
 
     kind is one of PRESET, FULL_PRECISION_KIND, ALLOCATION, SPLIT_ALLOCATION, SPARSE_ALLOCATION and
     CALIBRATED. A preset carries the name torch_rkv.scheme.by_name reads ("rkv-3", "kivi-2", "vllm-fp8").
-    The allocations carry their average code bits, and the calibrated levels their code width.
+    The allocations carry their average code bits, and the calibrated levels their code width. refine:
+    key channels per KV head refined (a +<m> suffix), 0: none.
     """
 
     kind: str = PRESET
     preset: str = ""
     bits: float = 0.0
+    refine: int = 0
 
     @classmethod
     def parse(cls, name: str) -> RowName:
         """The row a name as the options write it stands for."""
         if name == FULL:
             return FULL_PRECISION
+        base, plus, count = name.rpartition("+")
+        if plus and base and count.isdigit():
+            return dataclasses.replace(cls.parse(base), refine=int(count))
         for kind, prefix in PREFIXES.items():
             if name.startswith(prefix):
                 number = name[len(prefix):]
@@ -77,11 +85,12 @@ class RowName:
         return cls(SPLIT_ALLOCATION, bits=bits)
 
     def __str__(self) -> str:
+        suffix = f"+{self.refine}" if self.refine else ""
         if self.kind == PRESET:
-            return self.preset
+            return self.preset + suffix
         if self.kind == FULL_PRECISION_KIND:
             return FULL
-        return f"{PREFIXES[self.kind]}{self.bits:g}"
+        return f"{PREFIXES[self.kind]}{self.bits:g}{suffix}"
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
@@ -93,8 +102,9 @@ class RowName:
 
     @property
     def per_layer(self) -> bool:
-        """Whether the row measures or fits every layer's own cache: the profiled rows and the calibrated levels."""
-        return self.profiled or self.kind == CALIBRATED
+        """Whether the row measures or fits every layer's own cache: the profiled rows, the calibrated levels
+        and refined key channels."""
+        return self.profiled or self.kind == CALIBRATED or self.refine > 0
 
 
 FULL_PRECISION = RowName(FULL_PRECISION_KIND)

@@ -3,6 +3,7 @@ sensitivity profile, the kept token losses, the progress) and the run of its pla
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from ... import scheme as S
 from ...allocate import Allocation, Sensitivity, allocate_average, allocate_edges, allocate_split
 from ...scheme import Scheme
-from .. import data, levels, perplexity, sensitivity
+from .. import channels, data, levels, perplexity, sensitivity
 from ..progress import Progress, decode_units, forward_units
 from ..simulate import Simulation
 from .bits import bits_parts_at
@@ -165,14 +166,23 @@ class Report:
         path = levels.load_or_calibrate(self.model, self.tok, tokens=self.opts.alloc_tokens)
         return levels.calibrated(bits, path)
 
+    def key_channels(self):
+        """The path of this model's key-channel ranking on the calibration text (calibrated on first use,
+        then cached: torch_rkv.eval.channels)."""
+        return channels.load_or_calibrate(self.model, self.tok)
+
     def layer_schemes(self, name: RowName | str) -> list[Scheme]:
         """A row's scheme for each layer; name: a RowName or the string it renders to. A preset ("rkv-3",
         "rkv-mixed-2") in every layer; rkv-alloc-<bits>, the per-layer allocation at that average code
         bits, and rkv-split-<bits> the split one; rkv-sparse-alloc-<bits>, that allocation with sparse
         outliers (rkv-sparse's share) in every layer, rkv-lean-alloc-<bits> with rkv-lean's value
         metadata, rkv-lean-sparse-alloc-<bits> with both; rkv-edge-alloc-<bits>, the first and last
-        layers at 8 bits and the rest allocated; rkv-nu-<bits>, rkv with the model's calibrated levels."""
+        layers at 8 bits and the rest allocated; rkv-nu-<bits>, rkv with the model's calibrated levels. Any
+        of them +<m>: m key channels per KV head refined (key_channels)."""
         row = name if isinstance(name, RowName) else RowName.parse(name)
+        if row.refine:
+            plain = self.layer_schemes(dataclasses.replace(row, refine=0))
+            return [S.refined(s, row.refine, str(self.key_channels())) for s in plain]
         if row.kind in (ALLOCATION, SPLIT_ALLOCATION, EDGE_ALLOCATION):
             return self.allocation_of(row).schemes()
         if row.kind in LAYOUTS:
