@@ -40,7 +40,7 @@ def specs():
     from torch_rkv.gpu import registry
 
     out = {}
-    for name in registry.MODULES:
+    for name in registry.MODULES + registry.HELPER_MODULES:
         mod = importlib.import_module(f"torch_rkv.gpu.{name}")
         if hasattr(mod, "compile_specs"):
             out[name] = (mod.compile_specs(False), mod.compile_specs(True))

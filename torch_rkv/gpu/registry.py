@@ -15,6 +15,9 @@ from . import switch_on
 
 # the kernel modules, each with KERNELS: {op name: launcher taking the op's schema arguments in order}
 MODULES = ("pack", "rope", "hadamard", "quant", "dequant", "copy", "attention", "prefill", "cache")
+# modules of kernels that other modules' launchers run (the append's outliers and refined key channels):
+# compiled ahead of time with the others (scripts/triton_compile_check.py), but no op of their own
+HELPER_MODULES = ("outliers", "refine")
 
 _libs = []  # the registrations in force (a Library's impls last as long as the object)
 
