@@ -90,10 +90,12 @@ def test_the_scheme_counts_refinement_bits_checks_its_fields_and_serves_whole_by
         s.replace(k_refine_bits=5)
     with pytest.raises(ValueError, match="k_refine must be >= 0"):
         plain.replace(k_refine=-1)
-    with pytest.raises(ValueError, match="refines per-channel key codes"):
-        S.per_token(2).replace(k_refine=8, channels=str(path))
-    with pytest.raises(ValueError, match="refines per-channel key codes"):
-        s.replace(outliers=0.005)
+    for bad in (lambda: S.per_token(2).replace(k_refine=8, channels=str(path)), lambda: s.replace(outliers=0.005),
+                lambda: S.kivi(2).replace(k_refine=8, channels=str(path))):  # (kivi: post-RoPE keys)
+        with pytest.raises(ValueError, match="refines per-channel pre-RoPE key codes"):
+            bad()
+    with pytest.raises(NotImplementedError, match="at most 256 key channels a head"):
+        s.replace(k_refine=260).check_served()
     with pytest.raises(ValueError, match="k_refine 65 exceeds head_dim 64"):
         s.replace(k_refine=65).check_head_dim(64)
     for odd in (s.replace(k_refine_bits=1), s.replace(k_refine=3)):  # 1 bit; 6 bits a row
@@ -256,3 +258,14 @@ def test_a_report_row_name_takes_a_refinement_suffix(name, kind, bits):
     assert (row.kind, row.bits, row.refine, str(row), row.per_layer) == (kind, bits, int(name.split("+")[1]), name,
                                                                           True)
     assert RowName.parse(name.split("+")[0]).refine == 0
+
+
+def test_the_plugins_variable_names_itself_on_a_scheme_that_cannot_refine(monkeypatch, tmp_path):
+    from torch_rkv.integrations import vllm
+
+    path = tmp_path / "ranks.json"
+    ranking(heads=3, d=64, layers=30).save(path)
+    monkeypatch.setenv(vllm.ENV, "kivi-2")
+    monkeypatch.setenv(vllm.CHANNELS_ENV, f"8:{path}")
+    with pytest.raises(ValueError, match="TORCH_RKV_CHANNELS='8:.*' on scheme kivi-2: Scheme: k_refine refines"):
+        vllm.configured_scheme()

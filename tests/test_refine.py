@@ -201,3 +201,20 @@ def test_bad_refinement_buffers_name_the_argument(device, mode):
             else:
                 torch.ops.rkv.cache_append(**call)
         assert all(torch.equal(bufs[k], before[k]) for k in bufs), swap  # a refused call writes nothing
+
+
+@pytest.mark.parametrize("channels, ok", [([[0, 3], [5, 1]], True), ([[2, 2], [0, 1]], False), ([[0, 16], [1, 2]], False),
+                                          ([[-1, 3], [1, 2]], False)])
+def test_on_a_gpu_the_channels_are_a_device_assert(monkeypatch, channels, ok):
+    """The Triton launchers' check of k_channels' values on CUDA tensors (no host read: torch._assert_async),
+    run here by taking CPU tensors for device ones."""
+    from torch_rkv.gpu import checks
+
+    monkeypatch.setattr(checks, "on_host", lambda t: False)
+    ch = torch.tensor(channels, dtype=torch.int32)
+    if ok:
+        checks.refine_channels("decode_attention", ch, 16)
+    else:
+        with pytest.raises(RuntimeError, match=r"rkv.decode_attention: k_channels must name distinct channels in \[0, "
+                                               r"head_dim=16\)"):
+            checks.refine_channels("decode_attention", ch, 16)

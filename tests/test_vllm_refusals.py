@@ -30,6 +30,7 @@ def engine(**changes) -> NS:
 def test_an_engine_with_none_of_them_is_served(monkeypatch):
     monkeypatch.setattr(vllm_refusals, "configured_layers", lambda: None)
     assert unsupported_features(engine()) == []
+    assert unsupported_features(engine(parallel_config__tensor_parallel_size=2)) == []  # (no refined channels)
     assert unsupported_features(engine(kv_transfer_config=None, scheduler_config__async_scheduling=False)) == []
     assert unsupported_features(engine(), kv_shared=True) == []  # (Gemma's KV-shared layers, one scheme)
     hybrid = engine(model_config=NS(is_hybrid=True, hf_config=NS(model_type="qwen3_next")))
@@ -44,6 +45,8 @@ def test_an_engine_with_none_of_them_is_served(monkeypatch):
     ("another KV connector than torch_rkv's (LMCacheConnectorV1", {"kv_transfer_config__kv_connector":
                                                                    "LMCacheConnectorV1"}, {}, False),
     ("pipeline parallelism", {"parallel_config__pipeline_parallel_size": 2}, {}, False),
+    ("refined key channels (TORCH_RKV_CHANNELS) with tensor parallelism", {"parallel_config__tensor_parallel_size": 2},
+     {}, False),
     ("asynchronous scheduling with speculative decoding", {"speculative_config": NS(method="ngram")}, {}, False),
     ("microbatching", {"parallel_config__use_ubatching": True}, {}, False),
     ("attention type encoder", {}, {"attn_type": "encoder"}, False),
@@ -55,5 +58,6 @@ def test_an_engine_with_none_of_them_is_served(monkeypatch):
 ])
 def test_each_refused_feature_is_named_alone(monkeypatch, named, config, layer, allocation):
     monkeypatch.setattr(vllm_refusals, "configured_layers", lambda: [object()] if allocation else None)
+    monkeypatch.setenv("TORCH_RKV_CHANNELS", "8:ranks.json")  # (refused with tensor parallelism only)
     refused = unsupported_features(engine(**config), **layer)
     assert len(refused) == 1 and refused[0].startswith(named), refused

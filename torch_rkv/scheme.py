@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .ops._validate import META_NAMES
+from .ops._validate import MAX_REFINED, META_NAMES
 from .ops.structs import CacheFormat
 from .outliers import outlier_bits
 from .reference import REFINE_BITS
@@ -128,9 +128,10 @@ class Scheme:
         if not 1 <= self.k_refine_bits <= 4:
             raise ValueError(f"Scheme.k_refine_bits must be 1 to 4 (got {self.k_refine_bits})")
         if (self.k_group_size != 1 or self.k_block_tokens == 1 or self.k_symmetric or self.k_bits == 8
-                or self.levels != "uniform" or self.outliers):
-            raise ValueError("Scheme: k_refine refines per-channel key codes: it needs k_group_size=1, "
-                             "k_block_tokens > 1, asymmetric uniform codes below 8 bits and no outliers")
+                or self.levels != "uniform" or self.outliers or not self.pre_rope or self.k_hadamard):
+            raise ValueError("Scheme: k_refine refines per-channel pre-RoPE key codes (the ranking's channels): it "
+                             "needs pre_rope, no k_hadamard, k_group_size=1, k_block_tokens > 1, asymmetric uniform "
+                             "codes below 8 bits and no outliers")
 
     @property
     def block(self) -> int:
@@ -170,6 +171,9 @@ class Scheme:
         if self.levels == "gaussian":
             raise NotImplementedError(f"Scheme {self.name}: gaussian levels are simulated only (the report's "
                                       "peer); the cache kernels store codes in each group's range")
+        if self.k_refine > MAX_REFINED:
+            raise NotImplementedError(f"Scheme {self.name}: the caches refine at most {MAX_REFINED} key channels a "
+                                      f"head (got k_refine={self.k_refine})")
         if self.k_refine and (self.k_refine_bits not in REFINE_BITS or self.k_refine * self.k_refine_bits % 8):
             raise NotImplementedError(f"Scheme {self.name}: the caches store refined key channels at k_refine_bits 2, 3 "
                                       f"or 4 in whole bytes a row (got {self.k_refine} channels x {self.k_refine_bits} "

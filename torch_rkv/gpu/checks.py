@@ -33,8 +33,16 @@ def levels(op: str, arg: str, lv: Optional[torch.Tensor], bits: int) -> None:
 
 def refine_channels(op: str, channels: Optional[torch.Tensor], dim: int) -> None:
     """Each kv head's refined key channels distinct and below head_dim (check_refine; shape and dtype:
-    _validate.cache_refine)."""
-    if channels is None or not on_host(channels):
+    _validate.cache_refine). On a GPU a device-side assert, with no host sync: the kernels index the
+    scales and staged values by these channels."""
+    if channels is None:
+        return
+    if not on_host(channels):
+        ok = ((channels >= 0) & (channels < dim)).all()
+        if channels.shape[-1] > 1:
+            ordered = channels.sort(dim=-1).values
+            ok = ok & (ordered[:, 1:] != ordered[:, :-1]).all()
+        torch._assert_async(ok, f"rkv.{op}: k_channels must name distinct channels in [0, head_dim={dim})")
         return
     for h, row in enumerate(channels.tolist()):
         seen = set()

@@ -101,7 +101,10 @@ def refine(s: Scheme) -> Scheme:
     from ..channels import load  # noqa: PLC0415
 
     load(path)  # read and checked now, in the process that starts vLLM: a bad file fails here
-    return presets.refined(s, int(count), path)
+    try:
+        return presets.refined(s, int(count), path)
+    except ValueError as e:
+        raise ValueError(f"{CHANNELS_ENV}={value!r} on scheme {s.name}: {e}") from None
 
 
 @lru_cache(maxsize=4)

