@@ -16,10 +16,10 @@ B + T // block (T: rows of k_new), which sizes the staging buffers.
    overwrites.
 4. Per side with sparse outliers, `outliers.select_kernel` per (slot, kv head): the greedy selection of
    include/rkv/outliers.h into the mask that quant.quantize_slabs leaves out of the ranges.
-5. quant.quantize_slabs per side, over every slot's slabs.
+5. quant.quantize_slabs per side, over every slot's slabs (refined key channels keep their full range).
 6. `_scatter_kernel` per side: each written slot's codes and metadata into its page rows, and page_fill
    advanced; with sparse outliers `outliers.entries_kernel` writes each block's entries (residuals against the
-   dense codes just made).
+   dense codes just made), and with refined key channels `refine.write_kernel` their codes.
 
 Errors: on CPU tensors (the interpreter) the launchers make every check of the C++ kernel first, with its
 messages, so a rejected call writes nothing. On CUDA tensors the data-dependent conditions are
@@ -41,6 +41,7 @@ from . import checks, quant
 from . import outliers as outlier_kernels
 from . import refine as refine_kernels
 from .codes import kernel_view, load_float
+from .slots import SLOT_COLUMNS, slot_block
 from .spec import CompileSpec, signature
 
 RING_PAGES = 2**31 - 1  # a ring's "table width": every block of a sequence is in its one page
@@ -127,7 +128,7 @@ def _plan_kernel(
     tl.device_assert(~valid | in_pool, "rkv append: a block table or side_slots entry is outside the pool")
     tl.device_assert(~valid | ok, "rkv append: a write into rows a page already holds (a full page is immutable)")
     sinks_here = tl.minimum(tl.maximum(S - first, 0), block)
-    row = table + j.to(tl.int64) * 8
+    row = table + j.to(tl.int64) * SLOT_COLUMNS
     tl.store(row + 0, page, mask=live)
     tl.store(row + 1, first % P, mask=live)
     tl.store(row + 2, sinks_here, mask=live)
@@ -149,7 +150,7 @@ def _stage_kernel(
     """EB of the (head, row, channel) values of the block slot j holds, into the staging buffers (float32
     (slots, H, block, D)): older tokens from the sinks and the window ring, newer ones from k_new / v_new."""
     j = tl.program_id(0)
-    row = table + j.to(tl.int64) * 8
+    row = table + j.to(tl.int64) * SLOT_COLUMNS
     if tl.load(row + 3) != 0:
         b = tl.load(row + 4)
         first = tl.load(row + 5)
@@ -246,10 +247,8 @@ def _scatter_kernel(
     """CB of the code bytes and metadata values of every head of slot j's block into its page rows
     (the quantizer's slabs of one slot are consecutive, head after head)."""
     j = tl.program_id(0)
-    row = table + j.to(tl.int64) * 8
-    if tl.load(row + 3) != 0:
-        page = tl.load(row)
-        first_row = tl.load(row + 1)
+    staged, page, first_row, _sinks = slot_block(table, j)
+    if staged:
         e = tl.program_id(1).to(tl.int64) * CB + tl.arange(0, CB)
         n_codes = block * row_bytes
         m = e < H * n_codes
@@ -349,7 +348,7 @@ def _append(cache, page_fill, tables, slots, lengths, qsl, fixed, k_new, v_new, 
     page_size = k_codes.shape[2]
     nb = batch + new_rows // block  # staging slots: every block this append can complete has one
     dev = k_new.device
-    table = torch.empty(nb, 8, dtype=torch.int64, device=dev)
+    table = torch.empty(nb, SLOT_COLUMNS.value, dtype=torch.int64, device=dev)
     sink_rows = torch.empty(nb * heads, dtype=torch.int32, device=dev)
     k_x = torch.empty(nb, heads, block, dim, dtype=torch.float32, device=dev)
     v_x = torch.empty_like(k_x)

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .codes import dequant, load_codes
+from .slots import slot_block
 from .spec import CompileSpec, signature
 
 OUTLIER_EMPTY = tl.constexpr(-65536)  # an unused outlier entry: position 0xFFFF, residual 0 (outliers.h)
@@ -102,8 +103,9 @@ def select_kernel(
     and positions kept per group in gain_ptr / gpos_ptr) and recomputes the one group that lost a value."""
     j = tl.program_id(0)
     h = tl.program_id(1)
-    if tl.load(table + j * 8 + 3) != 0:
-        sink = tl.load(table + j * 8 + 2).to(tl.int32)
+    staged, _page, _row, sink_rows = slot_block(table, j)
+    if staged:
+        sink = sink_rows.to(tl.int32)
         n = j.to(tl.int64) * H + h
         x = x_ptr + n * block * D
         ex = ex_ptr + n * block * D
@@ -148,9 +150,8 @@ def entries_kernel(
     float32 metadata just made, decoded; saturated to +-65504), then OUTLIER_EMPTY."""
     j = tl.program_id(0)
     h = tl.program_id(1)
-    if tl.load(table + j * 8 + 3) != 0:
-        page = tl.load(table + j * 8)
-        row = tl.load(table + j * 8 + 1)
+    staged, page, row, _sinks = slot_block(table, j)
+    if staged:
         n = j.to(tl.int64) * H + h
         dst = out + page * out_page_stride + (h * (P // block) + row // block) * count
         x = x_ptr + n * block * D

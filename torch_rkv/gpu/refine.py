@@ -10,6 +10,7 @@ import triton.language as tl
 
 from .codes import load_codes, load_float, store_codes
 from .quant import _rint
+from .slots import slot_block
 from .spec import CompileSpec, signature
 
 ROWS = 32  # block rows a program codes at once
@@ -59,9 +60,8 @@ def write_kernel(x_ptr, scale, zero, table, channels, out, o_s0, o_s1, o_s2, H, 
     quantizer just made ((slots x H, block / T, D): keys are one group a channel)."""
     j = tl.program_id(0)
     h = tl.program_id(1)
-    if tl.load(table + j * 8 + 3) != 0:
-        page = tl.load(table + j * 8)
-        row0 = tl.load(table + j * 8 + 1)
+    staged, page, row0, _sinks = slot_block(table, j)
+    if staged:
         n = j.to(tl.int64) * H + h
         r = tl.program_id(2) * RB + tl.arange(0, RB)
         k = tl.arange(0, MB)
