@@ -589,8 +589,8 @@ def test_refined_key_channels_give_the_same_perplexity_in_both_engines(model_dir
     """TORCH_RKV_CHANNELS over a lean allocation (the goal rows' layout): every layer's pages hold the
     refinement codes of its own key channels beside its own bits, in vLLM as in the transformers
     integration (1e-3 relative; the same chunked protocol), the refinement changes the result, and vLLM's
-    capacity is the one `plan --vllm` predicts for these pages. 32 channels a head: a test-pattern
-    ranking's 8 (not the calibrated ones) moved this perplexity by 1e-3 only, the agreement's tolerance."""
+    capacity is the one `plan --vllm` predicts for these pages. 32 channels a head: with a test-pattern
+    ranking (not the calibrated one) 8 move the perplexity too little to tell apart from the tolerance."""
     import torch
 
     from torch_rkv import scheme as S
