@@ -126,9 +126,11 @@ def configured_scheme() -> Scheme | None:
             raise ValueError(f"{ALLOCATION_ENV} gives every layer its scheme: unset {ENV} and {CODEBOOK_ENV}")
         return layers[0]
     if not name:
-        if codebook or os.environ.get(CHANNELS_ENV, "").strip():
-            raise ValueError(f"{CODEBOOK_ENV} or {CHANNELS_ENV} is set but neither {ENV} nor {ALLOCATION_ENV} is: "
-                             "name the scheme they apply to")
+        if codebook:
+            raise ValueError(f"{CODEBOOK_ENV} is set but {ENV} is not: name the scheme whose levels it holds")
+        if os.environ.get(CHANNELS_ENV, "").strip():
+            raise ValueError(f"{CHANNELS_ENV} is set but neither {ENV} nor {ALLOCATION_ENV} is: name the scheme it "
+                             "refines")
         return None
     scheme = presets.by_name(name)
     scheme.check_served()  # (the report's simulated peers: named here, before vLLM starts)
