@@ -52,12 +52,16 @@ class KeyChannels:
                     raise ValueError(f"KeyChannels ({self.model or 'unnamed'}): layer {i} head {h} does not rank "
                                      f"each of its {len(order)} channels once")
 
-    def top(self, layer: int, count: int) -> torch.Tensor:
-        """The `count` most important channels of each KV head of `layer`, int64 (heads, count)."""
+    def top(self, layer: int, count: int, head_dim: int | None = None) -> torch.Tensor:
+        """The `count` most important channels of each KV head of `layer`, int64 (heads, count); head_dim:
+        the keys' channels, which the ranking must rank (None: not checked)."""
         if not 0 <= layer < len(self.ranks):
             raise ValueError(f"KeyChannels ({self.model or 'unnamed'}): layer {layer} is out of range for "
                              f"{len(self.ranks)} layers")
         ranks = torch.tensor(self.ranks[layer], dtype=torch.int64)
+        if head_dim is not None and ranks.shape[1] != head_dim:
+            raise ValueError(f"KeyChannels ({self.model or 'unnamed'}): ranks {ranks.shape[1]} channels, the keys "
+                             f"have {head_dim}")
         if not 0 <= count <= ranks.shape[1]:
             raise ValueError(f"KeyChannels ({self.model or 'unnamed'}): k_refine {count} is not within the "
                              f"head's {ranks.shape[1]} channels")
@@ -65,10 +69,7 @@ class KeyChannels:
 
     def mask(self, layer: int, count: int, head_dim: int) -> torch.Tensor:
         """bool (heads, head_dim): True at the refined channels of each KV head of `layer`."""
-        top = self.top(layer, count)
-        if len(self.ranks[layer][0]) != head_dim:
-            raise ValueError(f"KeyChannels ({self.model or 'unnamed'}): ranks {len(self.ranks[layer][0])} channels, "
-                             f"the keys have {head_dim}")
+        top = self.top(layer, count, head_dim)
         return torch.zeros(top.shape[0], head_dim, dtype=torch.bool).scatter_(1, top, True)
 
     def to_json(self) -> str:
@@ -116,9 +117,7 @@ def channel_buffers(schemes, model_layers, kv_heads: int, head_dim: int, device,
     for i, (s, layer) in enumerate(zip(schemes, model_layers)):
         top = None
         if s.k_refine:
-            ranks = load(s.channels)
-            ranks.mask(layer, s.k_refine, head_dim)  # (checks the layer and the ranking's head_dim)
-            top = ranks.top(layer, s.k_refine)
+            top = load(s.channels).top(layer, s.k_refine, head_dim)
             if top.shape[0] != kv_heads:
                 raise ValueError(f"{owner}: the key-channel file {s.channels} ranks {top.shape[0]} kv heads in layer "
                                  f"{layer}, the cache has {kv_heads}")
