@@ -65,7 +65,7 @@ def paged_pool(case):
     totals = [n + sum(step[b] for step in case["steps"]) for b, n in enumerate(case["offsets"])]
     need = [max(1, -(-n // page)) for n in totals]
     width = max(need)
-    pages = sum(need) + 2
+    pages = batch * width + 2  # (every table takes `width` pages, the longest sequence's)
     pool = Pool(PageLayout(s, case["heads"], 32, page, case["dtype"]), pages, batch + 1, gen)
     order = torch.randperm(pages, generator=gen).tolist()
     tables = torch.tensor([[order.pop() for _ in range(width)] for _ in range(batch)], dtype=torch.int32)
