@@ -27,11 +27,23 @@
 namespace rkv::cpu {
 namespace {
 
-// Per-thread scratch of refined key channels: which channels keep their full range, and one row's codes.
+// Per-thread scratch of refined key channels: which channels of the kv head keep their full range, and one
+// row's codes.
 struct RefineScratch {
   std::vector<uint8_t> unclipped, codes;
+  int64_t head = -1;  // the kv head `unclipped` was set for
   RefineScratch(const SideView& side, int64_t dim)
       : unclipped(side.refine != nullptr ? dim : 0), codes(side.refine != nullptr ? side.refine_count : 0) {}
+  // The flags of kv head h's refined channels, set when a block of another head completes (not per append
+  // call: most decode steps complete none).
+  const uint8_t* unclipped_of(const SideView& side, int64_t h) {
+    if (head != h) {
+      std::fill(unclipped.begin(), unclipped.end(), 0);
+      for (int64_t j = 0; j < side.refine_count; ++j) unclipped[side.channels[h * side.refine_count + j]] = 1;
+      head = h;
+    }
+    return unclipped.data();
+  }
 };
 
 // The refinement codes of quantizer tile rows [s, s + T) of kv head h, from the tile's float values and
@@ -74,10 +86,6 @@ void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& sid
   // 1. completed blocks, one quantizer tile (T rows) at a time; with sparse outliers the block's are
   // chosen first, left out of the tiles' ranges, and stored with their residuals after; refined key
   // channels keep their full range, and their refinement codes follow each tile's codes
-  if (side.refine != nullptr) {
-    std::fill(rs.unclipped.begin(), rs.unclipped.end(), 0);
-    for (int64_t j = 0; j < side.refine_count; ++j) rs.unclipped[side.channels[h * side.refine_count + j]] = 1;
-  }
   for (int64_t first = n0 / g.block * g.block; first + g.block <= n1; first += g.block) {
     std::vector<int64_t> taken;
     if (side.outliers != nullptr) {
@@ -93,7 +101,7 @@ void append_one(const CacheGeometry& g, const PageTable& pt, const SideView& sid
           side.bits, zero == nullptr, clip, scale + meta, zero ? zero + meta : nullptr, scratch,
           sink_rows_in(S, s, T), side.levels,
           side.outliers != nullptr ? out.taken.data() + (s - first) * d : nullptr,
-          side.refine != nullptr ? rs.unclipped.data() : nullptr);
+          side.refine != nullptr ? rs.unclipped_of(side, h) : nullptr);
       if (side.refine != nullptr) write_refined(g, side, scratch, page, h, row, T, rs);
     }
     if (side.outliers != nullptr) {
