@@ -390,12 +390,9 @@ def _append(cache, page_fill, tables, slots, lengths, qsl, fixed, k_new, v_new, 
             ok.select_kernel[(nb, heads)](slabs, excluded.view(torch.uint8), gains, gpos, table, heads, dim, block, tile,
                                           group, dim // group, groups, members, out.shape[3], GB=ok.GROUP_TILE,
                                           MB=ok.ELEM_TILE, RB=ok.RESCAN_TILE, ZB=ok.COPY_TILE, **OPTIONS)
-        unclipped = None
-        if rf is not None:  # refined channels keep their full range
-            unclipped = torch.zeros(heads, dim, dtype=torch.uint8, device=dev)
-            unclipped.scatter_(1, rf[1].long(), 1)
+        channels = None if rf is None else rf[1].contiguous()  # (refined channels keep their full range)
         packed, sc, zr = quant.quantize_slabs(slabs, bits, group, tile, zero is None, scale.dtype, clip, sink_rows, lv,
-                                              excluded, active, unclipped)
+                                              excluded, active, channels)
         meta = [kernel_view(t) for t in (sc, zr if zero is not None else sc, scale,
                                            zero if zero is not None else scale)]
         n_codes, n_meta = block * codes.shape[3], block // tile * scale.shape[3]
@@ -412,8 +409,7 @@ def _append(cache, page_fill, tables, slots, lengths, qsl, fixed, k_new, v_new, 
                 page_size, block, codes.shape[3], tile, group, scale.shape[3], out.shape[3], BITS=bits,
                 SYMMETRIC=zero is None, HAS_LEVELS=lv is not None, PB=outlier_kernels.COPY_TILE, **OPTIONS)
         if rf is not None:
-            refine_kernels.write(slabs, sc.float(), zr.float(), table, rf[1].contiguous(), rf[0], heads, dim, block,
-                                 tile, bits)
+            refine_kernels.write(slabs, meta[0], meta[1], table, channels, rf[0], heads, dim, block, tile, bits)
 
 
 def _prepare(op, cache, lv_k, lv_v):

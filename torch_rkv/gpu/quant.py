@@ -327,7 +327,7 @@ def _clip_error(x_ptr, ex_ptr, levels_ptr, x_row0, e_row0, live, first_counted, 
 def _quantize_kernel(x_ptr, ex_ptr, sinks_ptr, levels_ptr, active_ptr, packed_ptr, scale_ptr, zero_ptr,
                      n_blocks, blocks_per_slab, T, sx_n, sx_r, sx_d, se_n, se_r, se_d,
                      sink_rows, sinks_per_slab, symmetric, has_levels, has_excluded, has_active,
-                     unclip_ptr, unclip_heads, has_unclip,
+                     unclip_ptr, unclip_heads, n_unclip,
                      BITS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NGP: tl.constexpr, META: tl.constexpr,
                      CLIP: tl.constexpr, BB: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     NG: tl.constexpr = D // G
@@ -381,11 +381,13 @@ def _quantize_kernel(x_ptr, ex_ptr, sinks_ptr, levels_ptr, active_ptr, packed_pt
             scale = tl.where(better, s_j, scale)
             zero = tl.where(better, z_j, zero)
             best = tl.where(better, err, best)
-        if has_unclip:  # groups that keep their full range (refined key channels), per slab's head
-            keep = tl.load(unclip_ptr + (slab % unclip_heads)[:, None] * NG + gid[None, :],
-                           mask=live[:, None] & (gid < NG)[None, :], other=0) != 0
-            scale = tl.where(keep, full_scale, scale)
-            zero = tl.where(keep, full_zero, zero)
+        if n_unclip > 0:  # groups that keep their full range: the slab's head's refined key channels
+            hits = tl.zeros([BB, gid.shape[0]], tl.int32)
+            for u in range(n_unclip):
+                c = tl.load(unclip_ptr + (slab % unclip_heads) * n_unclip + u, mask=live, other=-1)
+                hits += (gid[None, :] == c[:, None]).to(tl.int32)
+            scale = tl.where(hits != 0, full_scale, scale)
+            zero = tl.where(hits != 0, full_zero, zero)
     leader = live[:, None] & (gid < NG)[None, :]
     meta = gb.to(tl.int64)[:, None] * NG + gid[None, :]
     # the values are exact in the metadata dtype, so rounding them changes nothing
@@ -453,8 +455,9 @@ def quantize_slabs(x: torch.Tensor, bits: int, group_size: int, block_tokens: in
     clip error (reference.quantize's excluded), still encoded.
     active: None (every slab) or an integer tensor (N,) on x's device: slabs whose entry is 0 are skipped,
     their outputs left unwritten (the cache append's staging slots that hold no block).
-    unclipped: None or a uint8 tensor (H, D/G) on x's device: groups of slab i's head i % H that keep their
-    full range under clip (refined key channels; reference.quantize's unclipped).
+    unclipped: None or an int32 tensor (H, m) on x's device: the groups of slab i's head i % H that keep their
+    full range under clip, m of them (refined key channels, one channel a group; reference.quantize's
+    unclipped, as a mask).
     Returns (packed (N, R, D*bits/8) uint8, scale (N, R/T, D/G) meta_dtype, zero of scale's shape or None when
     symmetric), all contiguous. Checks nothing: callers validate (the op launcher below does).
     """
@@ -476,13 +479,14 @@ def quantize_slabs(x: torch.Tensor, bits: int, group_size: int, block_tokens: in
     ex_strides = excluded.stride() if excluded is not None else (0, 0, 0)
     lv = levels.contiguous() if levels is not None else _dummy(dev, torch.float32)
     act = active.contiguous() if active is not None else _dummy(dev, torch.int32)
-    unclip = unclipped.contiguous() if unclipped is not None else _dummy(dev, torch.uint8)
+    unclip = unclipped.contiguous() if unclipped is not None else _dummy(dev, torch.int32)
     bb, bt, bd, ngp = quantize_tiles(d, g, t, n_blocks)
     _quantize_kernel[(triton.cdiv(n_blocks, bb),)](
         kernel_view(x), ex, sinks, lv, act, packed, kernel_view(scale),
         kernel_view(scale if zero is None else zero), n_blocks, nb, t, *x.stride(), *ex_strides,
         sink_const, per_slab, int(symmetric), int(levels is not None), int(excluded is not None),
-        int(active is not None), unclip, unclip.shape[0] if unclipped is not None else 1, int(unclipped is not None),
+        int(active is not None), unclip, unclip.shape[0] if unclipped is not None else 1,
+        unclip.shape[1] if unclipped is not None else 0,
         BITS=bits, D=d, G=g, NGP=ngp, META=META_CODE[meta_dtype], CLIP=bool(clip), BB=bb, BT=bt, BD=bd,
         **QUANTIZE_OPTIONS)
     return packed, scale, zero
@@ -519,8 +523,8 @@ def _quantize_spec(bits, d, g, t, x_dtype, meta_dtype, clip=False, n_blocks=1024
            "n_blocks": "i32", "blocks_per_slab": "i32", "T": "i32",
            "sx_n": "i64", "sx_r": "i64", "sx_d": "i64", "se_n": "i64", "se_r": "i64", "se_d": "i64",
            "sink_rows": "i32", "sinks_per_slab": "i32", "symmetric": "i32", "has_levels": "i32",
-           "has_excluded": "i32", "has_active": "i32", "unclip_ptr": "*u8", "unclip_heads": "i32",
-           "has_unclip": "i32"}
+           "has_excluded": "i32", "has_active": "i32", "unclip_ptr": "*i32", "unclip_heads": "i32",
+           "n_unclip": "i32"}
     # unit strides as Triton's launcher specializes them: constants
     const = dict(sx_d=1, BITS=bits, D=d, G=g, NGP=ngp, META=META_CODE[meta_dtype], CLIP=clip, BB=bb, BT=bt, BD=bd)
     sig.update({k: "constexpr" for k in const})

@@ -56,8 +56,8 @@ def add_refined(x, d, in_quant, page, row, h, scale_ptr, m_s0, m_s1, m_s2, tile_
 def write_kernel(x_ptr, scale, zero, table, channels, out, o_s0, o_s1, o_s2, H, D, block, T, n_refine,
                  BITS: tl.constexpr, EXTRA: tl.constexpr, RB: tl.constexpr, MB: tl.constexpr):
     """Program (slot j, head h, rows chunk): the refinement codes of the staged block's rows into its page
-    rows of `out`, from its float32 values x (slots x H, block, D) and the float32 scales / zeros the
-    quantizer just made ((slots x H, block / T, D): keys are one group a channel)."""
+    rows of `out`, from its float32 values x (slots x H, block, D) and the scales / zeros the quantizer just
+    made ((slots x H, block / T, D) in the metadata dtype, codes.kernel_view: keys are one group a channel)."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     staged, page, row0, _sinks = slot_block(table, j)
@@ -71,31 +71,34 @@ def write_kernel(x_ptr, scale, zero, table, channels, out, o_s0, o_s1, o_s2, H, 
         m = rm[:, None] & km[None, :]
         x = tl.load(x_ptr + n * block * D + r[:, None] * D + c[None, :], mask=m, other=0.0)
         meta = n * (block // T) * D + (r // T)[:, None] * D + c[None, :]
-        s = tl.load(scale + meta, mask=m, other=0.0)
-        z = tl.load(zero + meta, mask=m, other=0.0)
+        s = load_float(scale + meta, m, 0.0)
+        z = load_float(zero + meta, m, 0.0)
         codes = tl.where(m, refine_code(x, s, z, BITS, EXTRA), 0)
         dst = out + page * o_s0 + h * o_s1 + (row0 + r).to(tl.int64) * o_s2
         store_codes(dst[:, None], codes, n_refine, rm[:, None], EXTRA)
 
 
-def write(slabs, sc32, zr32, table, channels, out, heads: int, dim: int, block: int, tile: int, bits: int) -> None:
-    """The append's step 6 for refined key channels: every written slot's codes (out: the refinement buffer)."""
+def write(slabs, scale, zero, table, channels, out, heads: int, dim: int, block: int, tile: int, bits: int) -> None:
+    """The append's step 6 for refined key channels: every written slot's codes (out: the refinement buffer;
+    scale / zero: the quantizer's, as codes.kernel_view gives them)."""
     m = channels.shape[1]
     extra = out.shape[3] * 8 // m
     grid = (table.shape[0], heads, triton.cdiv(block, ROWS))
-    write_kernel[grid](slabs, sc32, zr32, table, channels, out, out.stride(0), out.stride(1), out.stride(2), heads, dim,
+    write_kernel[grid](slabs, scale, zero, table, channels, out, out.stride(0), out.stride(1), out.stride(2), heads, dim,
                        block, tile, m, BITS=bits, EXTRA=extra, RB=ROWS, MB=max(8, triton.next_power_of_2(m)),
                        **OPTIONS)
 
 
 def compile_specs(full: bool) -> list[CompileSpec]:
-    """The write at 2-bit keys with 2-bit refinement of 8 channels (full: every key width x refinement width)."""
-    ptrs = dict(x_ptr="*fp32", scale="*fp32", zero="*fp32", table="*i64", channels="*i32", out="*u8", o_s0="i64",
-                o_s1="i64", o_s2="i64")
-    widths = [(b, e) for b in (2, 3, 4) for e in (2, 3, 4)] if full else [(2, 2)]
+    """The write at 2-bit keys with 2-bit refinement of 8 channels and float16 metadata (full: every key width x
+    refinement width, and the other metadata dtypes: float32, bfloat16 and float8 e4m3 as their bits)."""
+    cases = [(b, e, "*fp16") for b in (2, 3, 4) for e in (2, 3, 4)] if full else [(2, 2, "*fp16")]
+    cases += [(2, 2, meta) for meta in ("*fp32", "*i16", "*u8")] if full else []
     specs = []
-    for bits, extra in widths:
+    for bits, extra, meta in cases:
+        ptrs = dict(x_ptr="*fp32", scale=meta, zero=meta, table="*i64", channels="*i32", out="*u8", o_s0="i64",
+                    o_s1="i64", o_s2="i64")
         c = dict(BITS=bits, EXTRA=extra, RB=ROWS, MB=8)
-        specs.append(CompileSpec(f"refine write {bits}-bit keys +{extra}", write_kernel,
+        specs.append(CompileSpec(f"refine write {bits}-bit keys +{extra} meta {meta}", write_kernel,
                                  signature(write_kernel, ptrs, c), c, OPTIONS))
     return specs
