@@ -34,13 +34,14 @@ def refine_cases(draw):
     sinks = draw(st.sampled_from([0, 1, 5]))
     chunks = draw(st.lists(st.integers(1, 3 * block), min_size=1, max_size=3))
     return dict(dim=dim, k_bits=k_bits, extra=extra, m=m, block=block, recent=recent, sinks=sinks, chunks=chunks,
-                clip=draw(st.booleans()), meta=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])),
+                clip=draw(st.booleans()),
+                meta=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn])),
                 seed=draw(st.integers(0, 2**16)))
 
 
-def fill(case, device):
+def fill(case, device, specials: bool = False):
     """(kernel buffers, reference buffers, channels, keys appended) after the case's appends, both from the
-    same random contents."""
+    same random contents. specials: some keys NaN, +Inf and -Inf."""
     c = case
     gen = torch.Generator().manual_seed(c["seed"])
     cap = c["block"] * -(-sum(c["chunks"]) // c["block"]) + c["block"]
@@ -50,6 +51,9 @@ def fill(case, device):
     n, keys = 0, []
     for m in c["chunks"]:
         k_new = torch.randn(2, 2, m, c["dim"], generator=gen) * torch.linspace(0.2, 4.0, c["dim"])
+        if specials:
+            flat = k_new.view(-1)
+            flat[::7], flat[3::11], flat[5::13] = float("nan"), float("inf"), float("-inf")
         v_new = torch.randn(2, 2, m, c["dim"], generator=gen)
         lengths = torch.full((2,), n, dtype=torch.int64)
         common = dict(k_bits=c["k_bits"], v_bits=4, block=c["block"], recent=c["recent"], k_clip=c["clip"],
@@ -64,17 +68,27 @@ def fill(case, device):
     return got, want, channels, torch.cat(keys, dim=2), n
 
 
+def assert_same_bytes(got: dict, want: dict) -> None:
+    """Every buffer byte for byte (NaN and float8 alike), the rows written and those left as they were."""
+    for name in CACHE + ["k_refine"]:
+        assert torch.equal(got[name].cpu().contiguous().view(torch.uint8), want[name].contiguous().view(torch.uint8)), name
+
+
 @pytest.mark.parametrize("device", device_params("cache_append"))
 @given(case=refine_cases())
 def test_the_append_writes_the_references_bytes(device, case):
     got, want, _, _, _ = fill(case, device)
-    for name in CACHE + ["k_refine"]:
-        g, w = got[name].cpu(), want[name]
-        if name in ("k_packed", "k_refine", "v_packed"):  # the rows written; the rest keep their random bytes
-            assert torch.equal(g, w), name
-        else:
-            assert torch.equal(g.view(torch.uint8) if g.dtype == torch.bfloat16 else g,
-                               w.view(torch.uint8) if w.dtype == torch.bfloat16 else w), name
+    assert_same_bytes(got, want)
+
+
+@pytest.mark.parametrize("device", device_params("cache_append"))
+@pytest.mark.parametrize("bits, extra", [(2, 2), (3, 3), (4, 4)])
+def test_nan_and_inf_keys_are_refined_as_the_reference_refines_them(device, bits, extra):
+    """NaN encodes as 0 and +-Inf saturate, refinement codes too (they set no range): the same bytes."""
+    case = dict(dim=32, k_bits=bits, extra=extra, m=8, block=8, recent=3, sinks=1, chunks=[20, 9], clip=True,
+                meta=torch.float16, seed=11)
+    got, want, _, _, _ = fill(case, device, specials=True)
+    assert_same_bytes(got, want)
 
 
 @pytest.mark.parametrize("device", device_params("decode_attention"))
